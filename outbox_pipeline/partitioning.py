@@ -1,0 +1,51 @@
+"""Engine room: Kafka-compatible key hashing.
+
+Virtual partitions use the same function as the Java client's default partitioner and librdkafka's
+``murmur2``/``murmur2_random`` partitioners: ``toPositive(murmur2(key)) % partitions``. With as many
+virtual partitions as Kafka partitions, an outbox partition maps onto exactly one Kafka partition.
+"""
+
+from __future__ import annotations
+
+_M = 0x5BD1E995
+_SEED = 0x9747B28C
+_MASK = 0xFFFFFFFF
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (org.apache.kafka.common.utils.Utils.murmur2), as an unsigned 32-bit int."""
+    length = len(data)
+    h = (_SEED ^ length) & _MASK
+    end = length - (length & 3)
+    for i in range(0, end, 4):
+        k = data[i] | (data[i + 1] << 8) | (data[i + 2] << 16) | (data[i + 3] << 24)
+        k = (k * _M) & _MASK
+        k ^= k >> 24
+        k = (k * _M) & _MASK
+        h = (h * _M) & _MASK
+        h ^= k
+    rest = length & 3
+    if rest == 3:
+        h ^= data[end + 2] << 16
+    if rest >= 2:
+        h ^= data[end + 1] << 8
+    if rest >= 1:
+        h ^= data[end]
+        h = (h * _M) & _MASK
+    h ^= h >> 13
+    h = (h * _M) & _MASK
+    h ^= h >> 15
+    return h
+
+
+def key_hash(key: str | bytes) -> int:
+    """Non-negative hash of a key, as Kafka's ``Utils.toPositive(murmur2(key))``."""
+    raw = key.encode("utf-8") if isinstance(key, str) else key
+    return murmur2(raw) & 0x7FFFFFFF
+
+
+def partition_for(key: str | bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner picks for ``key`` among ``partitions``."""
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    return key_hash(key) % partitions

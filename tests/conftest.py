@@ -1,0 +1,86 @@
+"""Test harness: one real PostgreSQL and one real Kafka-protocol broker per session, a fresh outbox
+schema and fresh topics per test. Nothing here mocks either server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
+from outbox_pipeline.schema import init_db
+
+from .kafka_helpers import KafkaProbe
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    data_dir = tmp_path_factory.mktemp("pg") / "data"
+    server = LocalPostgres(
+        PostgresSpec(
+            data_dir=data_dir,
+            port=free_port(),
+            # Durability is not under test here (crash tests restart the server, not the OS).
+            settings={"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"},
+        )
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop("fast", force=True)
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
+    log_path: Path = tmp_path_factory.mktemp("broker") / "broker.log"
+    server = LocalBroker(BrokerSpec(port=free_port(), log_path=log_path))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def dsn(pg_server: LocalPostgres) -> str:
+    return pg_server.dsn
+
+
+@pytest.fixture
+def table(dsn: str) -> Iterator[OutboxTable]:
+    """A freshly migrated outbox in a schema of its own, dropped after the test."""
+    outbox = OutboxTable(schema=f"t_{uuid.uuid4().hex[:12]}")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        init_db(conn, outbox)
+    yield outbox
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(outbox.schema_ident))
+
+
+@pytest.fixture
+def db(dsn: str) -> Iterator[psycopg.Connection]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def kafka(broker: LocalBroker) -> KafkaProbe:
+    return KafkaProbe(broker.bootstrap_servers)
+
+
+@pytest.fixture
+def new_topic(broker: LocalBroker) -> Callable[..., str]:
+    """Create a uniquely named topic (so tests never read each other's records)."""
+
+    def create(prefix: str = "t", partitions: int = 1) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        broker.create_topics([name], partitions=partitions)
+        return name
+
+    return create

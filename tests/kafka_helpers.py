@@ -1,0 +1,85 @@
+"""Reading back what arrived in Kafka: assign() partitions explicitly (group joins are slow on the
+local broker) and read until every expected record is in or the broker stays idle."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+
+
+@dataclass(frozen=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, bytes]
+
+
+class KafkaProbe:
+    def __init__(self, bootstrap_servers: str) -> None:
+        self.bootstrap_servers = bootstrap_servers
+
+    def producer(self, **overrides: object) -> Producer:
+        config: dict[str, object] = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "enable.idempotence": True,
+            "acks": "all",
+        }
+        config.update(overrides)
+        return Producer(config)
+
+    def consume(
+        self,
+        topic: str,
+        *,
+        expect: int | None = None,
+        idle_s: float = 2.0,
+        deadline_s: float = 60.0,
+        isolation: str = "read_committed",
+    ) -> list[Record]:
+        """Records of every partition of ``topic``: until ``expect`` arrived, else until idle."""
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap_servers,
+                "group.id": f"probe-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "isolation.level": isolation,
+            }
+        )
+        try:
+            metadata = consumer.list_topics(topic, timeout=10)
+            partitions = sorted(metadata.topics[topic].partitions)
+            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+            records: list[Record] = []
+            start = last = time.monotonic()
+            while time.monotonic() - start < deadline_s:
+                if expect is not None and len(records) >= expect:
+                    break
+                if expect is None and time.monotonic() - last > idle_s:
+                    break
+                msg = consumer.poll(0.2)
+                if msg is None:
+                    continue
+                if msg.error():
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise RuntimeError(f"consume error: {msg.error()}")
+                last = time.monotonic()
+                records.append(
+                    Record(
+                        msg.topic(),
+                        msg.partition(),
+                        msg.offset(),
+                        msg.key(),
+                        msg.value(),
+                        {k: v for k, v in (msg.headers() or [])},
+                    )
+                )
+            return records
+        finally:
+            consumer.close()

@@ -1,0 +1,89 @@
+"""The `outbox` command line against the real server."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_pipeline.cli import main
+from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.localstack import free_port
+
+
+def _count(db: psycopg.Connection, table: OutboxTable) -> int:
+    row = db.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_init_db_reports_the_schema_version_and_is_rerunnable(
+    dsn: str, table: OutboxTable, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["init-db", "--dsn", dsn, "--schema", table.schema, "--topic", "orders:16"]) == 0
+    assert "already current" in capsys.readouterr().out
+
+
+def test_enqueue_stores_one_message_and_prints_its_ids(
+    dsn: str, db: psycopg.Connection, table: OutboxTable, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "enqueue",
+            "--dsn",
+            dsn,
+            "--schema",
+            table.schema,
+            "--topic",
+            "orders",
+            "--key",
+            "k1",
+            "--payload",
+            '{"n": 1}',
+            "--header",
+            "trace=abc",
+        ]
+    )
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed) == {"id", "message_id"}
+    assert _count(db, table) == 1
+
+
+def test_enqueue_with_an_invalid_topic_exits_2_with_a_clear_error_and_stores_nothing(
+    dsn: str, db: psycopg.Connection, table: OutboxTable, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["enqueue", "--dsn", dsn, "--schema", table.schema, "--topic", "bad topic", "--payload", "{}"])
+    assert code == 2
+    assert "invalid Kafka topic name 'bad topic'" in capsys.readouterr().err
+    assert _count(db, table) == 0
+
+
+def test_load_copies_messages_and_prints_its_rate(
+    dsn: str, db: psycopg.Connection, table: OutboxTable, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["load", "50000", "--dsn", dsn, "--schema", table.schema, "--size", "256"]) == 0
+    out = capsys.readouterr().out
+    print(out)  # the rate, for the record; speed is benchmarked, not asserted
+    assert "loaded 50,000 messages of 256 B" in out
+    assert _count(db, table) == 50_000
+    sizes = db.execute(
+        sql.SQL("SELECT min(octet_length(payload::text)), count(DISTINCT topic) FROM {}").format(table.messages)
+    ).fetchone()
+    assert sizes is not None and sizes[0] >= 250 and sizes[1] == 2
+
+
+def test_a_missing_dsn_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("OUTBOX_PG_DSN", raising=False)
+    assert main(["init-db"]) == 2
+    assert "OUTBOX_PG_DSN is not set" in capsys.readouterr().err
+
+
+def test_an_unreachable_database_error_never_prints_the_password(capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "s3cr3t-Pa55"
+    dsn = f"host=127.0.0.1 port={free_port()} user=postgres password={secret} dbname=postgres connect_timeout=2"
+    assert main(["init-db", "--dsn", dsn]) == 2
+    captured = capsys.readouterr()
+    assert "cannot reach PostgreSQL" in captured.err
+    assert secret not in captured.err + captured.out

@@ -1,0 +1,38 @@
+"""Layout: the engine imports neither Dagster nor Spark; the Dagster definitions load."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import dagster as dg
+
+ENGINE_MODULES = [
+    "outbox_pipeline",
+    "outbox_pipeline.cli",
+    "outbox_pipeline.config",
+    "outbox_pipeline.demo",
+    "outbox_pipeline.enqueue",
+    "outbox_pipeline.lag",
+    "outbox_pipeline.partitioning",
+    "outbox_pipeline.schema",
+    "outbox_pipeline.localstack",
+    "outbox_pipeline.localstack.dev",
+]
+
+
+def test_engine_modules_import_neither_dagster_nor_spark() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for m in {ENGINE_MODULES!r}: importlib.import_module(m)\n"
+        "leaked = sorted(m for m in sys.modules if m.split('.')[0] in ('dagster', 'pyspark', 'dagster_pyspark'))\n"
+        "print(','.join(leaked))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_dagster_definitions_load() -> None:
+    from outbox_pipeline.definitions import defs
+
+    dg.Definitions.validate_loadable(defs)

@@ -1,0 +1,89 @@
+"""Schema: versioned, idempotent migrations and daily partitions created ahead."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+
+import psycopg
+from psycopg import sql
+
+from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.schema import LATEST_VERSION, current_version, init_db, partition_name
+
+
+def _partitions(conn: psycopg.Connection, table: OutboxTable) -> set[str]:
+    rows = conn.execute(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = %s::regclass",
+        (table.messages.as_string(conn),),
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def test_init_db_twice_applies_nothing_the_second_time(db: psycopg.Connection, table: OutboxTable) -> None:
+    assert init_db(db, table) == []
+    assert current_version(db, table) == LATEST_VERSION
+
+
+def test_migrations_are_recorded_with_their_names(db: psycopg.Connection, table: OutboxTable) -> None:
+    rows = db.execute(sql.SQL("SELECT version, name FROM {}").format(table.migrations)).fetchall()
+    assert [v for v, _ in rows] == list(range(1, LATEST_VERSION + 1))
+    assert all(name for _, name in rows)
+
+
+def test_concurrent_init_db_on_a_new_schema_succeeds_once(dsn: str) -> None:
+    table = OutboxTable(schema=f"c_{uuid.uuid4().hex[:10]}")
+    results: list[object] = []
+
+    def migrate() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                results.append(len(init_db(conn, table)))
+        except Exception as exc:  # recorded, asserted below
+            results.append(exc)
+
+    threads = [threading.Thread(target=migrate) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results, key=str) == [0, 0, 0, LATEST_VERSION]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+
+
+def test_daily_partitions_exist_from_yesterday_to_days_ahead(db: psycopg.Connection, table: OutboxTable) -> None:
+    today = dt.datetime.now(dt.UTC).date()
+    names = _partitions(db, table)
+    expected = {partition_name(today + dt.timedelta(days=d)) for d in range(-1, 8)}
+    assert expected <= names
+    assert "outbox_messages_default" in names
+
+
+def test_a_row_for_a_day_without_partition_lands_in_the_default_partition(
+    db: psycopg.Connection, table: OutboxTable
+) -> None:
+    far = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
+    db.execute(
+        sql.SQL("INSERT INTO {} (topic, payload, created_at) VALUES ('t', '{{}}', %s)").format(table.messages), (far,)
+    )
+    row = db.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident("outbox_messages_default"))).fetchone()
+    assert row == (1,)
+
+
+def test_a_hostile_schema_name_is_only_ever_an_identifier(dsn: str) -> None:
+    hostile = OutboxTable(schema='x"; DROP TABLE pg_class; --')
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        init_db(conn, hostile)
+        assert current_version(conn, hostile) == LATEST_VERSION
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(hostile.schema_ident))
+        assert conn.execute("SELECT count(*) > 0 FROM pg_class").fetchone() == (True,)
+
+
+def test_the_table_rejects_an_invalid_topic_even_from_raw_sql(db: psycopg.Connection, table: OutboxTable) -> None:
+    try:
+        db.execute(sql.SQL("INSERT INTO {} (topic, payload) VALUES ('no spaces', '1')").format(table.messages))
+    except psycopg.errors.CheckViolation:
+        return
+    raise AssertionError("an invalid topic name was stored")
