@@ -7,6 +7,7 @@ migration runs in its own transaction and is recorded in ``outbox_schema_migrati
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -143,7 +144,41 @@ def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
         conn.execute(statement)
 
 
-MIGRATIONS: Sequence[Migration] = (Migration(1, "base tables and indexes", _m001_base),)
+def notify_channel(table: OutboxTable) -> str:
+    """The LISTEN/NOTIFY channel of one outbox (hashed: channel names are limited to 63 bytes)."""
+    return "outbox_" + hashlib.md5(table.schema.encode("utf-8")).hexdigest()[:16]
+
+
+def _m002_wakeups_and_fairness(conn: psycopg.Connection, t: OutboxTable) -> None:
+    statements = [
+        # One NOTIFY per inserting statement (not per row), delivered at commit: an idle relay wakes
+        # in milliseconds instead of waiting out its poll interval. Rolled-back inserts notify nobody.
+        sql.SQL(
+            """
+            CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                PERFORM pg_notify({channel}, '');
+                RETURN NULL;
+            END $$
+            """
+        ).format(function=t.ident("outbox_notify"), channel=sql.Literal(notify_channel(t))),
+        sql.SQL(
+            "CREATE TRIGGER outbox_messages_notify AFTER INSERT ON {messages} "
+            "FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
+        ).format(messages=t.messages, function=t.ident("outbox_notify")),
+        # Oldest unsent rows regardless of priority: the anti-starvation share of each claim.
+        sql.SQL("CREATE INDEX outbox_messages_pending_oldest ON {messages} (id) WHERE sent_at IS NULL").format(
+            messages=t.messages
+        ),
+    ]
+    for statement in statements:
+        conn.execute(statement)
+
+
+MIGRATIONS: Sequence[Migration] = (
+    Migration(1, "base tables and indexes", _m001_base),
+    Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
+)
 LATEST_VERSION = MIGRATIONS[-1].version
 
 

@@ -154,3 +154,22 @@ def test_dev_restarted_reuses_its_data(dev_home: Path) -> None:
         ).fetchone()
     assert second.interrupt() == 0, second.output()
     assert found == (1,)
+
+
+def test_dev_with_a_taken_port_says_which_variable_to_change(dev_home: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = dict(os.environ, OUTBOX_HOME=str(dev_home), OUTBOX_DEV_KAFKA_PORT=str(taken.getsockname()[1]))
+        result = subprocess.run(
+            [sys.executable, "-m", "outbox_pipeline.cli", "dev", "--no-dagster"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1
+    assert "already in use" in result.stderr and "OUTBOX_DEV_KAFKA_PORT" in result.stderr

@@ -27,7 +27,7 @@ from ..config import OutboxTable
 from ..demo import DEMO_TOPICS
 from ..schema import init_db, set_topic_partitions
 from .broker import BrokerSpec, LocalBroker
-from .ports import LocalStackError, ensure_port_free
+from .ports import LocalStackError, PortInUseError, ensure_port_free
 from .postgres import LocalPostgres, PostgresSpec
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,6 @@ def run_dev(settings: DevSettings) -> int:
     """Run the whole local stack until SIGINT/SIGTERM; returns the exit code."""
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     _reap_stale(settings)
-    if settings.with_dagster:
-        ensure_port_free("127.0.0.1", settings.dagster_port, "dagster dev", hint="set OUTBOX_DEV_DAGSTER_PORT")
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -195,6 +193,11 @@ def run_dev(settings: DevSettings) -> int:
     broker = LocalBroker(BrokerSpec(port=settings.kafka_port, log_path=settings.home / "logs" / "broker.log"))
     children: list[_Child] = []
     try:
+        # The broker never outlives us, so its port must be free; PostgreSQL may still be running on our
+        # data directory after a killed run (then it is reused), so its port is checked by start().
+        ensure_port_free("127.0.0.1", settings.kafka_port, "the broker", hint="set OUTBOX_DEV_KAFKA_PORT")
+        if settings.with_dagster:
+            ensure_port_free("127.0.0.1", settings.dagster_port, "dagster dev", hint="set OUTBOX_DEV_DAGSTER_PORT")
         pg.start()
         broker.start()
         (settings.run_dir / "broker.pid").write_text(str(broker.pid))
@@ -239,6 +242,10 @@ def run_dev(settings: DevSettings) -> int:
                         f"see {settings.home / 'logs' / (child.name + '.log')}"
                     )
         return 0
+    except PortInUseError as exc:
+        hint = "" if "OUTBOX_DEV_" in str(exc) else " (set OUTBOX_DEV_PG_PORT to use another port)"
+        print(f"error: {exc}{hint}", file=sys.stderr)
+        return 1
     except LocalStackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

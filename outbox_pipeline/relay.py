@@ -1,0 +1,254 @@
+"""Engine room: the relay loop, the same for every strategy.
+
+claim -> publish the whole batch -> wait for every delivery report -> ack only what Kafka confirmed.
+When idle it waits for a NOTIFY from the outbox's insert trigger (milliseconds) or, without one, for
+a poll interval that backs off; when PostgreSQL or Kafka fail it backs off with jitter, reconnects
+and never loses its place (the place lives in PostgreSQL, never in the worker).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from .publisher import KafkaPublisher
+from .schema import notify_channel, require_current
+from .strategies.base import Claim, Strategy, StrategyConfig
+
+log = logging.getLogger(__name__)
+
+StrategyFactory = Callable[[psycopg.Connection, StrategyConfig], Strategy]
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    batch_size: int = 1000
+    poll_interval_s: float = 0.2
+    max_poll_interval_s: float = 5.0
+    error_backoff_base_s: float = 0.5
+    error_backoff_max_s: float = 30.0
+    listen: bool = True
+    until_empty: bool = False
+    max_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchMetrics:
+    claimed: int
+    published: int
+    collisions: int
+    lost_ownership: int
+    dead_lettered: int
+    retried: int
+    oldest_age_s: float | None
+    elapsed_s: float
+
+    @property
+    def msg_per_s(self) -> float:
+        return self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass
+class RelayStats:
+    """Cumulative metrics of one relay worker (Merpay's set, plus retries)."""
+
+    batches: int = 0
+    claimed: int = 0
+    published: int = 0
+    collisions: int = 0
+    lost_ownership: int = 0
+    dead_lettered: int = 0
+    retried: int = 0
+    errors: int = 0
+    oldest_age_s: float | None = None
+    started: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0
+
+    def add(self, batch: BatchMetrics) -> None:
+        self.batches += 1
+        self.claimed += batch.claimed
+        self.published += batch.published
+        self.collisions += batch.collisions
+        self.lost_ownership += batch.lost_ownership
+        self.dead_lettered += batch.dead_lettered
+        self.retried += batch.retried
+        self.oldest_age_s = batch.oldest_age_s
+        self.busy_s += batch.elapsed_s
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def msg_per_s(self) -> float:
+        return self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"published={self.published} claimed={self.claimed} collisions={self.collisions} "
+            f"published_but_ack_failed={self.lost_ownership} dead_lettered={self.dead_lettered} "
+            f"retried={self.retried} errors={self.errors} msg/s={self.msg_per_s:,.0f}"
+        )
+
+
+class Relay:
+    """One relay worker: a strategy instance, a producer, and the loop between them."""
+
+    def __init__(
+        self,
+        dsn: str,
+        strategy_factory: StrategyFactory,
+        strategy_config: StrategyConfig,
+        publisher: KafkaPublisher,
+        settings: RelaySettings = RelaySettings(),
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.dsn = dsn
+        self.strategy_factory = strategy_factory
+        self.strategy_config = strategy_config
+        self.publisher = publisher
+        self.settings = settings
+        self.stop = stop or threading.Event()
+        self.stats = RelayStats()
+        self._conn: psycopg.Connection | None = None
+        self._listen_conn: psycopg.Connection | None = None
+        self._strategy: Strategy | None = None
+
+    # -- connections -------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> Strategy:
+        if self._strategy is None:
+            self._conn = psycopg.connect(self.dsn, autocommit=True)
+            require_current(self._conn, self.strategy_config.table)
+            self._strategy = self.strategy_factory(self._conn, self.strategy_config)
+        return self._strategy
+
+    def _disconnect(self) -> None:
+        for held in (self._strategy, self._conn, self._listen_conn):
+            try:
+                if held is not None:
+                    held.close()
+            except Exception:  # the connection is already broken; closing is best effort
+                pass
+        self._strategy = self._conn = self._listen_conn = None
+
+    def close(self) -> None:
+        self._disconnect()
+        self.publisher.close()
+
+    # -- one cycle ---------------------------------------------------------------------------
+
+    def run_once(self) -> BatchMetrics | None:
+        """Claim, publish and ack one batch; None when there was nothing to claim."""
+        started = time.monotonic()
+        strategy = self.strategy
+        claim = strategy.claim(self.settings.batch_size)
+        if claim is None:
+            return None
+        if not claim.records:
+            strategy.give_back(claim, "empty claim")
+            return None
+        try:
+            outcome = self.publisher.publish(claim.records, transactional_id=claim.transactional_id)
+        except Exception as exc:
+            # Nothing was confirmed, so nothing may be acked: give the whole batch back.
+            strategy.give_back(claim, f"publish failed: {exc}")
+            raise
+        result = strategy.ack(claim, outcome)
+        metrics = BatchMetrics(
+            claimed=len(claim.records),
+            published=len(outcome.delivered),
+            collisions=claim.collisions,
+            lost_ownership=result.lost_ownership,
+            dead_lettered=result.dead_lettered,
+            retried=result.retried,
+            oldest_age_s=_oldest_age_s(claim),
+            elapsed_s=time.monotonic() - started,
+        )
+        self.stats.add(metrics)
+        if outcome.failed:
+            log.warning(
+                "%s: %d of %d not delivered (first: %s); retried %d, dead-lettered %d",
+                strategy.name,
+                len(outcome.failed),
+                metrics.claimed,
+                outcome.failed[0].error,
+                result.retried,
+                result.dead_lettered,
+            )
+        log.debug("%s batch: %s", strategy.name, metrics)
+        return metrics
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> RelayStats:
+        """Relay until stopped, until nothing is claimable (``until_empty``) or ``max_seconds``."""
+        idle_wait = self.settings.poll_interval_s
+        failures = 0
+        deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
+        try:
+            while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                try:
+                    metrics = self.run_once()
+                    failures = 0
+                except psycopg.OperationalError as exc:
+                    failures += 1
+                    self.stats.errors += 1
+                    log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
+                    self._disconnect()
+                    self.stop.wait(self._error_backoff(failures))
+                    continue
+                if metrics is not None and metrics.published < metrics.claimed and metrics.published == 0:
+                    # Kafka accepted nothing: the broker is down or unreachable. Back off, don't spin.
+                    failures += 1
+                    self.stop.wait(self._error_backoff(failures))
+                    continue
+                if metrics is not None:
+                    idle_wait = self.settings.poll_interval_s
+                    continue
+                if self.settings.until_empty:
+                    break
+                self._wait_for_work(idle_wait)
+                idle_wait = min(idle_wait * 2, self.settings.max_poll_interval_s)
+        finally:
+            self.close()
+        return self.stats
+
+    def _error_backoff(self, failures: int) -> float:
+        ceiling = min(self.settings.error_backoff_max_s, self.settings.error_backoff_base_s * 2 ** (failures - 1))
+        return random.uniform(ceiling / 2, ceiling)
+
+    def _wait_for_work(self, timeout_s: float) -> None:
+        if not self.settings.listen:
+            self.stop.wait(timeout_s)
+            return
+        try:
+            if self._listen_conn is None:
+                self._listen_conn = psycopg.connect(self.dsn, autocommit=True)
+                channel = notify_channel(self.strategy_config.table)
+                self._listen_conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            # Returns at the first NOTIFY (a commit that inserted rows) or after the timeout; kept
+            # short enough that a stop request is seen promptly.
+            for _ in self._listen_conn.notifies(timeout=min(timeout_s, 1.0), stop_after=1):
+                pass
+        except psycopg.OperationalError:
+            self._listen_conn = None
+            self.stop.wait(timeout_s)
+
+
+def _oldest_age_s(claim: Claim) -> float | None:
+    """Merpay's oldest_task_age: the age of the oldest row in the batch just claimed."""
+    if not claim.records:
+        return None
+    oldest = min(r.created_at for r in claim.records)  # ISO-8601 UTC strings sort chronologically
+    created = dt.datetime.strptime(oldest, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC)
+    return (dt.datetime.now(dt.UTC) - created).total_seconds()

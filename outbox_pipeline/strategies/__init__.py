@@ -1,0 +1,33 @@
+"""Engine room: the relay strategies, one module each, behind ``base.Strategy``.
+
+| name        | seed variant | order            | rows mutated            | workers              |
+|-------------|--------------|------------------|-------------------------|----------------------|
+| locking     | talk 1       | none             | delete / mark sent      | many (SKIP LOCKED)   |
+| advisory    | talk 1.1     | global, by id    | delete / mark sent      | one active at a time |
+| lease       | talk 2       | none             | lease + delete / mark   | many (leases)        |
+| partitioned | talk 3       | per partition    | never (offsets only)    | one per partition    |
+| serialized  | talk 4       | per partition    | never (offsets only)    | one per partition    |
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Strategy
+
+_MODULES = {
+    "locking": ("locking", "LockingStrategy"),
+    "advisory": ("advisory", "AdvisoryStrategy"),
+    "lease": ("lease", "LeaseStrategy"),
+    "partitioned": ("partitioned", "PartitionedStrategy"),
+    "serialized": ("serialized", "SerializedStrategy"),
+}
+STRATEGY_NAMES = tuple(_MODULES)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    try:
+        module, cls = _MODULES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(_MODULES)}") from None
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)  # type: ignore[no-any-return]

@@ -1,0 +1,133 @@
+"""Engine room: the one small interface every relay strategy implements.
+
+A strategy decides which rows a worker may publish and what "done" means for them: ``claim`` a batch,
+``ack`` it with the publisher's outcome (only what Kafka confirmed is marked delivered; failures are
+retried with backoff or dead-lettered), or ``give_back`` a batch that was not published at all. The
+relay loop (``outbox_pipeline.relay``) is the same for every strategy.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import psycopg
+
+from ..config import OutboxTable
+
+AckMode = Literal["delete", "mark-sent"]
+
+# The columns every strategy selects, in OutboxRecord's field order. Only what the record needs, with
+# jsonb as text: decoding payloads in the driver is ~5x slower and the relay sends the text as-is.
+# ``m.`` qualifies every column so ORDER BY m.transaction_id sorts by xid8, not by the text alias.
+RECORD_COLUMNS = """
+    m.id, m.message_id::text, m.topic, m.key, m.type, m.payload::text, m.headers::text, m.partition,
+    to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+    m.transaction_id::text AS xid_text, m.attempts
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRecord:
+    id: int
+    message_id: str
+    topic: str
+    key: str | None
+    type: str | None
+    payload: str
+    headers: str
+    partition: int
+    created_at: str
+    transaction_id: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryFailure:
+    record: OutboxRecord
+    error: str
+    permanent: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PublishOutcome:
+    """What Kafka confirmed for one batch: ``delivered`` keeps the batch's order."""
+
+    delivered: Sequence[OutboxRecord]
+    failed: Sequence[DeliveryFailure]
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class Claim:
+    """A batch a worker owns until it acks or gives it back. ``state`` is the strategy's own."""
+
+    records: list[OutboxRecord]
+    collisions: int = 0
+    state: Any = None
+    # Set by strategies that publish each batch atomically (Kafka transactions): the producer's id.
+    transactional_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AckResult:
+    acked: int = 0
+    # Published, but the worker no longer owned the rows when it tried to ack (lease expired and
+    # another worker took them): those rows will be published again by their new owner.
+    lost_ownership: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    table: OutboxTable = field(default_factory=OutboxTable)
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    mode: AckMode = "delete"
+    lease_s: float = 30.0
+    max_attempts: int = 10
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 300.0
+    # Row strategies: the share of each batch taken oldest-first regardless of priority, so a steady
+    # stream of high-priority rows cannot starve old low-priority ones.
+    oldest_share: float = 0.1
+    # lease: Merpay's shuffle-and-sample; candidates = sample_factor x batch, 1 disables it.
+    sample_factor: int = 1
+    # partitioned: publish each batch in a Kafka transaction (one transactional.id per partition).
+    kafka_transactions: bool = False
+
+
+class Strategy(abc.ABC):
+    name: ClassVar[str]
+    ordered: ClassVar[bool]
+
+    def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
+        self.conn = conn
+        self.config = config
+
+    @property
+    def table(self) -> OutboxTable:
+        return self.config.table
+
+    @abc.abstractmethod
+    def claim(self, limit: int) -> Claim | None:
+        """The next batch this worker may publish, or None when nothing is available now."""
+
+    @abc.abstractmethod
+    def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
+        """Record what Kafka confirmed; retry or dead-letter the rest. Ends the claim."""
+
+    @abc.abstractmethod
+    def give_back(self, claim: Claim, error: str) -> None:
+        """End a claim whose batch was not published (for example the producer failed)."""
+
+    def pending_age_s(self) -> float | None:
+        """Age of the oldest row this strategy still has to publish (None when unknown or empty)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most strategies hold nothing
+        """Release whatever the strategy holds beyond its claims (session locks, producers)."""

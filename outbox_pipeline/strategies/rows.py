@@ -1,0 +1,160 @@
+"""Engine room: row state shared by the row-claiming strategies (locking, advisory, lease).
+
+These strategies own individual rows, so delivery state lives on the row: delivered rows are deleted
+or marked sent, transiently failed rows get ``attempts``, ``last_error`` and a backoff in
+``available_after``, and rows that can never be delivered (or ran out of attempts) move to the
+dead-letter table. Each of those is one statement over an id array, whatever the batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import psycopg
+from psycopg import sql
+
+from .base import RECORD_COLUMNS, AckResult, DeliveryFailure, OutboxRecord, PublishOutcome, StrategyConfig
+
+
+def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool, exclude: bool) -> sql.Composed:
+    """Unsent, currently available rows in ``order`` ("priority" or "id"), optionally locked."""
+    order_by = "m.priority DESC, m.id" if order == "priority" else "m.id"
+    return sql.SQL(
+        """
+        SELECT {columns}
+        FROM {messages} m
+        WHERE m.sent_at IS NULL AND m.available_after <= now() {exclude}
+        ORDER BY {order_by}
+        LIMIT %(limit)s
+        {lock}
+        """
+    ).format(
+        columns=sql.SQL(RECORD_COLUMNS),
+        messages=config.table.messages,
+        exclude=sql.SQL("AND m.id <> ALL(%(exclude)s)") if exclude else sql.SQL(""),
+        order_by=sql.SQL(order_by),
+        lock=sql.SQL("FOR UPDATE OF m SKIP LOCKED") if lock else sql.SQL(""),
+    )
+
+
+def claim_fair(conn: psycopg.Connection, config: StrategyConfig, limit: int, *, lock: bool) -> list[OutboxRecord]:
+    """Highest priority first, plus an oldest-first share so old low-priority rows are never starved."""
+    records: list[OutboxRecord] = []
+    oldest = int(limit * config.oldest_share)
+    if oldest:
+        cur = conn.execute(select_pending_sql(config, order="id", lock=lock, exclude=False), {"limit": oldest})
+        records = [OutboxRecord(*row) for row in cur.fetchall()]
+    rest = limit - len(records)
+    if rest > 0:
+        params = {"limit": rest, "exclude": [r.id for r in records]}
+        cur = conn.execute(select_pending_sql(config, order="priority", lock=lock, exclude=bool(records)), params)
+        records.extend(OutboxRecord(*row) for row in cur.fetchall())
+    return records
+
+
+def finish(
+    conn: psycopg.Connection,
+    config: StrategyConfig,
+    outcome: PublishOutcome,
+    *,
+    owner: str | None = None,
+) -> AckResult:
+    """Apply one batch's outcome to its rows. With ``owner``, touch only rows still leased to it."""
+    acked = mark_delivered(conn, config, [r.id for r in outcome.delivered], owner=owner)
+    retry, dead = split_failures(outcome.failed, config.max_attempts)
+    retried = schedule_retry(conn, config, retry, owner=owner)
+    dead_lettered = dead_letter(conn, config, dead, owner=owner)
+    lost = (len(outcome.delivered) - acked) + (len(retry) - retried) + (len(dead) - dead_lettered)
+    return AckResult(acked=acked, lost_ownership=lost, retried=retried, dead_lettered=dead_lettered)
+
+
+def split_failures(
+    failures: Sequence[DeliveryFailure], max_attempts: int
+) -> tuple[list[DeliveryFailure], list[DeliveryFailure]]:
+    """(to retry, to dead-letter): permanent errors and rows out of attempts go to the dead letters."""
+    retry = [f for f in failures if not f.permanent and f.record.attempts + 1 < max_attempts]
+    retry_ids = {f.record.id for f in retry}
+    return retry, [f for f in failures if f.record.id not in retry_ids]
+
+
+def _owner_clause(owner: str | None) -> sql.Composable:
+    return sql.SQL("AND m.locked_by = %(owner)s") if owner is not None else sql.SQL("")
+
+
+def mark_delivered(conn: psycopg.Connection, config: StrategyConfig, ids: list[int], *, owner: str | None) -> int:
+    if not ids:
+        return 0
+    if config.mode == "delete":
+        query = sql.SQL("DELETE FROM {messages} m WHERE m.id = ANY(%(ids)s) {owner}")
+    else:
+        query = sql.SQL("UPDATE {messages} m SET sent_at = now(), locked_by = NULL WHERE m.id = ANY(%(ids)s) {owner}")
+    cur = conn.execute(
+        query.format(messages=config.table.messages, owner=_owner_clause(owner)), {"ids": ids, "owner": owner}
+    )
+    return cur.rowcount
+
+
+def schedule_retry(
+    conn: psycopg.Connection, config: StrategyConfig, failures: Sequence[DeliveryFailure], *, owner: str | None
+) -> int:
+    """attempts + 1 and an exponential backoff with jitter, computed per row by the server."""
+    if not failures:
+        return 0
+    cur = conn.execute(
+        sql.SQL(
+            """
+            UPDATE {messages} m
+            SET attempts = m.attempts + 1,
+                last_error = f.error,
+                locked_by = NULL,
+                available_after = now() + make_interval(
+                    secs => least(%(max)s, %(base)s * power(2, m.attempts)) * (0.5 + random() / 2))
+            FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
+            WHERE m.id = f.id {owner}
+            """
+        ).format(messages=config.table.messages, owner=_owner_clause(owner)),
+        {
+            "ids": [f.record.id for f in failures],
+            "errors": [f.error for f in failures],
+            "max": config.backoff_max_s,
+            "base": config.backoff_base_s,
+            "owner": owner,
+        },
+    )
+    return cur.rowcount
+
+
+def dead_letter(
+    conn: psycopg.Connection, config: StrategyConfig, failures: Sequence[DeliveryFailure], *, owner: str | None
+) -> int:
+    """Move rows to the dead-letter table with their error, in one statement."""
+    if not failures:
+        return 0
+    cur = conn.execute(
+        sql.SQL(
+            """
+            WITH moved AS (
+                DELETE FROM {messages} m
+                USING unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
+                WHERE m.id = f.id {owner}
+                RETURNING m.*, f.error
+            )
+            INSERT INTO {dead_letters} AS d (
+                id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
+                created_at, attempts, last_error, dead_lettered_by)
+            SELECT id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
+                   created_at, attempts + 1, error, %(worker)s
+            FROM moved
+            ON CONFLICT (id) DO UPDATE SET
+                attempts = excluded.attempts, last_error = excluded.last_error,
+                dead_lettered_at = now(), dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
+            """
+        ).format(messages=config.table.messages, dead_letters=config.table.dead_letters, owner=_owner_clause(owner)),
+        {
+            "ids": [f.record.id for f in failures],
+            "errors": [f.error for f in failures],
+            "owner": owner,
+            "worker": config.worker_id,
+        },
+    )
+    return cur.rowcount

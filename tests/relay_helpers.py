@@ -1,0 +1,87 @@
+"""Running relay workers against the real servers, and comparing what arrived with what was written."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+import psycopg
+from psycopg import sql
+
+from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.relay import Relay, RelaySettings, RelayStats
+from outbox_pipeline.strategies import strategy_class
+from outbox_pipeline.strategies.base import StrategyConfig
+
+from .kafka_helpers import Record
+
+
+def make_relay(
+    dsn: str,
+    table: OutboxTable,
+    bootstrap: str,
+    strategy: str,
+    *,
+    batch_size: int = 100,
+    producer: dict[str, object] | None = None,
+    stop: threading.Event | None = None,
+    until_empty: bool = True,
+    max_seconds: float | None = 60.0,
+    listen: bool = False,
+    **config: object,
+) -> Relay:
+    strategy_config = replace(StrategyConfig(table=table), **config)  # type: ignore[arg-type]
+    publisher = KafkaPublisher({"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})})
+    settings = RelaySettings(
+        batch_size=batch_size, until_empty=until_empty, max_seconds=max_seconds, listen=listen, poll_interval_s=0.05
+    )
+    return Relay(dsn, strategy_class(strategy), strategy_config, publisher, settings, stop)
+
+
+def drain(dsn: str, table: OutboxTable, bootstrap: str, strategy: str, **kwargs: object) -> RelayStats:
+    return make_relay(dsn, table, bootstrap, strategy, **kwargs).run()
+
+
+def run_workers(
+    dsn: str, table: OutboxTable, bootstrap: str, strategy: str, workers: int, **kwargs: object
+) -> list[RelayStats]:
+    """Several relay workers in threads, each with its own connection and producer."""
+    results: list[RelayStats] = []
+    lock = threading.Lock()
+
+    def work(index: int) -> None:
+        stats = drain(dsn, table, bootstrap, strategy, worker_id=f"w{index}", **kwargs)
+        with lock:
+            results.append(stats)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def message_ids(records: Iterable[Record]) -> list[str]:
+    return [r.headers["message_id"].decode() for r in records]
+
+
+def committed_message_ids(conn: psycopg.Connection, table: OutboxTable) -> set[str]:
+    """Everything enqueued and committed: still in the table, or already published and deleted."""
+    rows = conn.execute(sql.SQL("SELECT message_id::text FROM {}").format(table.messages)).fetchall()
+    return {r[0] for r in rows}
+
+
+def order_by_key(records: Sequence[Record]) -> dict[bytes | None, list[int]]:
+    """Outbox ids per key in the order Kafka delivered them (first occurrence of each)."""
+    seen: set[int] = set()
+    per_key: dict[bytes | None, list[int]] = defaultdict(list)
+    for record in records:
+        oid = int(record.headers["outbox_id"])
+        if oid not in seen:
+            seen.add(oid)
+            per_key[record.key].append(oid)
+    return dict(per_key)
