@@ -88,7 +88,8 @@ class StrategyConfig:
     table: OutboxTable = field(default_factory=OutboxTable)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     mode: AckMode = "delete"
-    lease_s: float = 30.0
+    # Longer than a publish can take (message.timeout.ms + grace), so a healthy worker keeps its lease.
+    lease_s: float = 60.0
     max_attempts: int = 10
     backoff_base_s: float = 0.5
     backoff_max_s: float = 300.0

@@ -1,0 +1,282 @@
+"""Engine room: what the ordered, read-only strategies (partitioned, serialized) share.
+
+They never touch message rows. A worker leases one virtual partition's ``outbox_offsets`` row (the
+talk's one-statement ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``), reads the rows past
+its stored position in order, publishes them, and advances the position with a compare-and-set on
+(owner, old position) in the same transaction as any dead letters. A worker that lost its lease (it
+was frozen past expiry and another worker took over) therefore advances nothing and dead-letters
+nothing: its batch counts as published-but-ack-failed and the new owner publishes it again.
+
+Failures keep the order: the position stops before the first row Kafka did not confirm, and the
+partition backs off (``attempts``, ``last_error``, ``available_after`` on the offsets row). Rows after
+it that Kafka did confirm are published again on the retry (at-least-once: duplicates bounded by one
+batch). A row that can never be delivered (too large, invalid topic) or that ran out of attempts is
+copied to the dead-letter table and skipped: consumers of that key miss it, and its successors are
+published without it; retrying it from the dead letters publishes it after them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import psycopg
+from psycopg import IsolationLevel, sql
+
+from .base import (
+    RECORD_COLUMNS,
+    AckResult,
+    Claim,
+    DeliveryFailure,
+    OutboxRecord,
+    PublishOutcome,
+    Strategy,
+    StrategyConfig,
+)
+
+# New (topic, partition) pairs get an offsets row at most this often while busy.
+DISCOVERY_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionLease:
+    topic: str
+    partition: int
+    xid: str  # last_processed_transaction_id, as xid8 text
+    last_id: int
+    attempts: int
+
+
+class PositionStrategy(Strategy):
+    """Lease a partition, read past its position, advance the position only over confirmed rows."""
+
+    ordered: ClassVar[bool] = True
+
+    def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
+        super().__init__(conn, config)
+        conn.isolation_level = IsolationLevel.READ_COMMITTED
+        self._discovered_at = float("-inf")
+        self._reclaim_own_leases()
+
+    # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
+    # this strategy. Used both to find partitions with work and to read them.
+    work_condition: ClassVar[str]
+    # ORDER BY for reading one partition, in publishing order.
+    read_order: ClassVar[str]
+
+    # -- claim -------------------------------------------------------------------------------
+
+    def claim(self, limit: int) -> Claim | None:
+        if time.monotonic() - self._discovered_at > DISCOVERY_INTERVAL_S:
+            self.discover_partitions()
+        lease = self._lease_partition()
+        if lease is None:
+            return None
+        records = self._read(lease, limit)
+        if not records:  # only if the position moved under us, which the lease rules out
+            self._release(lease)
+            return None
+        return Claim(records, state=lease, transactional_id=self._transactional_id(lease))
+
+    def _read(self, lease: PartitionLease, limit: int) -> list[OutboxRecord]:
+        cur = self.conn.execute(
+            sql.SQL(
+                """
+                SELECT {columns}
+                FROM {messages} m,
+                     (SELECT %(topic)s::text AS topic, %(partition)s::int AS partition,
+                             %(xid)s::xid8 AS last_processed_transaction_id, %(id)s::bigint AS last_processed_id) o
+                WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+                ORDER BY {order}
+                LIMIT %(limit)s
+                """
+            ).format(
+                columns=sql.SQL(RECORD_COLUMNS),
+                messages=self.table.messages,
+                work=sql.SQL(self.work_condition),
+                order=sql.SQL(self.read_order),
+            ),
+            {"topic": lease.topic, "partition": lease.partition, "xid": lease.xid, "id": lease.last_id, "limit": limit},
+        )
+        return [OutboxRecord(*row) for row in cur.fetchall()]
+
+    def discover_partitions(self) -> int:
+        """Create offsets rows for (topic, partition) pairs that have rows but no position yet.
+
+        A loose index scan (one index probe per distinct pair), not a DISTINCT over the whole table.
+        """
+        cur = self.conn.execute(
+            sql.SQL(
+                """
+                WITH RECURSIVE pairs AS (
+                    (SELECT topic, partition FROM {messages} ORDER BY topic, partition LIMIT 1)
+                    UNION ALL
+                    SELECT next.topic, next.partition
+                    FROM pairs, LATERAL (
+                        SELECT m.topic, m.partition FROM {messages} m
+                        WHERE (m.topic, m.partition) > (pairs.topic, pairs.partition)
+                        ORDER BY m.topic, m.partition LIMIT 1
+                    ) next
+                )
+                INSERT INTO {offsets} (topic, partition)
+                SELECT topic, partition FROM pairs
+                ON CONFLICT (topic, partition) DO NOTHING
+                """
+            ).format(messages=self.table.messages, offsets=self.table.offsets)
+        )
+        self._discovered_at = time.monotonic()
+        return cur.rowcount
+
+    def _lease_partition(self) -> PartitionLease | None:
+        # The talk's "longest unchecked partition first", restricted to partitions that have work (one
+        # index probe per partition), so an empty partition costs no lease round trips and "nothing
+        # claimed" really means "nothing to publish". SKIP LOCKED keeps two workers off one partition.
+        row = self.conn.execute(
+            sql.SQL(
+                """
+                UPDATE {offsets} target
+                SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(worker)s,
+                    updated_at = now()
+                FROM (
+                    SELECT o.topic, o.partition FROM {offsets} o
+                    WHERE o.available_after <= now()
+                      AND EXISTS (SELECT 1 FROM {messages} m
+                                  WHERE m.topic = o.topic AND m.partition = o.partition AND {work})
+                    ORDER BY o.available_after
+                    LIMIT 1
+                    FOR UPDATE OF o SKIP LOCKED
+                ) free
+                WHERE target.topic = free.topic AND target.partition = free.partition
+                RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
+                          target.last_processed_id, target.attempts
+                """
+            ).format(offsets=self.table.offsets, messages=self.table.messages, work=sql.SQL(self.work_condition)),
+            {"lease": self.config.lease_s, "worker": self.config.worker_id},
+        ).fetchone()
+        return PartitionLease(*row) if row else None
+
+    def _transactional_id(self, lease: PartitionLease) -> str | None:
+        if not self.config.kafka_transactions:
+            return None
+        # One id per virtual partition: a second worker on the same partition fences the first.
+        return f"outbox.{self.table.schema}.{lease.topic}.{lease.partition}"
+
+    def _reclaim_own_leases(self) -> None:
+        """A restarted worker with the same id takes its partitions back at once."""
+        self.conn.execute(
+            sql.SQL(
+                "UPDATE {offsets} SET available_after = now(), locked_by = NULL WHERE locked_by = %(worker)s"
+            ).format(offsets=self.table.offsets),
+            {"worker": self.config.worker_id},
+        )
+
+    # -- ack ---------------------------------------------------------------------------------
+
+    def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
+        lease: PartitionLease = claim.state
+        delivered = {r.id for r in outcome.delivered}
+        failures = {f.record.id: f for f in outcome.failed}
+        advanced: OutboxRecord | None = None
+        acked = 0
+        dead: list[DeliveryFailure] = []
+        stopped_at: DeliveryFailure | None = None
+        head_attempts = lease.attempts
+        for record in claim.records:
+            if record.id in delivered:
+                advanced, acked, head_attempts = record, acked + 1, 0
+                continue
+            failure = failures[record.id]
+            if failure.permanent or head_attempts + 1 >= self.config.max_attempts:
+                dead.append(failure)
+                advanced, head_attempts = record, 0
+                continue
+            stopped_at = failure
+            break
+        with self.conn.transaction():
+            self._dead_letter(dead)
+            owned = self._advance(lease, advanced, stopped_at, head_attempts + 1 if stopped_at else 0)
+            if not owned:
+                raise psycopg.Rollback()  # undo the dead letters too (the transaction block swallows it)
+        if not owned:
+            return AckResult(lost_ownership=len(delivered))
+        return AckResult(acked=acked, retried=len(claim.records) - acked - len(dead), dead_lettered=len(dead))
+
+    def _advance(
+        self, lease: PartitionLease, to: OutboxRecord | None, failure: DeliveryFailure | None, attempts: int
+    ) -> bool:
+        """Compare-and-set the position; False when this worker no longer owns the partition."""
+        cur = self.conn.execute(
+            sql.SQL(
+                """
+                UPDATE {offsets}
+                SET last_processed_transaction_id = coalesce(%(to_xid)s::xid8, last_processed_transaction_id),
+                    last_processed_id = coalesce(%(to_id)s, last_processed_id),
+                    attempts = %(attempts)s,
+                    last_error = %(error)s,
+                    locked_by = NULL,
+                    available_after = CASE WHEN %(error)s::text IS NULL THEN now() ELSE now() + make_interval(
+                        secs => least(%(max)s, %(base)s * power(2, %(attempts)s - 1)) * (0.5 + random() / 2)) END,
+                    updated_at = now()
+                WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
+                  AND last_processed_transaction_id = %(from_xid)s::xid8 AND last_processed_id = %(from_id)s
+                """
+            ).format(offsets=self.table.offsets),
+            {
+                "to_xid": to.transaction_id if to else None,
+                "to_id": to.id if to else None,
+                "attempts": attempts,
+                "error": failure.error if failure else None,
+                "max": self.config.backoff_max_s,
+                "base": self.config.backoff_base_s,
+                "topic": lease.topic,
+                "partition": lease.partition,
+                "worker": self.config.worker_id,
+                "from_xid": lease.xid,
+                "from_id": lease.last_id,
+            },
+        )
+        return cur.rowcount == 1
+
+    def _dead_letter(self, failures: list[DeliveryFailure]) -> None:
+        """Copy undeliverable rows to the dead letters; message rows themselves are never touched."""
+        if not failures:
+            return
+        self.conn.execute(
+            sql.SQL(
+                """
+                INSERT INTO {dead_letters} (
+                    id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
+                    created_at, attempts, last_error, dead_lettered_by)
+                SELECT m.id, m.message_id, m.topic, m.key, m.type, m.payload, m.headers, m.partition, m.priority,
+                       m.transaction_id, m.created_at, f.attempts, f.error, %(worker)s
+                FROM {messages} m
+                JOIN unnest(%(ids)s::bigint[], %(errors)s::text[], %(attempts)s::int[]) AS f(id, error, attempts)
+                  ON m.id = f.id
+                ON CONFLICT (id) DO UPDATE SET
+                    attempts = excluded.attempts, last_error = excluded.last_error,
+                    dead_lettered_at = now(), dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
+                """
+            ).format(dead_letters=self.table.dead_letters, messages=self.table.messages),
+            {
+                "ids": [f.record.id for f in failures],
+                "errors": [f.error for f in failures],
+                "attempts": [f.record.attempts + 1 for f in failures],
+                "worker": self.config.worker_id,
+            },
+        )
+
+    def give_back(self, claim: Claim, error: str) -> None:
+        self._release(claim.state)
+
+    def _release(self, lease: PartitionLease) -> None:
+        self.conn.execute(
+            sql.SQL(
+                """
+                UPDATE {offsets}
+                SET available_after = now(), locked_by = NULL, updated_at = now()
+                WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
+                """
+            ).format(offsets=self.table.offsets),
+            {"topic": lease.topic, "partition": lease.partition, "worker": self.config.worker_id},
+        )
