@@ -233,13 +233,17 @@ class Relay:
             return
         try:
             if self._listen_conn is None:
-                self._listen_conn = psycopg.connect(self.dsn, autocommit=True)
+                listener = psycopg.connect(self.dsn, autocommit=True)
                 channel = notify_channel(self.strategy_config.table)
-                self._listen_conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-            # Returns at the first NOTIFY (a commit that inserted rows) or after the timeout; kept
-            # short enough that a stop request is seen promptly.
-            for _ in self._listen_conn.notifies(timeout=min(timeout_s, 1.0), stop_after=1):
-                pass
+                listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                self._listen_conn = listener
+                return  # rows committed before LISTEN sent no wake-up: look once more before waiting
+            # Wake at the first NOTIFY (a commit that inserted rows) or after the timeout, waiting in
+            # short slices so a stop request is seen promptly.
+            deadline = time.monotonic() + timeout_s
+            while not self.stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
+                if any(True for _ in self._listen_conn.notifies(timeout=min(remaining, 0.5), stop_after=1)):
+                    return
         except psycopg.OperationalError:
             self._listen_conn = None
             self.stop.wait(timeout_s)

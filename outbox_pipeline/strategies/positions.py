@@ -71,6 +71,8 @@ class PositionStrategy(Strategy):
         if time.monotonic() - self._discovered_at > DISCOVERY_INTERVAL_S:
             self.discover_partitions()
         lease = self._lease_partition()
+        if lease is None and self.discover_partitions():
+            lease = self._lease_partition()  # a topic or partition that is new since the last look
         if lease is None:
             return None
         records = self._read(lease, limit)

@@ -1,0 +1,219 @@
+"""Every strategy under failure: Kafka down, poison messages, rollbacks, a worker killed mid-batch.
+What arrived in Kafka and what remains in PostgreSQL are compared with what was committed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
+from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.schema import set_topic_partitions
+from outbox_pipeline.strategies import STRATEGY_NAMES
+
+from .kafka_helpers import KafkaProbe
+from .relay_helpers import drain, make_relay, message_ids
+
+POSITION_STRATEGIES = {"partitioned", "serialized"}
+FAST_FAILING_PRODUCER = {"message.timeout.ms": 2000, "request.timeout.ms": 1000, "retry.backoff.ms": 100}
+
+
+def _dead_letters(db: psycopg.Connection, table: OutboxTable) -> list[tuple[int, str]]:
+    return db.execute(sql.SQL("SELECT id, last_error FROM {} ORDER BY id").format(table.dead_letters)).fetchall()
+
+
+def _write(db: psycopg.Connection, table: OutboxTable, strategy: str, messages: list[Message]) -> list[str]:
+    written = enqueue_many(db, messages, serialized=strategy == "serialized", table=table)
+    return [str(w.message_id) for w in written]
+
+
+def _acked_anything(db: psycopg.Connection, table: OutboxTable, strategy: str) -> bool:
+    if strategy in POSITION_STRATEGIES:
+        row = db.execute(sql.SQL("SELECT coalesce(max(last_processed_id), 0) FROM {}").format(table.offsets))
+        return bool(row.fetchone()[0])  # type: ignore[index]
+    row = db.execute(sql.SQL("SELECT count(*) FROM {} WHERE sent_at IS NULL").format(table.messages))
+    return row.fetchone() != (60,)
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_broker_down_then_up_the_relay_backs_off_acks_nothing_and_loses_nothing(
+    strategy: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    broker: LocalBroker,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    topic = new_topic()
+    set_topic_partitions(db, table, topic, 1)
+    written = _write(db, table, strategy, [Message(topic, {"n": i}, key=f"k{i % 3}") for i in range(60)])
+    stop = threading.Event()
+    relay = make_relay(
+        db.info.dsn,
+        table,
+        kafka.bootstrap_servers,
+        strategy,
+        batch_size=20,
+        producer=FAST_FAILING_PRODUCER,
+        stop=stop,
+        until_empty=False,
+        max_seconds=120,
+        backoff_base_s=0.2,
+        backoff_max_s=1.0,
+    )
+    broker.freeze()
+    worker = threading.Thread(target=relay.run)
+    try:
+        worker.start()
+        deadline = time.monotonic() + 60
+        while relay.stats.claimed == 0 or relay.stats.published == relay.stats.claimed:
+            assert time.monotonic() < deadline, "the relay never attempted a batch while the broker was down"
+            time.sleep(0.2)
+        assert relay.stats.published == 0
+        assert not _acked_anything(db, table, strategy), "rows were acked although Kafka confirmed nothing"
+    finally:
+        broker.thaw()
+    arrived = message_ids(kafka.consume(topic, expect=60, deadline_s=90))
+    stop.set()
+    worker.join()
+    assert set(arrived) == set(written)
+    print(f"{strategy}: batches={relay.stats.batches} retried={relay.stats.retried} errors={relay.stats.errors}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_an_oversize_message_is_dead_lettered_and_the_rest_flows(
+    strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic()
+    set_topic_partitions(db, table, topic, 1)
+    small = [Message(topic, {"n": i}, key="k") for i in range(10)]
+    big = Message(topic, {"blob": "x" * 20_000}, key="k")
+    written = _write(db, table, strategy, [*small[:5], big, *small[5:]])
+    stats = drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, producer={"message.max.bytes": 10_000})
+    arrived = message_ids(kafka.consume(topic, expect=10))
+    assert arrived and set(arrived) == set(written) - {written[5]}
+    [(_, error)] = _dead_letters(db, table)
+    assert "too large" in error.lower() or "size" in error.lower()
+    assert stats.dead_lettered == 1
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_a_topic_the_broker_rejects_is_dead_lettered_and_the_rest_flows(
+    strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic()
+    # A row from a writer that bypassed enqueue's validation (the table's own check is dropped here).
+    db.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT outbox_messages_topic_valid").format(table.messages))
+    good = _write(db, table, strategy, [Message(topic, {"n": i}, key="k") for i in range(5)])
+    db.execute(
+        sql.SQL("INSERT INTO {} (topic, key, payload, partition) VALUES ('bad topic!', 'k', '{{}}', 0)").format(
+            table.messages
+        )
+    )
+    good += _write(db, table, strategy, [Message(topic, {"n": i}, key="k") for i in range(5, 10)])
+    stats = drain(db.info.dsn, table, kafka.bootstrap_servers, strategy)
+    assert set(message_ids(kafka.consume(topic, expect=10))) == set(good)
+    [(_, error)] = _dead_letters(db, table)
+    assert "topic" in error.lower()
+    assert stats.dead_lettered == 1
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_rolled_back_writes_are_never_published(
+    strategy: str,
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    topic = new_topic()
+    committed: list[str] = []
+    with psycopg.connect(dsn) as conn:
+        for i in range(40):
+            with conn.transaction(force_rollback=i % 4 == 0):
+                result = enqueue(
+                    conn, topic, {"n": i}, key=f"k{i % 5}", serialized=strategy == "serialized", table=table
+                )
+            if i % 4:
+                committed.append(str(result.message_id))
+    drain(dsn, table, kafka.bootstrap_servers, strategy)
+    assert sorted(message_ids(kafka.consume(topic, expect=30))) == sorted(committed)
+    assert len(message_ids(kafka.consume(topic, idle_s=1.0))) == 30
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_a_worker_killed_between_publish_and_ack_loses_nothing_and_duplicates_at_most_one_batch(
+    strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic()
+    set_topic_partitions(db, table, topic, 1)
+    written = _write(db, table, strategy, [Message(topic, {"n": i}, key=f"k{i % 4}") for i in range(120)])
+    batch = 25
+    crash = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("crash_worker.py")),
+            db.info.dsn,
+            table.schema,
+            kafka.bootstrap_servers,
+            strategy,
+            "worker-a",
+            str(batch),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert crash.returncode == -signal.SIGKILL, crash.stderr
+    assert f"published {batch}" in crash.stdout
+    # The same worker restarts (same id: leases held by its dead self are taken back at once).
+    drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, batch_size=batch, worker_id="worker-a")
+    arrived = message_ids(kafka.consume(topic, expect=120 + batch, idle_s=2.0))
+    duplicates = len(arrived) - len(set(arrived))
+    print(f"{strategy}: {len(arrived)} records for 120 messages, {duplicates} duplicates after one kill")
+    assert set(arrived) == set(written)
+    assert duplicates <= batch
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_an_idle_relay_is_woken_by_notify_not_by_polling(
+    strategy: str,
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    topic = new_topic()
+    set_topic_partitions(db, table, topic, 1)
+    stop = threading.Event()
+    # A poll interval far beyond the test's deadline: only a NOTIFY can make the relay look again.
+    relay = make_relay(
+        dsn, table, kafka.bootstrap_servers, strategy, stop=stop, until_empty=False, max_seconds=120, listen=True
+    )
+    relay.settings = type(relay.settings)(
+        batch_size=10, poll_interval_s=3600, max_poll_interval_s=3600, listen=True, until_empty=False, max_seconds=120
+    )
+    worker = threading.Thread(target=relay.run)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while relay._listen_conn is None:  # the relay went idle and listens
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        written = _write(db, table, strategy, [Message(topic, {"n": 1}, key="k")])
+        assert message_ids(kafka.consume(topic, expect=1, deadline_s=20)) == written
+    finally:
+        stop.set()
+        worker.join()
