@@ -7,19 +7,36 @@ override it. Errors a user can fix print one line and exit 2; DSN passwords are 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime as dt
 import json
 import logging
+import multiprocessing
+import os
+import queue
 import signal
+import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 
 import psycopg
+from confluent_kafka import KafkaException
 
-from . import schema
-from .config import OutboxTable, pg_dsn_from_env, redact_dsn
+from . import operations, schema
+from .config import REDACTED, OutboxTable, kafka_config_from_env, pg_dsn_from_env, redact_dsn, redact_kafka_config
 from .enqueue import enqueue
-from .errors import OutboxError
+from .errors import ConfigurationError, OutboxError
+from .lag import PartitionLag, partition_lag
+from .publisher import KafkaPublisher
+from .relay import Relay, RelaySettings
+from .strategies import STRATEGY_NAMES, strategy_class
+from .strategies.base import AckMode, Strategy, StrategyConfig
+from .strategies.positions import PositionStrategy
 
 log = logging.getLogger("outbox")
 
@@ -119,6 +136,385 @@ def cmd_dev(args: argparse.Namespace) -> int:
     return run_dev(DevSettings.from_env(with_dagster=not args.no_dagster, traffic_rate=args.rate))
 
 
+# -- relay ------------------------------------------------------------------------------------
+
+# How often each relay worker logs its cumulative metrics.
+METRICS_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one relay worker process needs; pickled to a spawned process."""
+
+    index: int
+    worker_id: str | None  # None: "<hostname>-<pid>" of the worker process
+    dsn: str
+    schema: str
+    max_message_bytes: int
+    strategy: str
+    mode: AckMode
+    kafka_transactions: bool
+    kafka_config: Mapping[str, str]
+    settings: RelaySettings
+    log_level: int
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """A worker's cumulative metrics (RelayStats), sent back to the parent when it ends."""
+
+    index: int
+    worker_id: str
+    published: int
+    claimed: int
+    collisions: int
+    lost_ownership: int
+    dead_lettered: int
+    retried: int
+    errors: int
+    elapsed_s: float
+    summary: str
+    error: str | None = None
+
+
+def _relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
+    """Entry point of one spawned relay process: its own connection, producer and strategy.
+
+    SIGINT/SIGTERM (the parent forwards its own) set the worker's stop event: the relay finishes its
+    batch and returns. No multiprocessing lock or event is shared with the parent on purpose: a
+    process that ends while waiting on one leaves it unusable for everyone else.
+    """
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    worker_id = spec.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    table = OutboxTable(schema=spec.schema, max_message_bytes=spec.max_message_bytes)
+    config = StrategyConfig(
+        table=table, worker_id=worker_id, mode=spec.mode, kafka_transactions=spec.kafka_transactions
+    )
+    relay = Relay(
+        spec.dsn, strategy_class(spec.strategy), config, KafkaPublisher(spec.kafka_config), spec.settings, stop
+    )
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(METRICS_INTERVAL_S):
+            log.info("worker %s: %s", worker_id, relay.stats.summary())
+
+    reporter = threading.Thread(target=report, name="relay-metrics", daemon=True)
+    reporter.start()
+    error: str | None = None
+    try:
+        relay.run()
+    except Exception as exc:  # reported to the parent, which exits non-zero
+        error = f"{type(exc).__name__}: {exc}"
+        log.exception("worker %s crashed", worker_id)
+    finally:
+        done.set()
+        reporter.join()
+    stats = relay.stats
+    log.info("worker %s finished: %s", worker_id, stats.summary())
+    results.put(
+        WorkerResult(
+            spec.index,
+            worker_id,
+            stats.published,
+            stats.claimed,
+            stats.collisions,
+            stats.lost_ownership,
+            stats.dead_lettered,
+            stats.retried,
+            stats.errors,
+            stats.elapsed_s,
+            stats.summary(),
+            error,
+        )
+    )
+    if error is not None:
+        sys.exit(1)
+
+
+def _strategy(name: str) -> type[Strategy]:
+    try:
+        return strategy_class(name)
+    except ImportError as exc:
+        raise OutboxError(f"strategy {name!r} is not available in this installation ({exc})") from None
+
+
+def _kafka_config(args: argparse.Namespace) -> dict[str, str]:
+    """``KAFKA_*`` from the environment, ``--bootstrap-servers`` winning; checked by building a producer."""
+    env = dict(os.environ)
+    if args.bootstrap_servers:
+        env["KAFKA_BOOTSTRAP_SERVERS"] = args.bootstrap_servers
+    config = kafka_config_from_env(env)
+    publisher = KafkaPublisher(config)
+    try:
+        publisher.producer  # noqa: B018 - librdkafka validates every property here
+    except KafkaException as exc:
+        message = str(exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else exc)
+        for name, shown in redact_kafka_config(config).items():
+            if shown == REDACTED and config[name]:
+                message = message.replace(config[name], REDACTED)  # librdkafka may quote a bad value
+        raise ConfigurationError(f"invalid Kafka configuration: {message}") from None
+    finally:
+        publisher.close(timeout_s=0)
+    log.debug("kafka config: %s", redact_kafka_config(config))
+    return config
+
+
+@contextmanager
+def _forward_stop_signals(processes: Sequence[BaseProcess]) -> Iterator[None]:
+    """SIGINT/SIGTERM to the parent become SIGTERM to every live worker, which stops it cleanly."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed from the main thread
+        return
+
+    def forward(signum: int, _frame: object) -> None:
+        log.info("relay: %s received, stopping %d workers", signal.Signals(signum).name, len(processes))
+        for process in processes:
+            if process.pid is not None and process.exitcode is None:
+                os.kill(process.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    cls = _strategy(args.strategy)
+    if args.workers < 1 or args.batch_size < 1:
+        raise OutboxError("--workers and --batch-size must be >= 1")
+    if args.kafka_transactions and not issubclass(cls, PositionStrategy):
+        raise OutboxError(f"--kafka-transactions needs a position strategy (partitioned, serialized), not {cls.name!r}")
+    dsn, table = _dsn(args), _table(args)
+    kafka = _kafka_config(args)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        schema.require_current(conn, table)
+    settings = RelaySettings(
+        batch_size=args.batch_size,
+        listen=not args.no_listen,
+        until_empty=args.until_empty,
+        max_seconds=args.max_seconds,
+    )
+    specs = [
+        WorkerSpec(
+            index=n,
+            worker_id=f"{args.worker_id}-{n}" if args.worker_id else None,
+            dsn=dsn,
+            schema=table.schema,
+            max_message_bytes=table.max_message_bytes,
+            strategy=args.strategy,
+            mode=args.mode,
+            kafka_transactions=args.kafka_transactions,
+            kafka_config=kafka,
+            settings=settings,
+            log_level=logging.DEBUG if args.verbose else logging.INFO,
+        )
+        for n in range(args.workers)
+    ]
+    # "spawn": each worker starts clean (no inherited connections, producer threads or locks).
+    ctx = multiprocessing.get_context("spawn")
+    results: Queue[WorkerResult] = ctx.Queue()
+    processes: list[BaseProcess] = [
+        ctx.Process(target=_relay_worker, args=(spec, results), name=f"relay-{spec.index}") for spec in specs
+    ]
+    print(f"relay: {args.workers} x {args.strategy} on schema {table.schema!r} ({redact_dsn(dsn)})", flush=True)
+    with _forward_stop_signals(processes):
+        try:
+            for process in processes:
+                process.start()
+            collected = _collect(processes, results)
+        finally:
+            for process in processes:
+                if process.pid is not None:
+                    process.join(timeout=30)
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+    return _print_summary(processes, collected)
+
+
+def _collect(processes: Sequence[BaseProcess], results: Queue[WorkerResult]) -> dict[int, WorkerResult]:
+    """Results as workers finish; read while they run, so no worker blocks on a full pipe at exit."""
+    collected: dict[int, WorkerResult] = {}
+    while len(collected) < len(processes):
+        try:
+            result = results.get(timeout=0.5)
+        except queue.Empty:
+            if not any(p.is_alive() for p in processes):
+                break
+            continue
+        collected[result.index] = result
+    return collected
+
+
+def _print_summary(processes: Sequence[BaseProcess], collected: Mapping[int, WorkerResult]) -> int:
+    crashed = 0
+    for index, process in enumerate(processes):
+        result = collected.get(index)
+        if result is None or result.error is not None or process.exitcode != 0:
+            crashed += 1
+            reason = result.error if result and result.error else f"exit code {process.exitcode}"
+            print(f"worker {index} ({result.worker_id if result else process.name}) crashed: {reason}")
+        if result is not None:
+            print(f"worker {index} ({result.worker_id}): {result.summary}")
+    done = list(collected.values())
+    published = sum(r.published for r in done)
+    elapsed = max((r.elapsed_s for r in done), default=0.0)
+    rate = published / elapsed if elapsed > 0 else 0.0
+    print(
+        f"total: published={published} msg/s={rate:,.0f} collisions={sum(r.collisions for r in done)} "
+        f"published_but_ack_failed={sum(r.lost_ownership for r in done)} "
+        f"dead_lettered={sum(r.dead_lettered for r in done)} retried={sum(r.retried for r in done)} "
+        f"workers={len(processes)} crashed={crashed}",
+        flush=True,
+    )
+    return 1 if crashed else 0
+
+
+# -- lag and operator actions -----------------------------------------------------------------
+
+
+def _connect(args: argparse.Namespace) -> psycopg.Connection:
+    conn = psycopg.connect(_dsn(args), autocommit=True)
+    try:
+        schema.require_current(conn, _table(args))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def cmd_lag(args: argparse.Namespace) -> int:
+    _strategy(args.strategy)
+    if args.cap is not None and args.cap < 1:
+        raise OutboxError("--cap must be >= 1")
+    with _connect(args) as conn:
+        lags = partition_lag(conn, _table(args), args.strategy, cap=args.cap)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(lag) for lag in lags]))
+    else:
+        print(_lag_table(lags, args.cap))
+    return 0
+
+
+def _lag_table(lags: Sequence[PartitionLag], cap: int | None) -> str:
+    header = ("topic", "partition", "pending", "oldest_s", "position", "leased_by", "attempts", "backoff", "last_error")
+    rows = [
+        (
+            lag.topic,
+            str(lag.partition),
+            f"{lag.pending}+" if cap is not None and lag.pending >= cap else str(lag.pending),
+            f"{lag.oldest_pending_age_s:.1f}" if lag.oldest_pending_age_s is not None else "-",
+            lag.position or "-",
+            lag.leased_by or "-",
+            str(lag.attempts),
+            "yes" if lag.in_backoff else "no",
+            (lag.last_error or "-").replace("\n", " ")[:60],
+        )
+        for lag in lags
+    ]
+    if not rows:
+        return "nothing pending"
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=False)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in (header, *rows)]
+    total = sum(lag.pending for lag in lags)
+    return "\n".join(
+        [*lines, f"total pending: {total}{'+' if cap is not None and any(r[2].endswith('+') for r in rows) else ''}"]
+    )
+
+
+def _timestamp(text: str) -> dt.datetime:
+    """ISO-8601; a time without an offset is UTC."""
+    try:
+        value = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO-8601 timestamp: {text!r}") from None
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    table = _table(args)
+    rewind_flags = [args.to_id, args.to_xid, args.since]
+    row_filters = [args.key, args.id_from, args.id_to, args.created_from, args.created_to]
+    if args.partition is None:
+        if any(f is not None for f in rewind_flags) or args.force:
+            raise OutboxError(
+                "--to-id, --to-xid, --since and --force rewind one partition: give --topic and --partition"
+            )
+        with _connect(args) as conn:
+            count = operations.replay_sent(
+                conn,
+                table,
+                topic=args.topic,
+                key=args.key,
+                id_from=args.id_from,
+                id_to=args.id_to,
+                created_from=args.created_from,
+                created_to=args.created_to,
+                all=args.all,
+            )
+        hint = "" if count else " (only rows kept by `relay --mode mark-sent` can be replayed)"
+        print(f"replayed {count} sent rows (they are pending again){hint}")
+        return 0
+    if args.topic is None:
+        raise OutboxError("--partition needs --topic")
+    if any(f is not None for f in row_filters) or args.all:
+        raise OutboxError("a partition rewind takes --to-id [--to-xid] or --since, not row filters")
+    with _connect(args) as conn:
+        rewound = operations.rewind_partition(
+            conn,
+            table,
+            args.topic,
+            args.partition,
+            to_id=args.to_id,
+            to_xid=args.to_xid,
+            since=args.since,
+            force=args.force,
+        )
+    print(
+        f"rewound {rewound.topic}/{rewound.partition} from xid={rewound.from_xid} id={rewound.from_id} "
+        f"to xid={rewound.to_xid} id={rewound.to_id}"
+    )
+    return 0
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    table = _table(args)
+    with _connect(args) as conn:
+        if args.action == "retry":
+            count = operations.retry_dead_letters(conn, table, ids=args.id, topic=args.topic)
+            print(f"retried {count} dead letters (back in the outbox)")
+            return 0
+        letters = operations.list_dead_letters(conn, table, args.limit, include_retried=args.include_retried)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(d) for d in letters], default=str))
+        return 0
+    for d in letters:
+        retried = f" retried_at={d.retried_at.isoformat()}" if d.retried_at else ""
+        print(
+            f"id={d.id} message_id={d.message_id} {d.topic}/{d.partition} key={d.key} attempts={d.attempts} "
+            f"at={d.dead_lettered_at.isoformat()} by={d.dead_lettered_by}{retried} error={d.last_error}"
+        )
+    print(f"{len(letters)} dead letters{' (limit reached)' if len(letters) == args.limit else ''}")
+    return 0
+
+
+def cmd_release_lease(args: argparse.Namespace) -> int:
+    with _connect(args) as conn:
+        released = operations.release_lease(conn, _table(args), args.topic, args.partition)
+    print(
+        f"released the lease on {args.topic}/{args.partition}"
+        if released
+        else f"{args.topic}/{args.partition} was not leased"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outbox", description="Transactional outbox relay: PostgreSQL -> Kafka")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -159,6 +555,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollback-every", type=int, default=25, help="every Nth transaction rolls back (0: never)")
     p.add_argument("--long-tx-every", type=float, default=30.0, help="seconds between long transactions (0: never)")
     p.set_defaults(func=cmd_demo_traffic)
+
+    p = sub.add_parser("relay", help="run relay workers (one process each) until stopped")
+    _add_db_args(p)
+    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES)
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument("--batch-size", type=int, default=RelaySettings.batch_size)
+    p.add_argument("--until-empty", action="store_true", help="stop when nothing is claimable")
+    p.add_argument("--max-seconds", type=float, help="stop after this long")
+    p.add_argument("--mode", choices=("delete", "mark-sent"), default="delete", help="row strategies: after delivery")
+    p.add_argument(
+        "--worker-id",
+        help="stable id prefix (workers are ID-0, ID-1, ...): a restarted worker then takes its leases back at once "
+        "(default: <hostname>-<pid>)",
+    )
+    p.add_argument(
+        "--kafka-transactions", action="store_true", help="position strategies: one Kafka transaction a batch"
+    )
+    p.add_argument("--no-listen", action="store_true", help="poll instead of waiting for NOTIFY")
+    p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+    p.set_defaults(func=cmd_relay)
+
+    p = sub.add_parser("lag", help="pending rows per topic and virtual partition")
+    _add_db_args(p)
+    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="pending as this strategy sees it")
+    p.add_argument("--cap", type=int, help="count at most this many rows per partition (cheap on huge backlogs)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_lag)
+
+    p = sub.add_parser(
+        "replay",
+        help="publish again: sent rows (mark-sent mode) by filter, or rewind one partition's position",
+        description="Without --partition: mark matching sent rows pending again (row strategies, mark-sent mode). "
+        "With --topic and --partition: move that partition's position back (partitioned, serialized).",
+    )
+    _add_db_args(p)
+    p.add_argument("--topic")
+    p.add_argument("--key")
+    p.add_argument("--id-from", type=int, help="ids from (inclusive)")
+    p.add_argument("--id-to", type=int, help="ids to (inclusive)")
+    p.add_argument("--created-from", type=_timestamp, help="created at or after (ISO-8601, UTC by default)")
+    p.add_argument("--created-to", type=_timestamp, help="created before (ISO-8601, UTC by default)")
+    p.add_argument("--all", action="store_true", help="replay every sent row (no filter)")
+    p.add_argument("--partition", type=int, help="rewind this virtual partition of --topic")
+    p.add_argument("--to-id", type=int, help="rewind to just after this id (0: the whole partition)")
+    p.add_argument("--to-xid", help="with --to-id: the position's transaction id")
+    p.add_argument("--since", type=_timestamp, help="rewind to just before the rows created since then")
+    p.add_argument("--force", action="store_true", help="rewind even while a live worker leases the partition")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("dead-letters", help="list dead letters or put them back into the outbox")
+    _add_db_args(p)
+    p.add_argument("action", choices=("list", "retry"))
+    p.add_argument("--id", type=int, action="append", help="retry: this dead letter (repeatable)")
+    p.add_argument("--topic", help="retry: the dead letters of this topic")
+    p.add_argument("--limit", type=int, default=100, help="list: at most this many")
+    p.add_argument("--include-retried", action="store_true", help="list: retried ones too")
+    p.add_argument("--json", action="store_true", help="list: as JSON")
+    p.set_defaults(func=cmd_dead_letters)
+
+    p = sub.add_parser("release-lease", help="free a stuck partition lease (partitioned, serialized)")
+    _add_db_args(p)
+    p.add_argument("topic")
+    p.add_argument("partition", type=int)
+    p.set_defaults(func=cmd_release_lease)
 
     p = sub.add_parser("dev", help="run PostgreSQL, the broker, demo traffic and dagster dev locally")
     p.add_argument("--no-dagster", action="store_true", help="start the servers and traffic only")

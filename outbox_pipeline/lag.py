@@ -1,4 +1,11 @@
-"""Engine room: how far behind the relay is, per topic and virtual partition, in one query."""
+"""Engine room: how far behind the relay is, per topic and virtual partition, in one query.
+
+Lag comes from PostgreSQL, never from Kafka offsets (the local broker's watermarks run behind).
+What "pending" means depends on the strategy: row strategies (locking, advisory, lease) keep delivery
+state on the row (``sent_at IS NULL``); position strategies (partitioned, serialized) keep it in
+``outbox_offsets``, so pending is "past the stored position", decided by the strategy's own
+``work_condition`` so that lag and the relay can never disagree about what is left.
+"""
 
 from __future__ import annotations
 
@@ -9,31 +16,150 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
+from .strategies import strategy_class
+from .strategies.positions import PositionStrategy
 
 
 @dataclass(frozen=True)
 class PartitionLag:
     topic: str
     partition: int
+    # Rows still to publish; with a cap, at most ``cap`` (a floor, not an exact count).
     pending: int
     oldest_pending_age_s: float | None
-    max_id: int
+    # Position strategies: the stored position ("xid=123 id=456" or "id=456"); None for row strategies.
+    position: str | None = None
+    # Row strategies: the live leases' workers, comma-separated; position strategies: the partition's.
+    leased_by: str | None = None
+    # Row strategies: the most attempts of any pending row; position strategies: the partition's head.
+    attempts: int = 0
+    last_error: str | None = None
+    # Backing off after a failure (not leased, not available yet).
+    in_backoff: bool = False
+
+
+# Distinct (topic, partition) pairs of the message table as a loose index scan: one probe of the
+# (topic, partition, ...) index per pair instead of a DISTINCT over every row.
+_PAIRS = """
+    pairs AS (
+        (SELECT topic, partition FROM {messages} ORDER BY topic, partition LIMIT 1)
+        UNION ALL
+        SELECT next.topic, next.partition
+        FROM pairs, LATERAL (
+            SELECT m.topic, m.partition FROM {messages} m
+            WHERE (m.topic, m.partition) > (pairs.topic, pairs.partition)
+            ORDER BY m.topic, m.partition LIMIT 1
+        ) next
+    )
+"""
+
+# Row strategies. Per pair, the pending rows oldest first (the (topic, partition, id) index), at most
+# %(cap)s of them (LIMIT NULL means all): with a cap a huge backlog costs ``cap`` rows per partition,
+# and attempts, errors and leases are then those of the oldest ``cap`` rows.
+_ROW_LAG = """
+    WITH RECURSIVE {pairs}
+    SELECT p.topic, p.partition, w.pending, w.age, NULL::text,
+           w.leased_by, w.attempts, w.last_error, w.in_backoff
+    FROM pairs p
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS pending,
+               extract(epoch FROM now() - min(r.created_at))::float8 AS age,
+               string_agg(DISTINCT r.locked_by, ',')
+                   FILTER (WHERE r.locked_by IS NOT NULL AND r.available_after > now()) AS leased_by,
+               coalesce(max(r.attempts), 0) AS attempts,
+               (array_agg(r.last_error ORDER BY r.attempts DESC, r.id)
+                   FILTER (WHERE r.last_error IS NOT NULL))[1] AS last_error,
+               coalesce(bool_or(r.locked_by IS NULL AND r.attempts > 0 AND r.available_after > now()), false)
+                   AS in_backoff
+        FROM (
+            SELECT m.id, m.created_at, m.locked_by, m.available_after, m.attempts, m.last_error
+            FROM {messages} m
+            WHERE m.topic = p.topic AND m.partition = p.partition AND m.sent_at IS NULL
+            ORDER BY m.id
+            LIMIT %(cap)s
+        ) r
+    ) w
+    WHERE w.pending > 0
+    ORDER BY p.topic, p.partition
+"""
+
+# Position strategies. One row per offsets row, plus pairs that have rows but no offsets row yet (the
+# relay creates it on discovery; until then the position is the start). Pending rows are those the
+# strategy's ``work_condition`` (aliases m and o) would still read, at most %(cap)s per partition.
+_POSITION_LAG = """
+    WITH RECURSIVE {pairs},
+    positions AS (
+        SELECT topic, partition, last_processed_transaction_id, last_processed_id,
+               locked_by, available_after, attempts, last_error
+        FROM {offsets}
+        UNION ALL
+        SELECT p.topic, p.partition, '0'::xid8, 0::bigint, NULL::text, now(), 0, NULL::text
+        FROM pairs p
+        WHERE NOT EXISTS (SELECT 1 FROM {offsets} x WHERE x.topic = p.topic AND x.partition = p.partition)
+    )
+    SELECT o.topic, o.partition, w.pending, w.age,
+           o.last_processed_transaction_id::text AS xid_text, o.last_processed_id,
+           CASE WHEN o.available_after > now() THEN o.locked_by END,
+           o.attempts, o.last_error,
+           (o.locked_by IS NULL AND o.available_after > now())
+    FROM positions o
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS pending, extract(epoch FROM now() - min(r.created_at))::float8 AS age
+        FROM (
+            SELECT m.created_at FROM {messages} m
+            WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+            LIMIT %(cap)s
+        ) r
+    ) w
+    ORDER BY o.topic, o.partition
+"""
+
+
+def partition_lag(
+    conn: psycopg.Connection, table: OutboxTable, strategy: str, *, cap: int | None = None
+) -> list[PartitionLag]:
+    """Per-partition lag as ``strategy`` sees it, in one query.
+
+    Row strategies list partitions with unsent rows. Position strategies list every offsets row (and
+    every partition without one yet), pending or not. For ``partitioned`` pending counts only rows
+    the snapshot rule lets the relay read now (``transaction_id < pg_snapshot_xmin``): rows of a
+    transaction still running, or behind one, are not counted until it ends.
+    """
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    cls = strategy_class(strategy)
+    pairs = sql.SQL(_PAIRS).format(messages=table.messages)
+    if not issubclass(cls, PositionStrategy):
+        query = sql.SQL(_ROW_LAG).format(pairs=pairs, messages=table.messages)
+        rows = conn.execute(query, {"cap": cap}).fetchall()
+        return [
+            PartitionLag(topic, part, int(n), age, None, leased, int(attempts), error, bool(backoff))
+            for topic, part, n, age, _, leased, attempts, error, backoff in rows
+        ]
+    with_xid = "last_processed_transaction_id" in cls.work_condition
+    query = sql.SQL(_POSITION_LAG).format(
+        pairs=pairs, offsets=table.offsets, messages=table.messages, work=sql.SQL(cls.work_condition)
+    )
+    rows = conn.execute(query, {"cap": cap}).fetchall()
+    return [
+        PartitionLag(
+            topic,
+            part,
+            int(n),
+            age,
+            f"xid={xid} id={last_id}" if with_xid else f"id={last_id}",
+            leased,
+            int(attempts),
+            error,
+            bool(backoff),
+        )
+        for topic, part, n, age, xid, last_id, leased, attempts, error, backoff in rows
+    ]
 
 
 def pending_by_partition(conn: psycopg.Connection, table: OutboxTable) -> list[PartitionLag]:
     """Unsent rows per partition for the row-claiming strategies (sent rows are deleted or marked)."""
-    rows = conn.execute(
-        sql.SQL(
-            """
-            SELECT topic, partition, count(*), extract(epoch FROM now() - min(created_at)), max(id)
-            FROM {messages}
-            WHERE sent_at IS NULL
-            GROUP BY topic, partition
-            ORDER BY topic, partition
-            """
-        ).format(messages=table.messages)
-    ).fetchall()
-    return [PartitionLag(t, p, int(n), float(age) if age is not None else None, int(m)) for t, p, n, age, m in rows]
+    return partition_lag(conn, table, "locking")
 
 
 def utcnow() -> dt.datetime:

@@ -155,6 +155,8 @@ class Relay:
         if claim is None:
             return None
         if not claim.records:
+            # Every candidate was taken by another worker first: no batch, but the collisions count.
+            self.stats.collisions += claim.collisions
             strategy.give_back(claim, "empty claim")
             return None
         try:

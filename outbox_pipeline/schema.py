@@ -170,6 +170,10 @@ def _m002_wakeups_and_fairness(conn: psycopg.Connection, t: OutboxTable) -> None
         sql.SQL("CREATE INDEX outbox_messages_pending_oldest ON {messages} (id) WHERE sent_at IS NULL").format(
             messages=t.messages
         ),
+        # Leased rows only (a handful): a restarted lease worker finds its own leases without a scan.
+        sql.SQL("CREATE INDEX outbox_messages_leased ON {messages} (locked_by) WHERE locked_by IS NOT NULL").format(
+            messages=t.messages
+        ),
     ]
     for statement in statements:
         conn.execute(statement)
@@ -177,7 +181,7 @@ def _m002_wakeups_and_fairness(conn: psycopg.Connection, t: OutboxTable) -> None
 
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
-    Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
+    Migration(2, "NOTIFY on insert; indexes of the oldest unsent rows and of leases", _m002_wakeups_and_fairness),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

@@ -1,0 +1,126 @@
+"""Engine room: strategy `advisory`, the talk's variant 1.1 (one active worker, strict order by id).
+
+A *session* advisory lock ``pg_try_advisory_lock(ADVISORY_LOCK_CLASS, hashtext(schema))`` elects one
+active worker per outbox. The holder reads unsent rows ``ORDER BY id`` with a plain SELECT (no row
+locks and no long transaction: nobody else reads), publishes, and deletes or marks sent what Kafka
+confirmed. It keeps the lock across batches and releases it in ``close()``; a crashed worker's
+session ends and PostgreSQL releases the lock with it. The other workers are standbys: their
+``claim()`` returns None and the relay loop backs off and asks again.
+
+Why ``pg_try_advisory_lock`` and not the talk's blocking ``pg_advisory_lock``: a blocked claim would
+park a standby inside a statement that never returns, deaf to stop requests, NOTIFY and metrics,
+holding a transaction-less but busy connection. Trying and backing off costs one tiny query per
+poll. Why a session lock and not ``pg_advisory_xact_lock``: the lock must outlive the claim's short
+transactions, across publish and ack and the next batches.
+
+Connection poolers: a session lock belongs to the *server* connection. Behind pgbouncer in
+transaction pooling mode each transaction of this worker may run on a different server connection:
+the lock stays on the one that took it, pgbouncer hands that connection to other clients (who then
+"acquire" the lock too: advisory locks are re-entrant within a session) and the unlock runs on
+another connection and fails. So this strategy needs session pooling or a direct connection (as the
+talk says). As a guard, acquiring refuses to proceed when the server connection already holds the
+lock though this worker never took it, the tell-tale of a transaction pooler; releasing warns when
+the lock is not found.
+
+Order. Kafka receives rows in id order (per partition, so per key). Caveats, precisely:
+- Ids are allocation order, not commit order: a transaction that commits after a higher id was
+  published is delivered late (never skipped: there is no stored position, every claim re-reads all
+  unsent rows). Strategy ``serialized`` makes ids commit-ordered.
+- Priority is ignored: strict id order wins.
+- A batch's delivered rows are acked even when an earlier row of the batch failed: they are in
+  Kafka, and sending them again would only add duplicates and more reordering.
+- A transiently failed row gets ``attempts + 1`` and a backoff in ``available_after``. Until the
+  backoff expires claims skip it, so later rows (of its key too) overtake it; once available it is
+  the lowest id again and goes out in the very next batch, after the rows that overtook it.
+- A row that failed permanently or ran out of attempts moves to the dead-letter table: it is skipped
+  for good, and a replay from there delivers it after everything published meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import psycopg
+from psycopg import IsolationLevel, pq
+
+from ..errors import ConfigurationError
+from .base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
+from .rows import finish, select_pending_sql
+
+log = logging.getLogger(__name__)
+
+# First key of pg_try_advisory_lock(class, hashtext(schema)); distinct from the migration and the
+# serialized-writer classes, which are transaction-scoped locks in the same key space.
+ADVISORY_LOCK_CLASS = 0x4F41  # "OA"
+
+# Does this server connection already hold our lock? (Two-int4 keys show as objsubid 2.)
+_HELD_HERE = """
+    SELECT EXISTS (
+        SELECT 1 FROM pg_locks
+        WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted
+          AND classid = %(class)s::oid AND objid = hashtext(%(schema)s)::oid AND objsubid = 2)
+"""
+_TRY_LOCK = "SELECT pg_try_advisory_lock(%(class)s, hashtext(%(schema)s))"
+_UNLOCK = "SELECT pg_advisory_unlock(%(class)s, hashtext(%(schema)s))"
+
+
+class AdvisoryStrategy(Strategy):
+    name: ClassVar[str] = "advisory"
+    ordered: ClassVar[bool] = True
+
+    def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
+        super().__init__(conn, config)
+        # Only the holder reads, so isolation buys nothing here; say which one rather than inherit it.
+        conn.isolation_level = IsolationLevel.READ_COMMITTED
+        self._key = {"class": ADVISORY_LOCK_CLASS, "schema": self.table.schema}
+        self._held = False
+        self._select = select_pending_sql(config, order="id", lock=False, exclude=False)
+
+    @property
+    def holds_lock(self) -> bool:
+        """Whether this worker is the active one (it took the lock and has not released it)."""
+        return self._held
+
+    def claim(self, limit: int) -> Claim | None:
+        if not self._held and not self._acquire():
+            return None
+        records = [OutboxRecord(*row) for row in self.conn.execute(self._select, {"limit": limit}).fetchall()]
+        return Claim(records) if records else None
+
+    def _acquire(self) -> bool:
+        # One transaction, so that even a transaction pooler runs the check and the lock on one server
+        # connection; the lock itself is session-scoped and survives the COMMIT.
+        with self.conn.transaction():
+            row = self.conn.execute(_HELD_HERE, self._key).fetchone()
+            if row and row[0]:
+                raise ConfigurationError(
+                    "strategy 'advisory': this server connection already holds the relay's advisory lock that "
+                    "this worker never took; the connection is shared (transaction pooling?). Use a direct "
+                    "connection or session pooling."
+                )
+            row = self.conn.execute(_TRY_LOCK, self._key).fetchone()
+        self._held = bool(row and row[0])
+        if self._held:
+            log.info("advisory: worker %s is now the active relay for %s", self.config.worker_id, self.table.schema)
+        return self._held
+
+    def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
+        # No owner fence needed: while this session holds the lock nobody else touches unsent rows.
+        with self.conn.transaction():
+            return finish(self.conn, self.config, outcome)
+
+    def give_back(self, claim: Claim, error: str) -> None:
+        """Nothing to undo: claiming changed no row, so the next claim starts from the same row."""
+
+    def close(self) -> None:
+        """Release the lock so a standby takes over now rather than when this session ends."""
+        if not self._held:
+            return
+        self._held = False
+        conn = self.conn
+        if conn.closed or conn.broken or conn.info.transaction_status != pq.TransactionStatus.IDLE:
+            return  # ending the session (or rolling back into it) is the caller's job; that releases it
+        row = conn.execute(_UNLOCK, self._key).fetchone()
+        if not (row and row[0]):
+            log.warning("advisory: the lock was not held by this server connection (transaction pooling?)")

@@ -1,0 +1,245 @@
+"""Strategy `lease` (talk variant 2): two short transactions, rows leased with available_after + locked_by."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.strategies.lease import LeaseStrategy
+
+from .kafka_helpers import KafkaProbe
+from .relay_helpers import drain, message_ids, run_workers
+
+
+def _count(db: psycopg.Connection, table: OutboxTable, where: str = "true") -> int:
+    row = db.execute(sql.SQL("SELECT count(*) FROM {} WHERE " + where).format(table.messages)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _wait_for_leases_to_expire(db: psycopg.Connection, table: OutboxTable, deadline_s: float = 15.0) -> None:
+    """Wait on the database clock (the one leases use) until no lease in the table is still running."""
+    deadline = time.monotonic() + deadline_s
+    query = sql.SQL(
+        "SELECT extract(epoch FROM max(available_after) - clock_timestamp())::float8 "
+        "FROM {} WHERE locked_by IS NOT NULL"
+    ).format(table.messages)
+    while True:
+        row = db.execute(query).fetchone()
+        remaining = row[0] if row else None
+        if remaining is None or remaining < 0:
+            return
+        assert time.monotonic() < deadline, f"leases still running {remaining:.1f} s after the deadline"
+        db.execute("SELECT pg_sleep(%s)", [min(remaining + 0.01, 1.0)])
+
+
+@pytest.fixture
+def connect(dsn: str) -> Iterator[Callable[[], psycopg.Connection]]:
+    """Extra autocommit sessions (one per simulated worker), closed after the test."""
+    opened: list[psycopg.Connection] = []
+
+    def open_one() -> psycopg.Connection:
+        conn = psycopg.connect(dsn, autocommit=True)
+        opened.append(conn)
+        return conn
+
+    yield open_one
+    for conn in opened:
+        conn.close()
+
+
+@pytest.fixture
+def publisher(kafka: KafkaProbe) -> Iterator[KafkaPublisher]:
+    pub = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 10_000})
+    yield pub
+    pub.close()
+
+
+def test_two_lease_workers_deliver_every_committed_row_once(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=2)
+    written = enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(2000)], table=table)
+    stats = run_workers(db.info.dsn, table, kafka.bootstrap_servers, "lease", 2, batch_size=50)
+    arrived = message_ids(kafka.consume(topic, expect=2000))
+    assert sorted(arrived) == sorted(str(w.message_id) for w in written)
+    assert sum(s.published for s in stats) == 2000
+    assert sum(s.lost_ownership for s in stats) == 0
+    assert _count(db, table) == 0
+
+
+def test_lease_mark_sent_mode_keeps_rows_with_sent_at_and_no_owner(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic()
+    enqueue_many(db, [Message(topic, {"n": i}) for i in range(50)], table=table)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "lease", mode="mark-sent", batch_size=16)
+    assert len(kafka.consume(topic, expect=50)) == 50
+    assert _count(db, table, "sent_at IS NOT NULL AND locked_by IS NULL") == 50
+
+
+def test_claimed_rows_carry_the_owner_and_a_lease_in_the_future(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    connect: Callable[[], psycopg.Connection],
+    publisher: KafkaPublisher,
+) -> None:
+    topic = new_topic()
+    written = enqueue_many(db, [Message(topic, {"n": i}) for i in range(15)], table=table)
+    strategy = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="w1", lease_s=30.0))
+    claim = strategy.claim(10)
+    assert claim is not None and [r.id for r in claim.records] == [w.id for w in written[:10]]
+
+    leased = db.execute(
+        sql.SQL(
+            "SELECT id FROM {} WHERE locked_by = 'w1' AND available_after > now() + interval '20 s' ORDER BY id"
+        ).format(table.messages)
+    ).fetchall()
+    assert [r[0] for r in leased] == [w.id for w in written[:10]]
+    assert _count(db, table, "locked_by IS NULL AND available_after <= now()") == 5
+
+    assert strategy.ack(claim, publisher.publish(claim.records)).acked == 10
+    assert len(kafka.consume(topic, expect=10)) == 10
+    assert _count(db, table) == 5
+
+
+def test_restarted_worker_reclaims_its_own_leases_at_once_while_others_wait(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    connect: Callable[[], psycopg.Connection],
+    publisher: KafkaPublisher,
+) -> None:
+    topic = new_topic()
+    written = enqueue_many(db, [Message(topic, {"n": i}) for i in range(10)], table=table)
+    config = StrategyConfig(table=table, lease_s=30.0)
+    before_crash = LeaseStrategy(connect(), replace(config, worker_id="pod-0"))
+    assert before_crash.claim(10) is not None  # ... and the process dies without acking
+    other = LeaseStrategy(connect(), replace(config, worker_id="pod-1"))
+    assert other.claim(10) is None
+
+    restarted = LeaseStrategy(connect(), replace(config, worker_id="pod-0"))
+    claim = restarted.claim(10)
+    assert claim is not None and [r.id for r in claim.records] == [w.id for w in written]
+    assert restarted.ack(claim, publisher.publish(claim.records)).acked == 10
+
+    assert sorted(message_ids(kafka.consume(topic, expect=10))) == sorted(str(w.message_id) for w in written)
+    assert _count(db, table) == 0
+
+
+def test_expired_lease_hands_a_dead_workers_rows_to_another_worker(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    connect: Callable[[], psycopg.Connection],
+) -> None:
+    topic = new_topic()
+    written = enqueue_many(db, [Message(topic, {"n": i}) for i in range(30)], table=table)
+    dead_conn = connect()
+    dead = LeaseStrategy(dead_conn, StrategyConfig(table=table, worker_id="dead", lease_s=1.0))
+    assert dead.claim(30) is not None
+    dead_conn.close()  # gone without acking or giving anything back
+
+    _wait_for_leases_to_expire(db, table)
+    stats = drain(db.info.dsn, table, kafka.bootstrap_servers, "lease", worker_id="heir")
+    assert stats.published == 30
+    assert sorted(message_ids(kafka.consume(topic, expect=30))) == sorted(str(w.message_id) for w in written)
+    assert _count(db, table) == 0
+
+
+def test_worker_whose_expired_lease_was_reclaimed_acks_nothing(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    connect: Callable[[], psycopg.Connection],
+    publisher: KafkaPublisher,
+) -> None:
+    topic = new_topic()
+    written = enqueue_many(db, [Message(topic, {"n": i}) for i in range(20)], table=table)
+    slow = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="slow", lease_s=1.0))
+    slow_claim = slow.claim(20)
+    assert slow_claim is not None
+    slow_outcome = publisher.publish(slow_claim.records)  # published; the ack comes too late
+
+    _wait_for_leases_to_expire(db, table)
+    fast = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="fast", lease_s=30.0))
+    fast_claim = fast.claim(20)
+    assert fast_claim is not None and len(fast_claim.records) == 20
+
+    late = slow.ack(slow_claim, slow_outcome)
+    assert (late.acked, late.lost_ownership) == (0, 20)
+    assert _count(db, table, "locked_by = 'fast'") == 20
+
+    assert fast.ack(fast_claim, publisher.publish(fast_claim.records)).acked == 20
+    assert _count(db, table) == 0
+    # At-least-once: both workers published every row.
+    arrived = Counter(message_ids(kafka.consume(topic, expect=40)))
+    assert arrived == Counter({str(w.message_id): 2 for w in written})
+
+
+def test_give_back_ends_the_lease_so_another_worker_can_claim_at_once(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    connect: Callable[[], psycopg.Connection],
+    publisher: KafkaPublisher,
+) -> None:
+    topic = new_topic()
+    written = enqueue_many(db, [Message(topic, {"n": i}) for i in range(10)], table=table)
+    config = StrategyConfig(table=table, lease_s=30.0)
+    first = LeaseStrategy(connect(), replace(config, worker_id="first"))
+    second = LeaseStrategy(connect(), replace(config, worker_id="second"))
+    claim = first.claim(10)
+    assert claim is not None
+    first.give_back(claim, "producer failed")
+    assert _count(db, table, "locked_by IS NULL AND available_after <= now()") == 10
+
+    taken = second.claim(10)
+    assert taken is not None and [r.id for r in taken.records] == [w.id for w in written]
+    assert second.ack(taken, publisher.publish(taken.records)).acked == 10
+    assert len(kafka.consume(topic, expect=10)) == 10
+    assert _count(db, table) == 0
+
+
+def test_lease_claim_takes_highest_priority_plus_an_oldest_share(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic()
+    enqueue_many(db, [Message(topic, {"p": 0, "n": i}) for i in range(10)], table=table)
+    enqueue_many(db, [Message(topic, {"p": 9, "n": i}, priority=9) for i in range(100)], table=table)
+    stats = drain(db.info.dsn, table, kafka.bootstrap_servers, "lease", batch_size=20, oldest_share=0.25)
+    records = kafka.consume(topic, expect=110)
+    first_batch = [json.loads(r.value or b"null")["p"] for r in records[:20]]
+    assert stats.published == 110
+    assert first_batch.count(0) == 5 and first_batch.count(9) == 15
+    assert _count(db, table) == 0
+
+
+def test_shuffle_and_sample_with_three_workers_delivers_everything_and_counts_collisions(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=3)
+    written = enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(3000)], table=table)
+    stats = run_workers(db.info.dsn, table, kafka.bootstrap_servers, "lease", 3, batch_size=50, sample_factor=4)
+    arrived = message_ids(kafka.consume(topic, expect=3000))
+    collisions = sum(s.collisions for s in stats)
+    print(f"shuffle-and-sample, 3 workers: collisions={collisions} per worker={[s.collisions for s in stats]}")
+    assert sorted(arrived) == sorted(str(w.message_id) for w in written)
+    # Collisions cost a worker a row, never a delivery: every claimed row was published once.
+    assert sum(s.claimed for s in stats) == sum(s.published for s in stats) == 3000
+    assert _count(db, table) == 0
