@@ -80,28 +80,48 @@ class KafkaPublisher:
         return PublishOutcome(outcome.delivered(records), outcome.failures(records), time.monotonic() - started)
 
     def _publish_transaction(self, records: Sequence[OutboxRecord], transactional_id: str) -> PublishOutcome:
-        """All or nothing: read_committed consumers see the whole batch or none of it."""
+        """All or nothing: read_committed consumers see the whole batch or none of it.
+
+        A record Kafka can never take (too large, invalid topic) would abort every transaction it is
+        in, so after such an abort the rest of the batch is sent again, once, in a new transaction.
+        """
         started = time.monotonic()
-        producer = self._transactional.get(transactional_id)
-        try:
-            if producer is None:
-                producer = Producer({**self._config, "transactional.id": transactional_id})
-                producer.init_transactions(self._timeout_s)
-                self._transactional[transactional_id] = producer
-            producer.begin_transaction()
-            reports = self._produce_all(producer, records)
-            if reports.failed_count:
+        permanent: list[DeliveryFailure] = []
+        batch = list(records)
+        for _ in range(2):
+            try:
+                producer = self._transactional_producer(transactional_id)
+                producer.begin_transaction()
+                reports = self._produce_all(producer, batch)
+                if not reports.failed_count:
+                    producer.commit_transaction(self._timeout_s)
+                    return PublishOutcome(batch, permanent, time.monotonic() - started)
                 producer.abort_transaction(self._timeout_s)
-                error = reports.first_error or "a message in the transaction failed"
-                return PublishOutcome([], _all_failed(records, error, reports), time.monotonic() - started)
-            producer.commit_transaction(self._timeout_s)
-        except KafkaException as exc:
-            # Fenced by a newer producer with this id, or a fatal/abortable error: nothing is confirmed.
-            kerr = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-            self._drop(self._transactional.pop(transactional_id, None))
-            message = kerr.str() if kerr else str(exc)
-            return PublishOutcome([], [DeliveryFailure(r, message, False) for r in records], time.monotonic() - started)
-        return PublishOutcome(list(records), [], time.monotonic() - started)
+            except KafkaException as exc:
+                # Fenced by a newer producer with this id, or a fatal/abortable error: nothing confirmed.
+                kerr = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+                self._drop(self._transactional.pop(transactional_id, None))
+                failed = [DeliveryFailure(r, kerr.str() if kerr else str(exc), False) for r in batch]
+                return PublishOutcome([], permanent + failed, time.monotonic() - started)
+            failures = _all_failed(batch, reports.first_error or "a message in the transaction failed", reports)
+            newly_permanent = [f for f in failures if f.permanent]
+            if not newly_permanent:
+                return PublishOutcome([], permanent + failures, time.monotonic() - started)
+            permanent += newly_permanent
+            rejected = {f.record.id for f in newly_permanent}
+            batch = [r for r in batch if r.id not in rejected]
+            if not batch:
+                break
+        transient = [DeliveryFailure(r, "transaction aborted", False) for r in batch]
+        return PublishOutcome([], permanent + transient, time.monotonic() - started)
+
+    def _transactional_producer(self, transactional_id: str) -> Producer:
+        producer = self._transactional.get(transactional_id)
+        if producer is None:
+            producer = Producer({**self._config, "transactional.id": transactional_id})
+            producer.init_transactions(self._timeout_s)
+            self._transactional[transactional_id] = producer
+        return producer
 
     def _produce_all(self, producer: Producer, records: Sequence[OutboxRecord]) -> _Reports:
         reports = _Reports(len(records))
