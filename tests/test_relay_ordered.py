@@ -259,5 +259,29 @@ def test_a_poison_row_aborts_its_kafka_transaction_and_the_rest_goes_out_in_a_ne
     # The first transaction (5 good + 1 oversize) aborts; the 5 good rows go out again in a transaction
     # of their own and the oversize row is dead-lettered.
     records = kafka.consume(topic, idle_s=2.0, isolation="read_committed")
-    assert sorted(json.loads(r.value or b"{}")["n"] for r in records) == [0, 1, 2, 3, 4]
-    assert stats.dead_lettered == 1
+    numbers = [json.loads(r.value or b"{}")["n"] for r in records]
+    # Tansu 0.6 does not hide aborted records from read_committed consumers (see the canary below),
+    # so the aborted attempt's copies show up here; Apache Kafka would show [0..4] once.
+    assert numbers in ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4] * 2)
+    assert stats.dead_lettered == 1 and stats.published == 5
+    position = db.execute(sql.SQL("SELECT last_processed_id, attempts FROM {}").format(table.offsets)).fetchone()
+    assert position is not None and position[1] == 0
+    assert position[0] == db.execute(sql.SQL("SELECT max(id) FROM {}").format(table.messages)).fetchone()[0]
+
+
+def test_canary_the_local_broker_shows_aborted_transactions_to_read_committed_consumers(
+    kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """A fact about Tansu 0.6 our transaction tests depend on; when it starts failing, tighten them."""
+    topic = new_topic()
+    producer = kafka.producer(**{"transactional.id": f"canary-{topic}"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(topic, b"aborted")
+    producer.flush(30)
+    producer.abort_transaction(30)
+    producer.begin_transaction()
+    producer.produce(topic, b"committed")
+    producer.commit_transaction(30)
+    values = [r.value for r in kafka.consume(topic, idle_s=2.0, isolation="read_committed")]
+    assert values == [b"aborted", b"committed"]
