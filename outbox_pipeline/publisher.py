@@ -77,7 +77,30 @@ class KafkaPublisher:
             # An idempotent producer that hit a fatal error cannot be used again.
             self._drop(self._producer)
             self._producer = None
-        return PublishOutcome(outcome.delivered(records), outcome.failures(records), time.monotonic() - started)
+        failures = self._explain_missing_topics(outcome.failures(records))
+        return PublishOutcome(outcome.delivered(records), failures, time.monotonic() - started)
+
+    def _explain_missing_topics(self, failures: list[DeliveryFailure]) -> list[DeliveryFailure]:
+        """A message to a topic that does not exist (auto-creation off) just times out: say why.
+
+        Only on the failure path, one metadata request per failed batch.
+        """
+        if not failures or self._producer is None:
+            return failures
+        try:
+            existing = set(self._producer.list_topics(timeout=2.0).topics)
+        except KafkaException:
+            return failures  # the broker is unreachable: the timeout is the right explanation
+        return [
+            DeliveryFailure(
+                f.record,
+                f"topic {f.record.topic!r} does not exist on the broker and is not auto-created ({f.error})",
+                f.permanent,
+            )
+            if f.record.topic not in existing
+            else f
+            for f in failures
+        ]
 
     def _publish_transaction(self, records: Sequence[OutboxRecord], transactional_id: str) -> PublishOutcome:
         """All or nothing: read_committed consumers see the whole batch or none of it.

@@ -18,6 +18,8 @@ import pytest
 
 from outbox_pipeline.localstack import free_port
 
+from .net_helpers import LOOPBACK, listening_hosts
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -127,6 +129,8 @@ def test_dev_runs_the_stack_with_demo_traffic_and_ctrl_c_leaves_no_process(dev_h
     run = DevRun(dev_home)
     run.wait_for("demo traffic in the outbox table", lambda: run.pending_rows() > 20)
     run.wait_for("dagster dev to answer GraphQL", lambda: "data" in _graphql(run.dagster_port, "{ version }"))
+    assert listening_hosts(run.dagster_port) == {LOOPBACK}, "dagster dev must bind 127.0.0.1 only"
+    assert listening_hosts(run.pg_port) == {LOOPBACK} and listening_hosts(run.kafka_port) == {LOOPBACK}
     started = _descendants(run.process.pid)
     postmaster = int((dev_home / "pg" / "postmaster.pid").read_text().split()[0])
     started.add(postmaster)

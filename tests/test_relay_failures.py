@@ -217,3 +217,30 @@ def test_an_idle_relay_is_woken_by_notify_not_by_polling(
     finally:
         stop.set()
         worker.join()
+
+
+def test_a_topic_that_does_not_exist_with_auto_create_off_is_retried_then_dead_lettered_with_a_clear_error(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic()
+    missing = f"missing-{topic}"
+    enqueue(db, missing, {"n": 0}, key="k", table=table)
+    good = [str(enqueue(db, topic, {"n": i}, key="k", table=table).message_id) for i in range(3)]
+    retried = dead_lettered = 0
+    deadline = time.monotonic() + 60
+    while not _dead_letters(db, table):  # each drain ends when the row waits out its backoff
+        assert time.monotonic() < deadline, "the missing topic's row was never dead-lettered"
+        stats = drain(
+            db.info.dsn,
+            table,
+            kafka.bootstrap_servers,
+            "locking",
+            max_attempts=2,
+            backoff_base_s=0.05,
+            producer={**FAST_FAILING_PRODUCER, "allow.auto.create.topics": False},
+        )
+        retried, dead_lettered = retried + stats.retried, dead_lettered + stats.dead_lettered
+    assert set(message_ids(kafka.consume(topic, expect=3))) == set(good)
+    [(_, error)] = _dead_letters(db, table)
+    assert f"topic {missing!r} does not exist" in error
+    assert retried == 1 and dead_lettered == 1
