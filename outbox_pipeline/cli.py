@@ -515,6 +515,34 @@ def cmd_release_lease(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import parse_start_offset, verify
+
+    starts: dict[tuple[str, int], int] = {}
+    for spec in args.from_offsets or []:
+        topic, partition, offset = parse_start_offset(spec)
+        starts[(topic, partition)] = offset
+    if args.ledger_file is not None and (args.since is not None or args.id_from is not None):
+        raise OutboxError("--since and --id-from narrow the table ledger; a --ledger-file is the whole ledger")
+    kafka = _kafka_config(args)
+    with _connect(args) as conn:
+        report = verify(
+            conn,
+            _table(args),
+            kafka,
+            args.topics,
+            ledger_file=args.ledger_file,
+            ordered=args.ordered,
+            since=args.since,
+            id_from=args.id_from,
+            start_offsets=starts,
+            idle_s=args.idle_s,
+            max_s=args.max_seconds,
+        )
+    print(json.dumps(report.to_dict(), default=str) if args.json else report.render(), flush=True)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outbox", description="Transactional outbox relay: PostgreSQL -> Kafka")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -619,6 +647,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("topic")
     p.add_argument("partition", type=int)
     p.set_defaults(func=cmd_release_lease)
+
+    p = sub.add_parser(
+        "verify",
+        help="check Kafka against the outbox ledger: lost, phantom, duplicates, order, latency",
+        description="Consume the topics (read_committed, every partition, until idle) and match records to the "
+        "outbox ledger by message_id. Exit 0 when nothing is lost, phantom or out of order, 1 otherwise.",
+    )
+    _add_db_args(p)
+    p.add_argument("topics", nargs="+", metavar="TOPIC", help="Kafka topics to verify")
+    p.add_argument(
+        "--from",
+        dest="from_offsets",
+        action="append",
+        metavar="TOPIC:PARTITION:OFFSET",
+        help="start this partition here instead of at the beginning (repeatable)",
+    )
+    p.add_argument("--ledger-file", help="message ids, one per line, instead of the outbox table (delete mode)")
+    p.add_argument("--since", type=_timestamp, help="table ledger: rows created at or after (ISO-8601, UTC default)")
+    p.add_argument("--id-from", type=int, help="table ledger: rows with id >= N")
+    p.add_argument(
+        "--ordered",
+        choices=("partitioned", "serialized", "advisory"),
+        help="check per-key order as this strategy promises it",
+    )
+    p.add_argument("--idle-s", type=float, default=5.0, help="stop when every partition is idle this long")
+    p.add_argument("--max-seconds", type=float, help="stop consuming after this long even if not idle")
+    p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("dev", help="run PostgreSQL, the broker, demo traffic and dagster dev locally")
     p.add_argument("--no-dagster", action="store_true", help="start the servers and traffic only")

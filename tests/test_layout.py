@@ -15,6 +15,8 @@ ENGINE_MODULES = [
     "outbox_pipeline.enqueue",
     "outbox_pipeline.lag",
     "outbox_pipeline.operations",
+    "outbox_pipeline.verify",
+    "outbox_pipeline.bench.runner",
     "outbox_pipeline.publisher",
     "outbox_pipeline.relay",
     "outbox_pipeline.strategies.advisory",
