@@ -1,0 +1,36 @@
+"""Engine room (benchmarks): CPU seconds of other processes, read from /proc (Linux)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _fields(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def process_cpu_s(pid: int, *, with_reaped_children: bool = False) -> float:
+    """utime + stime of ``pid`` (all threads); plus children it has reaped, if asked."""
+    fields = _fields(pid)
+    if fields is None:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])
+    if with_reaped_children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / _TICKS
+
+
+def tree_cpu_s(root: int) -> float:
+    """A server's CPU: the root (with the children it reaped, e.g. ended backends) plus live children."""
+    total = process_cpu_s(root, with_reaped_children=True)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _fields(int(stat.parent.name))
+        if fields is not None and int(fields[1]) == root:
+            total += process_cpu_s(int(stat.parent.name))
+    return total

@@ -1,0 +1,244 @@
+"""Engine room (benchmarks): load N messages, drain them with a strategy, measure, verify.
+
+Every run gets a fresh schema and fresh topics, loaded with COPY, drained by W worker processes
+that start together on a signal (spawn and connection set-up are not timed). Drain time runs from
+that signal to the last delivery confirmed; CPU seconds are read for the relay workers, PostgreSQL
+(postmaster, live backends and reaped ones) and the broker. Speed is never asserted here: results are
+printed, medians of repeated runs are what the README quotes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+
+import psycopg
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from psycopg import sql
+
+from ..config import OutboxTable
+from ..demo import load
+from ..publisher import KafkaPublisher
+from ..relay import Relay, RelaySettings
+from ..schema import init_db, set_topic_partitions
+from ..strategies import strategy_class
+from ..strategies.base import StrategyConfig
+from ..strategies.positions import PositionStrategy
+from .naive import run_naive
+from .procstat import process_cpu_s, tree_cpu_s
+
+
+@dataclass(frozen=True)
+class Servers:
+    dsn: str
+    bootstrap: str
+    postgres_pid: int | None = None
+    broker_pid: int | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    strategy: str
+    workers: int = 2
+    batch_size: int = 5000
+    naive: bool = False
+    messages: int = 1_000_000
+    payload_bytes: int = 256
+    topics: int = 2
+    partitions: int = 1
+    keys: int = 1000
+    mode: str = "delete"
+    verify: bool = False
+
+    @property
+    def label(self) -> str:
+        kind = "naive" if self.naive else "ours"
+        batch = 100 if self.naive else self.batch_size
+        return f"{self.strategy} {kind} w={self.workers} b={batch}"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    spec: RunSpec
+    published: int
+    drain_s: float
+    load_s: float
+    relay_cpu_s: float
+    postgres_cpu_s: float | None
+    broker_cpu_s: float | None
+    peak_rss_mb: float
+    verified: bool | None = None
+    note: str = ""
+
+    @property
+    def msg_per_s(self) -> float:
+        return self.published / self.drain_s if self.drain_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _WorkerReport:
+    published: int
+    ended: float  # time.time() when its last batch was confirmed
+    cpu_s: float
+    max_rss_mb: float
+    error: str | None = None
+
+
+def _worker(spec: RunSpec, dsn: str, schema: str, bootstrap: str, index: int, go: Event, out: Queue) -> None:
+    """One benchmark worker process: set up, wait for the start signal, drain, report."""
+    table = OutboxTable(schema=schema)
+    try:
+        if spec.naive:
+            go.wait()
+            result = run_naive(spec.strategy, dsn, table, bootstrap, f"naive-{index}")
+            published = result.published
+        else:
+            relay = Relay(
+                dsn,
+                strategy_class(spec.strategy),
+                StrategyConfig(table=table, worker_id=f"bench-{index}", mode=spec.mode),  # type: ignore[arg-type]
+                KafkaPublisher({"bootstrap.servers": bootstrap}),
+                RelaySettings(batch_size=spec.batch_size, until_empty=True, listen=False),
+            )
+            relay.strategy  # noqa: B018 - connect before the clock starts
+            relay.publisher.producer  # noqa: B018
+            go.wait()
+            published = relay.run().published
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        out.put(_WorkerReport(published, time.time(), usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024))
+    except Exception as exc:  # reported, the run is marked failed
+        out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
+
+
+def prepare(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = print) -> tuple[OutboxTable, float]:
+    """A fresh schema and topics, loaded with ``spec.messages`` rows; returns the table and load seconds."""
+    run_id = uuid.uuid4().hex[:8]
+    table = OutboxTable(schema=f"bench_{run_id}")
+    topics = [f"bench-{run_id}-topic-{i + 1}" for i in range(spec.topics)]
+    admin = AdminClient({"bootstrap.servers": servers.bootstrap})
+    for future in admin.create_topics([NewTopic(t, spec.partitions, 1) for t in topics]).values():
+        future.result()
+    with psycopg.connect(servers.dsn, autocommit=True) as conn:
+        init_db(conn, table)
+        for topic in topics:
+            set_topic_partitions(conn, table, topic, spec.partitions)
+    load_s = load(servers.dsn, table, spec.messages, payload_bytes=spec.payload_bytes, topics=topics, keys=spec.keys)
+    with psycopg.connect(servers.dsn, autocommit=True) as conn:
+        # The talk's offsets table starts with a row per partition; ours discovers them, the naive
+        # variants need them up front.
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (topic, partition) SELECT t, p FROM unnest(%s::text[]) t, generate_series(0, %s) p"
+            ).format(table.offsets),
+            (topics, spec.partitions - 1),
+        )
+    progress(f"  loaded {spec.messages:,} rows in {load_s:.1f} s ({spec.messages / load_s:,.0f} rows/s)")
+    return table, load_s
+
+
+def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = print) -> RunResult:
+    table, load_s = prepare(servers, spec, progress)
+    ctx = multiprocessing.get_context("spawn")
+    go = ctx.Event()
+    out: Queue = ctx.Queue()
+    processes = [
+        ctx.Process(target=_worker, args=(spec, servers.dsn, table.schema, servers.bootstrap, i, go, out))
+        for i in range(spec.workers)
+    ]
+    for process in processes:
+        process.start()
+    time.sleep(1.0 if spec.naive else 0.0)  # naive workers connect after the signal; ours are ready
+    pg_before = tree_cpu_s(servers.postgres_pid) if servers.postgres_pid else None
+    broker_before = process_cpu_s(servers.broker_pid) if servers.broker_pid else None
+    started = time.time()
+    go.set()
+    reports = [out.get() for _ in processes]
+    for process in processes:
+        process.join()
+    pg_cpu = tree_cpu_s(servers.postgres_pid) - pg_before if servers.postgres_pid and pg_before is not None else None
+    broker_cpu = (
+        process_cpu_s(servers.broker_pid) - broker_before if servers.broker_pid and broker_before is not None else None
+    )
+    errors = [r.error for r in reports if r.error]
+    published = sum(r.published for r in reports)
+    verified: bool | None = None
+    if spec.verify:
+        verified = _verify(servers, table, spec)
+    result = RunResult(
+        spec=spec,
+        published=published,
+        drain_s=max(r.ended for r in reports) - started,
+        load_s=load_s,
+        relay_cpu_s=sum(r.cpu_s for r in reports),
+        postgres_cpu_s=pg_cpu,
+        broker_cpu_s=broker_cpu,
+        peak_rss_mb=max(r.max_rss_mb for r in reports),
+        verified=verified,
+        note="; ".join(e for e in errors if e) or ("" if published >= spec.messages else "INCOMPLETE"),
+    )
+    _drop(servers, table)
+    progress("  " + format_result(result))
+    return result
+
+
+def _verify(servers: Servers, table: OutboxTable, spec: RunSpec) -> bool:
+    """Every message_id arrived (outbox verify); only meaningful where rows are kept."""
+    from ..verify import verify  # optional module: the checker
+
+    topics = [f"{table.schema.replace('bench_', 'bench-')}-topic-{i + 1}" for i in range(spec.topics)]
+    with psycopg.connect(servers.dsn, autocommit=True) as conn:
+        report = verify(conn, table, {"bootstrap.servers": servers.bootstrap}, topics, idle_s=3.0)
+    return bool(report.ok)
+
+
+def _drop(servers: Servers, table: OutboxTable) -> None:
+    with psycopg.connect(servers.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+
+
+def format_result(r: RunResult) -> str:
+    pg = f"{r.postgres_cpu_s:.1f}" if r.postgres_cpu_s is not None else "n/a"
+    broker = f"{r.broker_cpu_s:.1f}" if r.broker_cpu_s is not None else "n/a"
+    verified = "" if r.verified is None else (" verified" if r.verified else " VERIFY FAILED")
+    return (
+        f"{r.spec.label:<32} {r.published:>9,} msgs in {r.drain_s:7.2f} s = {r.msg_per_s:>9,.0f} msg/s | "
+        f"cpu s relay {r.relay_cpu_s:.1f} pg {pg} broker {broker} | rss {r.peak_rss_mb:.0f} MB{verified}"
+        + (f" | {r.note}" if r.note else "")
+    )
+
+
+@dataclass
+class Comparison:
+    """Interleaved runs of the naive variant and ours, for medians and a same-run ratio."""
+
+    ours: list[RunResult] = field(default_factory=list)
+    naive: list[RunResult] = field(default_factory=list)
+
+    @staticmethod
+    def median_rate(results: Sequence[RunResult]) -> float:
+        return statistics.median(r.msg_per_s for r in results) if results else 0.0
+
+    @property
+    def ratio(self) -> float:
+        naive = self.median_rate(self.naive)
+        return self.median_rate(self.ours) / naive if naive else 0.0
+
+
+def compare(servers: Servers, spec: RunSpec, runs: int, progress: Callable[[str], None] = print) -> Comparison:
+    """naive, ours, naive, ours, ...: the machine's speed swings, so the pair shares its conditions."""
+    comparison = Comparison()
+    for _ in range(runs):
+        comparison.naive.append(run_once(servers, replace(spec, naive=True, verify=False), progress))
+        comparison.ours.append(run_once(servers, spec, progress))
+    return comparison
+
+
+def ordered_read_only(strategy: str) -> bool:
+    return issubclass(strategy_class(strategy), PositionStrategy)
