@@ -130,6 +130,12 @@ def cmd_demo_traffic(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.command import run
+
+    return run(args)
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
     from .localstack.dev import DevSettings, run_dev
 
@@ -676,6 +682,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
     p.add_argument("--json", action="store_true", help="the report as JSON")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("bench", help="load N messages and drain them: msg/s, CPU, RSS; naive baseline")
+    from .bench.command import add_arguments as add_bench_arguments
+
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("dev", help="run PostgreSQL, the broker, demo traffic and dagster dev locally")
     p.add_argument("--no-dagster", action="store_true", help="start the servers and traffic only")

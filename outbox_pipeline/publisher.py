@@ -1,8 +1,12 @@
-"""Engine room: publishing one batch to Kafka and reporting exactly what was confirmed.
+"""Engine room: publishing batches to Kafka and reporting exactly what was confirmed.
 
-Confluent's discipline: produce the whole batch asynchronously, serve delivery callbacks, and wait
-for a report for every message (``message.timeout.ms`` bounds the wait; librdkafka reports every
-message as delivered or failed by then). Only a successful delivery report counts as delivered.
+Confluent's discipline: produce the whole batch asynchronously, then wait until librdkafka has
+settled every message (``message.timeout.ms`` bounds that: by then each message is delivered or has
+failed). Success reports are switched off (``delivery.report.only.error``): a Python callback per
+message cost more than fetching the row, and "settled without an error report" is the same fact.
+A batch is therefore published with ``start`` (returns at once) and confirmed with ``finish``, which
+lets the relay read and ack in PostgreSQL while Kafka works on the batch in flight. Only one batch is
+in the producer at a time, so "the queue is empty" means "this batch is settled".
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from .config import redact_kafka_config
 from .enqueue import decode_headers
@@ -51,6 +57,25 @@ def is_permanent(error: KafkaError) -> bool:
     return error.code() in PERMANENT_ERRORS
 
 
+@dataclass
+class PendingBatch:
+    """A batch handed to the producer and not yet confirmed."""
+
+    records: Sequence[OutboxRecord]
+    started: float
+    # outbox id -> (error, permanent), filled by error reports and by produce() refusals
+    errors: dict[int, tuple[str, bool]] = field(default_factory=dict)
+    _by_content: dict[tuple[str, bytes | None, bytes], list[int]] | None = None
+
+    def ids_of(self, topic: str | None, key: bytes | None, value: bytes | None) -> list[int]:
+        """Outbox ids of the batch's rows with this content (indexed on the first error only)."""
+        if self._by_content is None:
+            self._by_content = {}
+            for r in self.records:
+                self._by_content.setdefault((r.topic, r.key, r.payload), []).append(r.id)
+        return self._by_content.get((topic or "", key, value or b""), [])
+
+
 class KafkaPublisher:
     """One idempotent producer (plus transactional ones on demand) used by one relay worker."""
 
@@ -59,26 +84,87 @@ class KafkaPublisher:
         self._config = merged
         self._timeout_s = float(merged["message.timeout.ms"]) / 1000.0 + 10.0  # type: ignore[arg-type]
         self._producer: Producer | None = None
+        self._fatal = False
         self._transactional: dict[str, Producer] = {}
         log.debug("producer config: %s", redact_kafka_config(merged))
 
     @property
     def producer(self) -> Producer:
         if self._producer is None:
-            self._producer = Producer(self._config)
+            self._producer = Producer({**self._config, "delivery.report.only.error": True})
         return self._producer
 
     def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
+        """Publish one batch and wait for it."""
         if transactional_id is not None:
             return self._publish_transaction(records, transactional_id)
-        started = time.monotonic()
-        outcome = self._produce_all(self.producer, records)
-        if outcome.fatal:
+        return self.finish(self.start(records))
+
+    def start(self, records: Sequence[OutboxRecord]) -> PendingBatch:
+        """Hand a batch to the producer; returns at once. Call ``finish`` before the next ``start``.
+
+        The hot loop of the relay: one ``produce`` per row with the bytes the server prepared, and
+        one shared error callback per batch (no per-message objects beyond the headers list).
+        """
+        pending = PendingBatch(records, time.monotonic())
+        produce = self.producer.produce
+        on_error = partial(self._on_error_report, pending)
+        for record in records:
+            oid, topic, key, payload, headers_json, message_id, outbox_id, created_at, type_ = record[:9]
+            headers: list[tuple[str, bytes | str | None]] = [
+                ("message_id", message_id),
+                ("outbox_id", outbox_id),
+                ("created_at", created_at),
+            ]
+            if type_ is not None:
+                headers.append(("type", type_))
+            if headers_json != "{}":
+                headers.extend(decode_headers(json.loads(headers_json)))
+            while True:
+                try:
+                    produce(topic, payload, key, headers=headers, on_delivery=on_error)
+                    break
+                except BufferError:
+                    self.producer.poll(0.05)  # local queue full: serve reports, which frees space
+                except KafkaException as exc:
+                    error = exc.args[0]
+                    pending.errors[oid] = (str(error.str()), is_permanent(error))
+                    break
+        return pending
+
+    def finish(self, pending: PendingBatch) -> PublishOutcome:
+        """Wait until every message of the batch is settled; delivered = settled without an error."""
+        producer = self.producer
+        deadline = time.monotonic() + self._timeout_s
+        while len(producer) and time.monotonic() < deadline:
+            producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
+        unsettled = len(producer)
+        if unsettled:
+            # Outcome unknown: claim nothing was delivered (at worst a duplicate, never a loss).
+            log.warning("%d messages unsettled after %.0f s", unsettled, self._timeout_s)
+            failures = [DeliveryFailure(r, "no delivery report before the timeout", False) for r in pending.records]
+            return PublishOutcome([], failures, time.monotonic() - pending.started)
+        if self._fatal:
             # An idempotent producer that hit a fatal error cannot be used again.
+            self._fatal = False
             self._drop(self._producer)
             self._producer = None
-        failures = self._explain_missing_topics(outcome.failures(records))
-        return PublishOutcome(outcome.delivered(records), failures, time.monotonic() - started)
+        if not pending.errors:
+            return PublishOutcome(pending.records, [], time.monotonic() - pending.started)
+        delivered = [r for r in pending.records if r.id not in pending.errors]
+        failures = [DeliveryFailure(r, *pending.errors[r.id]) for r in pending.records if r.id in pending.errors]
+        return PublishOutcome(delivered, self._explain_missing_topics(failures), time.monotonic() - pending.started)
+
+    def _on_error_report(self, pending: PendingBatch, error: KafkaError | None, msg: Message) -> None:
+        """Called by librdkafka for failed messages only (delivery.report.only.error)."""
+        if error is None:
+            return
+        self._fatal = self._fatal or error.fatal()
+        # Delivery reports carry no headers: find the row by what was sent. Rows with identical
+        # topic, key and payload are all marked failed (at worst a duplicate, never a loss).
+        failure = (str(error.str()), is_permanent(error))
+        for oid in pending.ids_of(msg.topic(), msg.key(), msg.value()):
+            pending.errors[oid] = failure
 
     def _explain_missing_topics(self, failures: list[DeliveryFailure]) -> list[DeliveryFailure]:
         """A message to a topic that does not exist (auto-creation off) just times out: say why.
@@ -141,15 +227,21 @@ class KafkaPublisher:
     def _transactional_producer(self, transactional_id: str) -> Producer:
         producer = self._transactional.get(transactional_id)
         if producer is None:
-            producer = Producer({**self._config, "transactional.id": transactional_id})
+            producer = Producer(
+                {**self._config, "transactional.id": transactional_id, "delivery.report.only.error": False}
+            )
             producer.init_transactions(self._timeout_s)
             self._transactional[transactional_id] = producer
         return producer
 
     def _produce_all(self, producer: Producer, records: Sequence[OutboxRecord]) -> _Reports:
+        """Produce with a report per message (transactions: each must be accounted for)."""
         reports = _Reports(len(records))
         for index, record in enumerate(records):
-            self._produce_one(producer, record, index, reports)
+            refused: dict[int, tuple[str, bool]] = {}
+            self._produce_one(producer, record, refused, reports.callback(index))
+            if refused:
+                reports.fail(index, *refused[record.id])
         deadline = time.monotonic() + self._timeout_s
         while reports.pending and time.monotonic() < deadline:
             producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
@@ -157,31 +249,34 @@ class KafkaPublisher:
             log.warning("%d messages without a delivery report after %.0f s", reports.pending, self._timeout_s)
         return reports
 
-    def _produce_one(self, producer: Producer, record: OutboxRecord, index: int, reports: _Reports) -> None:
+    @staticmethod
+    def _produce_one(
+        producer: Producer,
+        record: OutboxRecord,
+        refused: dict[int, tuple[str, bool]],
+        on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
+    ) -> None:
         headers: list[tuple[str, str | bytes | None]] = [
-            ("message_id", record.message_id.encode()),
-            ("outbox_id", str(record.id).encode()),
-            ("created_at", record.created_at.encode()),
+            ("message_id", record.message_id),
+            ("outbox_id", record.outbox_id),
+            ("created_at", record.created_at),
         ]
         if record.type is not None:
-            headers.append(("type", record.type.encode()))
+            headers.append(("type", record.type))
         if record.headers != "{}":
             headers.extend(decode_headers(json.loads(record.headers)))
         while True:
             try:
-                producer.produce(
-                    record.topic,
-                    record.payload.encode(),
-                    record.key.encode() if record.key is not None else None,
-                    headers=headers,
-                    on_delivery=reports.callback(index),
-                )
+                if on_delivery is None:
+                    producer.produce(record.topic, record.payload, record.key, headers=headers)
+                else:
+                    producer.produce(record.topic, record.payload, record.key, headers=headers, on_delivery=on_delivery)
                 return
             except BufferError:
-                producer.poll(0.05)  # local queue full: serve callbacks, which frees space
+                producer.poll(0.05)  # local queue full: serve reports, which frees space
             except KafkaException as exc:
                 error = exc.args[0]
-                reports.fail(index, error.str(), is_permanent(error))
+                refused[record.id] = (error.str(), is_permanent(error))
                 return
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -204,16 +299,14 @@ class _Reports:
         self.ok = [False] * size
         self.errors: dict[int, tuple[str, bool]] = {}
         self.pending = size
-        self.fatal = False
         self.first_error: str | None = None
 
-    def callback(self, index: int):  # type: ignore[no-untyped-def]
-        def on_delivery(error: KafkaError | None, _msg: object) -> None:
+    def callback(self, index: int) -> Callable[[KafkaError | None, Message], None]:
+        def on_delivery(error: KafkaError | None, _msg: Message) -> None:
             if error is None:
                 self.ok[index] = True
                 self.pending -= 1
             else:
-                self.fatal = self.fatal or error.fatal()
                 self.fail(index, error.str(), is_permanent(error))
 
         return on_delivery

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from .publisher import KafkaPublisher
+from .publisher import KafkaPublisher, PendingBatch
 from .schema import notify_channel, require_current
-from .strategies.base import Claim, Strategy, StrategyConfig
+from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class RelaySettings:
     listen: bool = True
     until_empty: bool = False
     max_seconds: float | None = None
+    # Read the next batch while Kafka confirms the previous one (see Relay.run).
+    pipeline: bool = True
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,19 @@ class RelayStats:
         )
 
 
+@dataclass
+class _InFlight:
+    """A batch handed to Kafka and not yet acked: who claimed it, and its producer handle."""
+
+    strategy: Strategy
+    claim: Claim
+    started: float
+    pending: PendingBatch | None = None
+    outcome: PublishOutcome | None = None  # known at once for Kafka transactions
+
+
 class Relay:
-    """One relay worker: a strategy instance, a producer, and the loop between them."""
+    """One relay worker: strategy instance(s), a producer, and the loop between them."""
 
     def __init__(
         self,
@@ -118,109 +131,166 @@ class Relay:
         self.settings = settings
         self.stop = stop or threading.Event()
         self.stats = RelayStats()
-        self._conn: psycopg.Connection | None = None
+        self._connections: list[psycopg.Connection] = []
+        self._strategies: list[Strategy] = []
         self._listen_conn: psycopg.Connection | None = None
-        self._strategy: Strategy | None = None
+        self._turn = 0
 
     # -- connections -------------------------------------------------------------------------
 
     @property
     def strategy(self) -> Strategy:
-        if self._strategy is None:
-            self._conn = psycopg.connect(self.dsn, autocommit=True)
-            require_current(self._conn, self.strategy_config.table)
-            self._strategy = self.strategy_factory(self._conn, self.strategy_config)
-        return self._strategy
+        """The (first) strategy instance, connected on first use."""
+        return self._instances()[0]
+
+    def _instances(self) -> list[Strategy]:
+        if not self._strategies:
+            wanted = 1
+            if self.settings.pipeline and getattr(self.strategy_factory, "pipelining", "shared") == "own-connection":
+                wanted = 2  # one open transaction per batch in flight
+            for _ in range(wanted):
+                conn = psycopg.connect(self.dsn, autocommit=True)
+                self._connections.append(conn)
+                if len(self._connections) == 1:
+                    require_current(conn, self.strategy_config.table)
+                self._strategies.append(self.strategy_factory(conn, self.strategy_config))
+        return self._strategies
 
     def _disconnect(self) -> None:
-        for held in (self._strategy, self._conn, self._listen_conn):
+        for held in (*self._strategies, *self._connections, self._listen_conn):
             try:
                 if held is not None:
                     held.close()
             except Exception:  # the connection is already broken; closing is best effort
                 pass
-        self._strategy = self._conn = self._listen_conn = None
+        self._strategies, self._connections, self._listen_conn = [], [], None
 
     def close(self) -> None:
         self._disconnect()
         self.publisher.close()
 
-    # -- one cycle ---------------------------------------------------------------------------
+    # -- one cycle, unpipelined --------------------------------------------------------------
 
     def run_once(self) -> BatchMetrics | None:
         """Claim, publish and ack one batch; None when there was nothing to claim."""
-        started = time.monotonic()
-        strategy = self.strategy
-        claim = strategy.claim(self.settings.batch_size)
+        claim = self._claim(self.strategy)
         if claim is None:
             return None
-        if not claim.records:
+        batch = self._publish(self.strategy, claim)
+        return self._ack(batch, self._finish(batch))
+
+    # -- the pieces --------------------------------------------------------------------------
+
+    def _claim(self, strategy: Strategy) -> Claim | None:
+        claim = strategy.claim(self.settings.batch_size)
+        if claim is not None and not claim.records:
             # Every candidate was taken by another worker first: no batch, but the collisions count.
             self.stats.collisions += claim.collisions
             strategy.give_back(claim, "empty claim")
             return None
+        return claim
+
+    def _publish(self, strategy: Strategy, claim: Claim) -> _InFlight:
+        batch = _InFlight(strategy, claim, time.monotonic())
         try:
-            outcome = self.publisher.publish(claim.records, transactional_id=claim.transactional_id)
+            if claim.transactional_id is not None:
+                batch.outcome = self.publisher.publish(claim.records, transactional_id=claim.transactional_id)
+            else:
+                batch.pending = self.publisher.start(claim.records)
         except Exception as exc:
             # Nothing was confirmed, so nothing may be acked: give the whole batch back.
             strategy.give_back(claim, f"publish failed: {exc}")
             raise
-        result = strategy.ack(claim, outcome)
+        return batch
+
+    def _finish(self, batch: _InFlight) -> PublishOutcome:
+        if batch.outcome is not None:
+            return batch.outcome
+        assert batch.pending is not None
+        return self.publisher.finish(batch.pending)
+
+    def _ack(self, batch: _InFlight, outcome: PublishOutcome) -> BatchMetrics:
+        result = batch.strategy.ack(batch.claim, outcome)
         metrics = BatchMetrics(
-            claimed=len(claim.records),
+            claimed=len(batch.claim.records),
             published=len(outcome.delivered),
-            collisions=claim.collisions,
+            collisions=batch.claim.collisions,
             lost_ownership=result.lost_ownership,
             dead_lettered=result.dead_lettered,
             retried=result.retried,
-            oldest_age_s=_oldest_age_s(claim),
-            elapsed_s=time.monotonic() - started,
+            oldest_age_s=_oldest_age_s(batch.claim),
+            elapsed_s=time.monotonic() - batch.started,
         )
         self.stats.add(metrics)
         if outcome.failed:
             log.warning(
                 "%s: %d of %d not delivered (first: %s); retried %d, dead-lettered %d",
-                strategy.name,
+                batch.strategy.name,
                 len(outcome.failed),
                 metrics.claimed,
                 outcome.failed[0].error,
                 result.retried,
                 result.dead_lettered,
             )
-        log.debug("%s batch: %s", strategy.name, metrics)
+        log.debug("%s batch: %s", batch.strategy.name, metrics)
         return metrics
 
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> RelayStats:
-        """Relay until stopped, until nothing is claimable (``until_empty``) or ``max_seconds``."""
+        """Relay until stopped, until nothing is claimable (``until_empty``) or ``max_seconds``.
+
+        Pipelined: while Kafka confirms batch N, the worker reads batch N+1 from PostgreSQL; once N is
+        confirmed, N+1 goes to Kafka first and N is acked while Kafka works. At most one batch is in
+        the producer and at most two claims exist, so an ack never waits behind more than one batch.
+        """
         idle_wait = self.settings.poll_interval_s
         failures = 0
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
+        in_flight: _InFlight | None = None
         try:
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 try:
-                    metrics = self.run_once()
-                    failures = 0
+                    strategies = self._instances()
+                    strategy = strategies[self._turn % len(strategies)]
+                    claim = self._claim(strategy) if self.settings.pipeline or in_flight is None else None
+                    if in_flight is not None:
+                        previous, in_flight = in_flight, None
+                        outcome = self._finish(previous)
+                        kafka_down = bool(previous.claim.records) and not outcome.delivered
+                        if claim is not None and not kafka_down:
+                            in_flight = self._publish(strategy, claim)
+                            self._turn += 1
+                        elif claim is not None:
+                            strategy.give_back(claim, "Kafka accepted nothing of the previous batch")
+                        self._ack(previous, outcome)
+                        if kafka_down:
+                            # The broker is down or unreachable. Back off, don't spin.
+                            failures += 1
+                            self.stop.wait(self._error_backoff(failures))
+                        else:
+                            failures, idle_wait = 0, self.settings.poll_interval_s
+                        continue
+                    if claim is not None:
+                        in_flight = self._publish(strategy, claim)
+                        self._turn += 1
+                        continue
                 except psycopg.OperationalError as exc:
+                    # Batches in flight are abandoned: their rows or partitions go back when the
+                    # transaction dies or the lease ends (at-least-once: published again).
+                    in_flight = None
                     failures += 1
                     self.stats.errors += 1
                     log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
                     self._disconnect()
                     self.stop.wait(self._error_backoff(failures))
                     continue
-                if metrics is not None and metrics.published < metrics.claimed and metrics.published == 0:
-                    # Kafka accepted nothing: the broker is down or unreachable. Back off, don't spin.
-                    failures += 1
-                    self.stop.wait(self._error_backoff(failures))
-                    continue
-                if metrics is not None:
-                    idle_wait = self.settings.poll_interval_s
-                    continue
                 if self.settings.until_empty:
                     break
                 self._wait_for_work(idle_wait)
                 idle_wait = min(idle_wait * 2, self.settings.max_poll_interval_s)
+            if in_flight is not None:
+                self._ack(in_flight, self._finish(in_flight))  # stopping: confirm what is out there
         finally:
             self.close()
         return self.stats
@@ -255,6 +325,6 @@ def _oldest_age_s(claim: Claim) -> float | None:
     """Merpay's oldest_task_age: the age of the oldest row in the batch just claimed."""
     if not claim.records:
         return None
-    oldest = min(r.created_at for r in claim.records)  # ISO-8601 UTC strings sort chronologically
+    oldest = min(r.created_at for r in claim.records).decode()  # ISO-8601 UTC: sorts chronologically
     created = dt.datetime.strptime(oldest, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC)
     return (dt.datetime.now(dt.UTC) - created).total_seconds()

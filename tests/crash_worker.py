@@ -6,18 +6,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Sequence
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.publisher import KafkaPublisher, PendingBatch
 from outbox_pipeline.relay import Relay, RelaySettings
 from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import OutboxRecord, PublishOutcome, StrategyConfig
+from outbox_pipeline.strategies.base import PublishOutcome, StrategyConfig
 
 
 class DiesAfterPublish(KafkaPublisher):
-    def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
-        outcome = super().publish(records, transactional_id=transactional_id)
+    def finish(self, pending: PendingBatch) -> PublishOutcome:
+        outcome = super().finish(pending)
         print(f"published {len(outcome.delivered)}; dying before the ack", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
         return outcome

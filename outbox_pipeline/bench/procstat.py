@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -24,6 +25,20 @@ def process_cpu_s(pid: int, *, with_reaped_children: bool = False) -> float:
     if with_reaped_children:
         ticks += int(fields[13]) + int(fields[14])
     return ticks / _TICKS
+
+
+def wait_for_client_backends_to_end(root: int, timeout_s: float = 10.0) -> None:
+    """Ended backends count once the postmaster has reaped them; wait for that before reading."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        children = [
+            Path(f"/proc/{stat.parent.name}/cmdline").read_bytes()
+            for stat in Path("/proc").glob("[0-9]*/stat")
+            if (fields := _fields(int(stat.parent.name))) is not None and int(fields[1]) == root
+        ]
+        if not any(b"127.0.0.1(" in cmd or b"[local]" in cmd for cmd in children):
+            return
+        time.sleep(0.05)  # polling /proc: no event tells us another process's child was reaped
 
 
 def tree_cpu_s(root: int) -> float:

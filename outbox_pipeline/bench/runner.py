@@ -12,12 +12,14 @@ from __future__ import annotations
 import multiprocessing
 import resource
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
+from pathlib import Path
 
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -31,8 +33,9 @@ from ..schema import init_db, set_topic_partitions
 from ..strategies import strategy_class
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
+from ..verify import verify
 from .naive import run_naive
-from .procstat import process_cpu_s, tree_cpu_s
+from .procstat import process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,10 @@ def _worker(spec: RunSpec, dsn: str, schema: str, bootstrap: str, index: int, go
         out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
 
 
-def prepare(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = print) -> tuple[OutboxTable, float]:
-    """A fresh schema and topics, loaded with ``spec.messages`` rows; returns the table and load seconds."""
+def prepare(
+    servers: Servers, spec: RunSpec, progress: Callable[[str], None] = print
+) -> tuple[OutboxTable, list[str], float]:
+    """A fresh schema and topics, loaded with ``spec.messages`` rows: (table, topics, load seconds)."""
     run_id = uuid.uuid4().hex[:8]
     table = OutboxTable(schema=f"bench_{run_id}")
     topics = [f"bench-{run_id}-topic-{i + 1}" for i in range(spec.topics)]
@@ -140,11 +145,22 @@ def prepare(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = p
             (topics, spec.partitions - 1),
         )
     progress(f"  loaded {spec.messages:,} rows in {load_s:.1f} s ({spec.messages / load_s:,.0f} rows/s)")
-    return table, load_s
+    return table, topics, load_s
+
+
+def _write_ledger(servers: Servers, table: OutboxTable) -> Path:
+    """The loaded message_ids, one per line: the ledger verify needs once delete mode removed the rows."""
+    path = Path(tempfile.mkstemp(prefix=f"{table.schema}-", suffix=".ledger")[1])
+    with psycopg.connect(servers.dsn) as conn, conn.cursor() as cur, path.open("wb") as out:
+        with cur.copy(sql.SQL("COPY (SELECT message_id FROM {}) TO STDOUT").format(table.messages)) as copy:
+            for chunk in copy:
+                out.write(chunk)
+    return path
 
 
 def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = print) -> RunResult:
-    table, load_s = prepare(servers, spec, progress)
+    table, topics, load_s = prepare(servers, spec, progress)
+    ledger = _write_ledger(servers, table) if spec.verify else None
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Event()
     out: Queue = ctx.Queue()
@@ -162,6 +178,8 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
     reports = [out.get() for _ in processes]
     for process in processes:
         process.join()
+    if servers.postgres_pid:
+        wait_for_client_backends_to_end(servers.postgres_pid)
     pg_cpu = tree_cpu_s(servers.postgres_pid) - pg_before if servers.postgres_pid and pg_before is not None else None
     broker_cpu = (
         process_cpu_s(servers.broker_pid) - broker_before if servers.broker_pid and broker_before is not None else None
@@ -170,7 +188,9 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
     published = sum(r.published for r in reports)
     verified: bool | None = None
     if spec.verify:
-        verified = _verify(servers, table, spec)
+        assert ledger is not None
+        verified = _verify(servers, table, topics, ledger)
+        ledger.unlink()
     result = RunResult(
         spec=spec,
         published=published,
@@ -188,13 +208,12 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
     return result
 
 
-def _verify(servers: Servers, table: OutboxTable, spec: RunSpec) -> bool:
-    """Every message_id arrived (outbox verify); only meaningful where rows are kept."""
-    from ..verify import verify  # optional module: the checker
-
-    topics = [f"{table.schema.replace('bench_', 'bench-')}-topic-{i + 1}" for i in range(spec.topics)]
+def _verify(servers: Servers, table: OutboxTable, topics: list[str], ledger: Path) -> bool:
+    """Every loaded message_id arrived, none that was not loaded (outbox verify)."""
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
-        report = verify(conn, table, {"bootstrap.servers": servers.bootstrap}, topics, idle_s=3.0)
+        report = verify(conn, table, {"bootstrap.servers": servers.bootstrap}, topics, ledger_file=ledger, idle_s=3.0)
+    if not report.ok:
+        print(report.render())
     return bool(report.ok)
 
 

@@ -29,11 +29,16 @@ _LOG_TAIL_CHARS = 2000
 
 @dataclass(frozen=True)
 class BrokerSpec:
-    """Where the broker listens (and advertises itself), and where its output goes (None: discarded)."""
+    """Where the broker listens (and advertises itself), and where its output goes (None: discarded).
+
+    ``advertised_port``: the port the broker tells clients to connect to, when that is not ``port`` (a proxy in
+    front of it, as the fault tests use to cut the network); None advertises ``port`` itself.
+    """
 
     host: str = "127.0.0.1"
     port: int = 19092
     log_path: Path | None = None
+    advertised_port: int | None = None
 
 
 def _broker_bin() -> str:
@@ -89,13 +94,14 @@ class LocalBroker:
             return
         ensure_port_free(self._spec.host, self._spec.port, "the Kafka broker (Tansu)")
         url = f"tcp://{self._url_host()}:{self._spec.port}"
+        advertised_port = self._spec.advertised_port if self._spec.advertised_port is not None else self._spec.port
         cmd = [
             _broker_bin(),
             "broker",
             "--listener-url",
             url,
             "--advertised-listener-url",
-            url,
+            f"tcp://{self._url_host()}:{advertised_port}",
             # Explicit, so a STORAGE_ENGINE variable in the environment cannot redirect it.
             "--storage-engine",
             "memory://tansu/",

@@ -45,7 +45,7 @@ import psycopg
 from psycopg import IsolationLevel, pq
 
 from ..errors import ConfigurationError
-from .base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
+from .base import AckResult, Claim, PublishOutcome, Strategy, StrategyConfig, fetch_records
 from .rows import finish, select_pending_sql
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,8 @@ class AdvisoryStrategy(Strategy):
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         self._key = {"class": ADVISORY_LOCK_CLASS, "schema": self.table.schema}
         self._held = False
-        self._select = select_pending_sql(config, order="id", lock=False, exclude=False)
+        self._select = select_pending_sql(config, order="id", lock=False, exclude=True)
+        self._in_flight: set[int] = set()
 
     @property
     def holds_lock(self) -> bool:
@@ -85,8 +86,12 @@ class AdvisoryStrategy(Strategy):
     def claim(self, limit: int) -> Claim | None:
         if not self._held and not self._acquire():
             return None
-        records = [OutboxRecord(*row) for row in self.conn.execute(self._select, {"limit": limit}).fetchall()]
-        return Claim(records) if records else None
+        # Rows of a batch still in flight are unsent but not ours to take again (pipelining).
+        records = fetch_records(self.conn, self._select, {"limit": limit, "exclude": list(self._in_flight)})
+        if not records:
+            return None
+        self._in_flight.update(r.id for r in records)
+        return Claim(records)
 
     def _acquire(self) -> bool:
         # One transaction, so that even a transaction pooler runs the check and the lock on one server
@@ -107,11 +112,13 @@ class AdvisoryStrategy(Strategy):
 
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
         # No owner fence needed: while this session holds the lock nobody else touches unsent rows.
+        self._in_flight.difference_update(r.id for r in claim.records)
         with self.conn.transaction():
             return finish(self.conn, self.config, outcome)
 
     def give_back(self, claim: Claim, error: str) -> None:
         """Nothing to undo: claiming changed no row, so the next claim starts from the same row."""
+        self._in_flight.difference_update(r.id for r in claim.records)
 
     def close(self) -> None:
         """Release the lock so a standby takes over now rather than when this session ends."""

@@ -43,7 +43,16 @@ from typing import ClassVar
 import psycopg
 from psycopg import IsolationLevel, sql
 
-from .base import RECORD_COLUMNS, AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
+from .base import (
+    RECORD_COLUMNS,
+    AckResult,
+    Claim,
+    OutboxRecord,
+    PublishOutcome,
+    Strategy,
+    StrategyConfig,
+    fetch_records,
+)
 from .rows import finish
 
 # A sampled claim that collided on every row resamples (fresh candidates) this many times in all
@@ -128,7 +137,7 @@ class LeaseStrategy(Strategy):
 
     def _lease(self, query: sql.Composed, params: dict[str, object]) -> list[OutboxRecord]:
         params = {**params, "lease": self.config.lease_s, "worker": self.config.worker_id}
-        records = [OutboxRecord(*row) for row in self.conn.execute(query, params).fetchall()]
+        records = fetch_records(self.conn, query, params)
         records.sort(key=lambda r: r.id)  # RETURNING has no order; publish oldest first within the batch
         return records
 

@@ -9,7 +9,7 @@ and the rows become claimable again (at-least-once: they are published again). N
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import psycopg
 from psycopg import IsolationLevel
@@ -21,6 +21,7 @@ from .rows import claim_fair, finish
 class LockingStrategy(Strategy):
     name: ClassVar[str] = "locking"
     ordered: ClassVar[bool] = False
+    pipelining: ClassVar[Literal["shared", "own-connection"]] = "own-connection"
 
     def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
         super().__init__(conn, config)

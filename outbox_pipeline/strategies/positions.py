@@ -18,7 +18,7 @@ published without it; retrying it from the dead letters publishes it after them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import psycopg
@@ -33,10 +33,26 @@ from .base import (
     PublishOutcome,
     Strategy,
     StrategyConfig,
+    fetch_records,
 )
 
 # New (topic, partition) pairs get an offsets row at most this often while busy.
 DISCOVERY_INTERVAL_S = 5.0
+
+
+@dataclass
+class _Chain:
+    """A leased partition with batches in flight, and how far this worker has read it."""
+
+    lease: PartitionLease
+    read_xid: str
+    read_id: int
+    in_flight: int = 1
+    broken: bool = False
+
+    def extend(self, last: OutboxRecord) -> None:
+        self.read_xid, self.read_id = last.transaction_id, last.id
+        self.in_flight += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +73,7 @@ class PositionStrategy(Strategy):
         super().__init__(conn, config)
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         self._discovered_at = float("-inf")
+        self._chains: dict[tuple[str, int], _Chain] = {}
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
@@ -68,6 +85,15 @@ class PositionStrategy(Strategy):
     # -- claim -------------------------------------------------------------------------------
 
     def claim(self, limit: int) -> Claim | None:
+        # Pipelining: keep reading a partition whose previous batch is still in flight, past that batch.
+        for chain in self._chains.values():
+            if chain.broken:
+                continue
+            ahead = replace(chain.lease, xid=chain.read_xid, last_id=chain.read_id, attempts=0)
+            records = self._read(ahead, limit)
+            if records:
+                chain.extend(records[-1])
+                return Claim(records, state=ahead, transactional_id=self._transactional_id(ahead))
         if time.monotonic() - self._discovered_at > DISCOVERY_INTERVAL_S:
             self.discover_partitions()
         lease = self._lease_partition()
@@ -79,29 +105,28 @@ class PositionStrategy(Strategy):
         if not records:  # only if the position moved under us, which the lease rules out
             self._release(lease)
             return None
+        self._chains[(lease.topic, lease.partition)] = _Chain(lease, records[-1].transaction_id, records[-1].id)
         return Claim(records, state=lease, transactional_id=self._transactional_id(lease))
 
     def _read(self, lease: PartitionLease, limit: int) -> list[OutboxRecord]:
-        cur = self.conn.execute(
-            sql.SQL(
-                """
-                SELECT {columns}
-                FROM {messages} m,
-                     (SELECT %(topic)s::text AS topic, %(partition)s::int AS partition,
-                             %(xid)s::xid8 AS last_processed_transaction_id, %(id)s::bigint AS last_processed_id) o
-                WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
-                ORDER BY {order}
-                LIMIT %(limit)s
-                """
-            ).format(
-                columns=sql.SQL(RECORD_COLUMNS),
-                messages=self.table.messages,
-                work=sql.SQL(self.work_condition),
-                order=sql.SQL(self.read_order),
-            ),
-            {"topic": lease.topic, "partition": lease.partition, "xid": lease.xid, "id": lease.last_id, "limit": limit},
+        query = sql.SQL(
+            """
+            SELECT {columns}
+            FROM {messages} m,
+                 (SELECT %(topic)s::text AS topic, %(partition)s::int AS partition,
+                         %(xid)s::xid8 AS last_processed_transaction_id, %(id)s::bigint AS last_processed_id) o
+            WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+            ORDER BY {order}
+            LIMIT %(limit)s
+            """
+        ).format(
+            columns=sql.SQL(RECORD_COLUMNS),
+            messages=self.table.messages,
+            work=sql.SQL(self.work_condition),
+            order=sql.SQL(self.read_order),
         )
-        return [OutboxRecord(*row) for row in cur.fetchall()]
+        params = {"topic": lease.topic, "partition": lease.partition, "xid": lease.xid, "id": lease.last_id}
+        return fetch_records(self.conn, query, {**params, "limit": limit})
 
     def discover_partitions(self) -> int:
         """Create offsets rows for (topic, partition) pairs that have rows but no position yet.
@@ -195,19 +220,38 @@ class PositionStrategy(Strategy):
                 continue
             stopped_at = failure
             break
+        chain = self._chains.get((lease.topic, lease.partition))
+        if chain is not None:
+            chain.in_flight -= 1
+            if stopped_at is not None:
+                chain.broken = True  # the position stops here: batches read past it will not ack
+        keep_lease = chain is not None and chain.in_flight > 0 and not chain.broken
         with self.conn.transaction():
             self._dead_letter(dead)
-            owned = self._advance(lease, advanced, stopped_at, head_attempts + 1 if stopped_at else 0)
+            owned = self._advance(lease, advanced, stopped_at, head_attempts + 1 if stopped_at else 0, keep_lease)
             if not owned:
                 raise psycopg.Rollback()  # undo the dead letters too (the transaction block swallows it)
+        if chain is not None:
+            chain.broken = chain.broken or not owned
+            if chain.in_flight == 0:
+                del self._chains[(lease.topic, lease.partition)]
         if not owned:
             return AckResult(lost_ownership=len(delivered))
         return AckResult(acked=acked, retried=len(claim.records) - acked - len(dead), dead_lettered=len(dead))
 
     def _advance(
-        self, lease: PartitionLease, to: OutboxRecord | None, failure: DeliveryFailure | None, attempts: int
+        self,
+        lease: PartitionLease,
+        to: OutboxRecord | None,
+        failure: DeliveryFailure | None,
+        attempts: int,
+        keep_lease: bool = False,
     ) -> bool:
-        """Compare-and-set the position; False when this worker no longer owns the partition."""
+        """Compare-and-set the position; False when this worker no longer owns the partition.
+
+        ``keep_lease`` renews the lease instead of releasing it: a later batch of the same partition is
+        in flight and will advance the position from where this one ends.
+        """
         cur = self.conn.execute(
             sql.SQL(
                 """
@@ -216,9 +260,13 @@ class PositionStrategy(Strategy):
                     last_processed_id = coalesce(%(to_id)s, last_processed_id),
                     attempts = %(attempts)s,
                     last_error = %(error)s,
-                    locked_by = NULL,
-                    available_after = CASE WHEN %(error)s::text IS NULL THEN now() ELSE now() + make_interval(
-                        secs => least(%(max)s, %(base)s * power(2, %(attempts)s - 1)) * (0.5 + random() / 2)) END,
+                    locked_by = CASE WHEN %(keep)s THEN locked_by END,
+                    available_after = CASE
+                        WHEN %(keep)s THEN now() + make_interval(secs => %(lease)s)
+                        WHEN %(error)s::text IS NULL THEN now()
+                        ELSE now() + make_interval(
+                            secs => least(%(max)s, %(base)s * power(2, %(attempts)s - 1)) * (0.5 + random() / 2))
+                    END,
                     updated_at = now()
                 WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
                   AND last_processed_transaction_id = %(from_xid)s::xid8 AND last_processed_id = %(from_id)s
@@ -236,6 +284,8 @@ class PositionStrategy(Strategy):
                 "worker": self.config.worker_id,
                 "from_xid": lease.xid,
                 "from_id": lease.last_id,
+                "keep": keep_lease,
+                "lease": self.config.lease_s,
             },
         )
         return cur.rowcount == 1
@@ -269,7 +319,15 @@ class PositionStrategy(Strategy):
         )
 
     def give_back(self, claim: Claim, error: str) -> None:
-        self._release(claim.state)
+        lease: PartitionLease = claim.state
+        chain = self._chains.get((lease.topic, lease.partition))
+        if chain is not None:
+            chain.in_flight -= 1
+            chain.broken = True  # this batch was not published: nothing may be read past it
+            if chain.in_flight > 0:
+                return  # the earlier batch in flight acks, then releases the partition
+            del self._chains[(lease.topic, lease.partition)]
+        self._release(lease)
 
     def _release(self, lease: PartitionLease) -> None:
         self.conn.execute(

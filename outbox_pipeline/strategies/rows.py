@@ -13,7 +13,15 @@ from collections.abc import Sequence
 import psycopg
 from psycopg import sql
 
-from .base import RECORD_COLUMNS, AckResult, DeliveryFailure, OutboxRecord, PublishOutcome, StrategyConfig
+from .base import (
+    RECORD_COLUMNS,
+    AckResult,
+    DeliveryFailure,
+    OutboxRecord,
+    PublishOutcome,
+    StrategyConfig,
+    fetch_records,
+)
 
 
 def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool, exclude: bool) -> sql.Composed:
@@ -31,7 +39,7 @@ def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool, exclud
     ).format(
         columns=sql.SQL(RECORD_COLUMNS),
         messages=config.table.messages,
-        exclude=sql.SQL("AND m.id <> ALL(%(exclude)s)") if exclude else sql.SQL(""),
+        exclude=sql.SQL("AND m.id <> ALL(%(exclude)s::bigint[])") if exclude else sql.SQL(""),
         order_by=sql.SQL(order_by),
         lock=sql.SQL("FOR UPDATE OF m SKIP LOCKED") if lock else sql.SQL(""),
     )
@@ -42,13 +50,14 @@ def claim_fair(conn: psycopg.Connection, config: StrategyConfig, limit: int, *, 
     records: list[OutboxRecord] = []
     oldest = int(limit * config.oldest_share)
     if oldest:
-        cur = conn.execute(select_pending_sql(config, order="id", lock=lock, exclude=False), {"limit": oldest})
-        records = [OutboxRecord(*row) for row in cur.fetchall()]
+        records = fetch_records(
+            conn, select_pending_sql(config, order="id", lock=lock, exclude=False), {"limit": oldest}
+        )
     rest = limit - len(records)
     if rest > 0:
         params = {"limit": rest, "exclude": [r.id for r in records]}
-        cur = conn.execute(select_pending_sql(config, order="priority", lock=lock, exclude=bool(records)), params)
-        records.extend(OutboxRecord(*row) for row in cur.fetchall())
+        query = select_pending_sql(config, order="priority", lock=lock, exclude=bool(records))
+        records.extend(fetch_records(conn, query, params))
     return records
 
 

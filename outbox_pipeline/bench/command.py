@@ -1,0 +1,144 @@
+"""Engine room (benchmarks): `outbox bench`, on the embedded stack unless servers are configured.
+
+    outbox bench --strategy partitioned --workers 2 --baseline --runs 3
+    outbox bench --matrix --messages 1000000
+
+Results go to stdout as they come and as a table at the end; README quotes medians of such runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from ..strategies import STRATEGY_NAMES
+from .runner import Comparison, RunSpec, Servers, compare, run_once
+
+# The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
+TALK_TABLE = {
+    "locking": ("01:53", "01:00"),
+    "lease": ("02:08", "01:17"),
+    "partitioned": ("02:36", "01:07"),
+    "serialized": ("01:58", "00:57"),
+}
+# Server settings for benchmarks: durable defaults kept (fsync, synchronous_commit), with room for a
+# million rows in memory and no checkpoint storm during the load.
+BENCH_PG_SETTINGS = {
+    "shared_buffers": "2GB",
+    "max_wal_size": "8GB",
+    "checkpoint_timeout": "30min",
+    "work_mem": "64MB",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strategy", default="partitioned", choices=STRATEGY_NAMES)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=5000)
+    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--payload-bytes", type=int, default=256)
+    parser.add_argument("--topics", type=int, default=2, help="topics (the talk: 2)")
+    parser.add_argument("--partitions", type=int, default=1, help="partitions per topic (the talk: 1)")
+    parser.add_argument("--keys", type=int, default=1000)
+    parser.add_argument("--mode", choices=("delete", "mark-sent"), default="delete")
+    parser.add_argument("--runs", type=int, default=1, help="repetitions; medians are reported")
+    parser.add_argument("--baseline", action="store_true", help="also run the talk's naive variant, interleaved")
+    parser.add_argument("--matrix", action="store_true", help="every strategy x {1, 2} workers, naive and ours")
+    parser.add_argument("--verify", action="store_true", help="check every message_id arrived (outbox verify)")
+    parser.add_argument("--embedded", action="store_true", help="use the embedded stack even if servers are set")
+
+
+@contextmanager
+def servers(embedded: bool) -> Iterator[Servers]:
+    dsn, bootstrap = os.environ.get("OUTBOX_PG_DSN"), os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if dsn and bootstrap and not embedded:
+        yield Servers(dsn, bootstrap)
+        return
+    from ..localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
+
+    home = Path(os.environ.get("OUTBOX_HOME", ".outbox")).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-", dir=home) as scratch:
+        pg = LocalPostgres(PostgresSpec(Path(scratch) / "pg", port=free_port(), settings=BENCH_PG_SETTINGS))
+        broker = LocalBroker(BrokerSpec(port=free_port(), log_path=Path(scratch) / "broker.log"))
+        pg.start()
+        try:
+            broker.start()
+            try:
+                yield Servers(pg.dsn, broker.bootstrap_servers, pg.pid, broker.pid)
+            finally:
+                broker.stop()
+        finally:
+            pg.stop("fast", force=True)
+
+
+def _mmss(seconds: float) -> str:
+    return f"{int(seconds // 60):02d}:{seconds % 60:04.1f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    base = RunSpec(
+        strategy=args.strategy,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        messages=args.messages,
+        payload_bytes=args.payload_bytes,
+        topics=args.topics,
+        partitions=args.partitions,
+        keys=args.keys,
+        mode=args.mode,
+        verify=args.verify,
+    )
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
+    with servers(args.embedded) as found:
+        if args.matrix:
+            return _matrix(found, base, args.runs)
+        if args.baseline:
+            comparison = compare(found, base, args.runs)
+            _print_comparison(base, comparison)
+            return 0
+        results = [run_once(found, base) for _ in range(args.runs)]
+        return 0 if all(r.published >= base.messages and r.verified is not False for r in results) else 1
+
+
+def _print_comparison(spec: RunSpec, c: Comparison) -> None:
+    ours, naive = c.median_rate(c.ours), c.median_rate(c.naive)
+    print(
+        f"\n{spec.strategy}, {spec.workers} worker(s), {spec.messages:,} x {spec.payload_bytes} B, "
+        f"median of {len(c.ours)}: ours (batch {spec.batch_size}) {ours:,.0f} msg/s, "
+        f"naive (batch 100) {naive:,.0f} msg/s, ratio {c.ratio:.1f}x",
+        flush=True,
+    )
+
+
+def _matrix(found: Servers, base: RunSpec, runs: int) -> int:
+    table: dict[tuple[str, int], Comparison] = {}
+    for strategy in STRATEGY_NAMES:
+        for workers in (1, 2):
+            print(f"\n== {strategy}, {workers} worker(s)", flush=True)
+            table[(strategy, workers)] = compare(found, replace(base, strategy=strategy, workers=workers), runs)
+    print(
+        f"\n{base.messages:,} messages x {base.payload_bytes} B, {base.topics} topics x {base.partitions} partition(s),"
+        f" medians of {runs} run(s), naive batch 100, ours batch {base.batch_size}"
+    )
+    print("| variant | talk 1w | talk 2w | naive 1w | naive 2w | ours 1w | ours 2w | ours/naive 1w | ours/naive 2w |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for strategy in STRATEGY_NAMES:
+        one, two = table[(strategy, 1)], table[(strategy, 2)]
+        talk = TALK_TABLE.get(strategy, ("-", "-"))
+
+        def cell(c: Comparison, ours: bool) -> str:
+            rate = c.median_rate(c.ours if ours else c.naive)
+            return f"{_mmss(base.messages / rate)} ({rate / 1000:.0f}k/s)" if rate else "-"
+
+        print(
+            f"| {strategy} | {talk[0]} | {talk[1]} | {cell(one, False)} | {cell(two, False)} | "
+            f"{cell(one, True)} | {cell(two, True)} | {one.ratio:.1f}x | {two.ratio:.1f}x |"
+        )
+    return 0
