@@ -181,8 +181,9 @@ class Relay:
 
     # -- the pieces --------------------------------------------------------------------------
 
-    def _claim(self, strategy: Strategy) -> Claim | None:
-        claim = strategy.claim(self.settings.batch_size)
+    def _claim(self, strategy: Strategy, in_flight: _InFlight | None = None) -> Claim | None:
+        avoid = [r.id for r in in_flight.claim.records] if in_flight is not None else ()
+        claim = strategy.claim(self.settings.batch_size, avoid)
         if claim is not None and not claim.records:
             # Every candidate was taken by another worker first: no batch, but the collisions count.
             self.stats.collisions += claim.collisions
@@ -253,7 +254,7 @@ class Relay:
                 try:
                     strategies = self._instances()
                     strategy = strategies[self._turn % len(strategies)]
-                    claim = self._claim(strategy) if self.settings.pipeline or in_flight is None else None
+                    claim = self._claim(strategy, in_flight) if self.settings.pipeline or in_flight is None else None
                     if in_flight is not None:
                         previous, in_flight = in_flight, None
                         outcome = self._finish(previous)

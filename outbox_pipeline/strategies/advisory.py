@@ -39,6 +39,7 @@ Order. Kafka receives rows in id order (per partition, so per key). Caveats, pre
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import ClassVar
 
 import psycopg
@@ -75,23 +76,21 @@ class AdvisoryStrategy(Strategy):
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         self._key = {"class": ADVISORY_LOCK_CLASS, "schema": self.table.schema}
         self._held = False
-        self._select = select_pending_sql(config, order="id", lock=False, exclude=True)
-        self._in_flight: set[int] = set()
+        self._select = select_pending_sql(config, order="id", lock=False, exclude=False)
+        self._select_avoiding = select_pending_sql(config, order="id", lock=False, exclude=True)
 
     @property
     def holds_lock(self) -> bool:
         """Whether this worker is the active one (it took the lock and has not released it)."""
         return self._held
 
-    def claim(self, limit: int) -> Claim | None:
+    def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
         if not self._held and not self._acquire():
             return None
         # Rows of a batch still in flight are unsent but not ours to take again (pipelining).
-        records = fetch_records(self.conn, self._select, {"limit": limit, "exclude": list(self._in_flight)})
-        if not records:
-            return None
-        self._in_flight.update(r.id for r in records)
-        return Claim(records)
+        query = self._select_avoiding if avoid else self._select
+        records = fetch_records(self.conn, query, {"limit": limit, "exclude": list(avoid)}, prepare=not avoid)
+        return Claim(records) if records else None
 
     def _acquire(self) -> bool:
         # One transaction, so that even a transaction pooler runs the check and the lock on one server
@@ -112,13 +111,11 @@ class AdvisoryStrategy(Strategy):
 
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
         # No owner fence needed: while this session holds the lock nobody else touches unsent rows.
-        self._in_flight.difference_update(r.id for r in claim.records)
         with self.conn.transaction():
             return finish(self.conn, self.config, outcome)
 
     def give_back(self, claim: Claim, error: str) -> None:
         """Nothing to undo: claiming changed no row, so the next claim starts from the same row."""
-        self._in_flight.difference_update(r.id for r in claim.records)
 
     def close(self) -> None:
         """Release the lock so a standby takes over now rather than when this session ends."""

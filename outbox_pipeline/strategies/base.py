@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -54,10 +54,14 @@ class OutboxRecord(NamedTuple):
 
 
 def fetch_records(
-    conn: psycopg.Connection, query: sql.Composed, params: Mapping[str, object] | None = None
+    conn: psycopg.Connection,
+    query: sql.Composed,
+    params: Mapping[str, object] | None = None,
+    *,
+    prepare: bool | None = None,
 ) -> list[OutboxRecord]:
     """Run a query selecting RECORD_COLUMNS; binary results load bytea without any decoding."""
-    rows = conn.execute(query, params, binary=True).fetchall()
+    rows = conn.execute(query, params, binary=True, prepare=prepare).fetchall()
     return list(map(OutboxRecord._make, rows))
 
 
@@ -128,14 +132,23 @@ class Strategy(abc.ABC):
     def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
         self.conn = conn
         self.config = config
+        # Every relay query reads an index range in index order and stops at LIMIT. Right after a
+        # bulk load, or on a fresh daily partition, the planner's statistics say "a few hundred
+        # rows" and it sorts the whole backlog instead (measured: 1 s instead of 25 ms per claim of
+        # 5,000 rows from 200,000, with a spill to disk). No relay query needs a sort: forbid it.
+        conn.execute("SET enable_sort = off")
 
     @property
     def table(self) -> OutboxTable:
         return self.config.table
 
     @abc.abstractmethod
-    def claim(self, limit: int) -> Claim | None:
-        """The next batch this worker may publish, or None when nothing is available now."""
+    def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
+        """The next batch this worker may publish, or None when nothing is available now.
+
+        ``avoid``: ids of rows this worker has in flight (its previous, unacked batch). Strategies that
+        claim rows skip them; it is a hint for speed, never needed for correctness.
+        """
 
     @abc.abstractmethod
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:

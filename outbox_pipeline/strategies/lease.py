@@ -38,6 +38,7 @@ serialization error instead.)
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from typing import ClassVar
 
 import psycopg
@@ -59,7 +60,11 @@ from .rows import finish
 # before reporting "nothing available": the rows it lost went to other workers, more may be left.
 _SAMPLE_ROUNDS = 3
 
-# The fair pick as two CTEs: the oldest share by id, then the rest by priority.
+# The fair pick as two CTEs: the oldest share by id, then the rest by priority. They may pick the
+# same rows (always, when priorities are equal), so "urgent" reads a full batch and the pick below
+# drops what "oldest" has with ``NOT IN (SELECT ...)``, a hashed lookup (``id <> ALL(ARRAY(...))``
+# compared every array element with every row walked). Rows urgent locked but did not pick are
+# released when the statement ends.
 _FAIR_IDS = """
     oldest AS (
         SELECT o.id FROM {messages} o
@@ -70,11 +75,17 @@ _FAIR_IDS = """
     ),
     urgent AS (
         SELECT u.id FROM {messages} u
-        WHERE u.sent_at IS NULL AND u.available_after <= now() AND u.id <> ALL (ARRAY(SELECT id FROM oldest))
+        WHERE u.sent_at IS NULL AND u.available_after <= now()
         ORDER BY u.priority DESC, u.id
-        LIMIT %(limit)s - (SELECT count(*) FROM oldest)
+        LIMIT %(limit)s
         {lock}
     )
+"""
+
+_PICKED = """
+    SELECT id FROM oldest
+    UNION ALL
+    (SELECT id FROM urgent WHERE id NOT IN (SELECT id FROM oldest) LIMIT %(limit)s - (SELECT count(*) FROM oldest))
 """
 
 # The picked ids go in as an array rather than the talk's ``FROM (...) c WHERE m.id = c.id``: joined
@@ -103,13 +114,11 @@ class LeaseStrategy(Strategy):
             fair=locked,
             lease=sql.SQL(_LEASE).format(
                 messages=messages,
-                picked=sql.SQL("SELECT id FROM oldest UNION ALL SELECT id FROM urgent"),
+                picked=sql.SQL(_PICKED),
                 columns=sql.SQL(RECORD_COLUMNS),
             ),
         )
-        self._candidates = sql.SQL("WITH {fair} SELECT id FROM oldest UNION ALL SELECT id FROM urgent").format(
-            fair=unlocked
-        )
+        self._candidates = sql.SQL("WITH {fair} " + _PICKED).format(fair=unlocked)
         self._claim_sample = sql.SQL(_LEASE).format(
             messages=messages,
             picked=sql.SQL(
@@ -144,7 +153,7 @@ class LeaseStrategy(Strategy):
     def _fair_params(self, limit: int) -> dict[str, object]:
         return {"oldest": int(limit * self.config.oldest_share), "limit": limit}
 
-    def claim(self, limit: int) -> Claim | None:
+    def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
         if self.config.sample_factor > 1:
             return self._claim_sampled(limit)
         records = self._lease(self._claim_fair, self._fair_params(limit))

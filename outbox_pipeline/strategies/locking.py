@@ -9,6 +9,7 @@ and the rows become claimable again (at-least-once: they are published again). N
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from typing import ClassVar, Literal
 
 import psycopg
@@ -28,11 +29,11 @@ class LockingStrategy(Strategy):
         # SKIP LOCKED semantics are defined for READ COMMITTED; say so rather than inherit a default.
         conn.isolation_level = IsolationLevel.READ_COMMITTED
 
-    def claim(self, limit: int) -> Claim | None:
+    def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
         transaction = contextlib.ExitStack()
         transaction.enter_context(self.conn.transaction())
         try:
-            records = claim_fair(self.conn, self.config, limit, lock=True)
+            records = claim_fair(self.conn, self.config, limit, lock=True, avoid=avoid)
         except BaseException:
             _rollback(transaction)
             raise

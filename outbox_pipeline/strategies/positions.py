@@ -18,6 +18,7 @@ published without it; retrying it from the dead letters publishes it after them.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -84,7 +85,7 @@ class PositionStrategy(Strategy):
 
     # -- claim -------------------------------------------------------------------------------
 
-    def claim(self, limit: int) -> Claim | None:
+    def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
         # Pipelining: keep reading a partition whose previous batch is still in flight, past that batch.
         for chain in self._chains.values():
             if chain.broken:

@@ -8,7 +8,7 @@ dead-letter table. Each of those is one statement over an id array, whatever the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import psycopg
 from psycopg import sql
@@ -39,25 +39,38 @@ def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool, exclud
     ).format(
         columns=sql.SQL(RECORD_COLUMNS),
         messages=config.table.messages,
-        exclude=sql.SQL("AND m.id <> ALL(%(exclude)s::bigint[])") if exclude else sql.SQL(""),
+        # With a one-off (unprepared) statement the array is planned as a constant and PostgreSQL
+        # hashes it (>= 14): a lookup per row walked, not a scan of the array.
+        exclude=sql.SQL("AND NOT (m.id = ANY(%(exclude)s::bigint[]))") if exclude else sql.SQL(""),
         order_by=sql.SQL(order_by),
         lock=sql.SQL("FOR UPDATE OF m SKIP LOCKED") if lock else sql.SQL(""),
     )
 
 
-def claim_fair(conn: psycopg.Connection, config: StrategyConfig, limit: int, *, lock: bool) -> list[OutboxRecord]:
-    """Highest priority first, plus an oldest-first share so old low-priority rows are never starved."""
+def claim_fair(
+    conn: psycopg.Connection, config: StrategyConfig, limit: int, *, lock: bool, avoid: Collection[int] = ()
+) -> list[OutboxRecord]:
+    """Highest priority first, plus an oldest-first share so old low-priority rows are never starved.
+
+    The two reads may return the same rows (they do when all priorities are equal): duplicates are
+    dropped here rather than excluded in SQL, where ``id <> ALL(...)`` costs a comparison per array
+    element per row walked. ``avoid``: rows this worker already has in flight, skipped before any
+    lock is tried (a second batch in flight would otherwise re-walk the first one's locked rows).
+    """
+    params: dict[str, object] = {"exclude": list(avoid)}
     records: list[OutboxRecord] = []
     oldest = int(limit * config.oldest_share)
     if oldest:
-        records = fetch_records(
-            conn, select_pending_sql(config, order="id", lock=lock, exclude=False), {"limit": oldest}
-        )
+        query = select_pending_sql(config, order="id", lock=lock, exclude=bool(avoid))
+        records = fetch_records(conn, query, {**params, "limit": oldest}, prepare=not avoid)
     rest = limit - len(records)
     if rest > 0:
-        params = {"limit": rest, "exclude": [r.id for r in records]}
-        query = select_pending_sql(config, order="priority", lock=lock, exclude=bool(records))
-        records.extend(fetch_records(conn, query, params))
+        # Asking for as many as the oldest share may overlap keeps the batch full; rows locked beyond
+        # the batch stay unsent and are released at commit.
+        query = select_pending_sql(config, order="priority", lock=lock, exclude=bool(avoid))
+        seen = {r.id for r in records}
+        more = fetch_records(conn, query, {**params, "limit": rest + len(records)}, prepare=not avoid)
+        records.extend([r for r in more if r.id not in seen][:rest])
     return records
 
 
@@ -69,7 +82,7 @@ def finish(
     owner: str | None = None,
 ) -> AckResult:
     """Apply one batch's outcome to its rows. With ``owner``, touch only rows still leased to it."""
-    acked = mark_delivered(conn, config, [r.id for r in outcome.delivered], owner=owner)
+    acked = mark_delivered(conn, config, outcome.delivered, owner=owner)
     retry, dead = split_failures(outcome.failed, config.max_attempts)
     retried = schedule_retry(conn, config, retry, owner=owner)
     dead_lettered = dead_letter(conn, config, dead, owner=owner)
@@ -90,16 +103,28 @@ def _owner_clause(owner: str | None) -> sql.Composable:
     return sql.SQL("AND m.locked_by = %(owner)s") if owner is not None else sql.SQL("")
 
 
-def mark_delivered(conn: psycopg.Connection, config: StrategyConfig, ids: list[int], *, owner: str | None) -> int:
-    if not ids:
+def mark_delivered(
+    conn: psycopg.Connection, config: StrategyConfig, records: Sequence[OutboxRecord], *, owner: str | None
+) -> int:
+    """Delete or mark sent, by id. The batch's created_at range lets PostgreSQL prune to the daily
+    partitions that hold it: ``id = ANY(...)`` alone probes every partition's key for every id."""
+    if not records:
         return 0
     if config.mode == "delete":
-        query = sql.SQL("DELETE FROM {messages} m WHERE m.id = ANY(%(ids)s) {owner}")
+        query = sql.SQL("DELETE FROM {messages} m WHERE m.id = ANY(%(ids)s) {within} {owner}")
     else:
-        query = sql.SQL("UPDATE {messages} m SET sent_at = now(), locked_by = NULL WHERE m.id = ANY(%(ids)s) {owner}")
-    cur = conn.execute(
-        query.format(messages=config.table.messages, owner=_owner_clause(owner)), {"ids": ids, "owner": owner}
-    )
+        query = sql.SQL(
+            "UPDATE {messages} m SET sent_at = now(), locked_by = NULL WHERE m.id = ANY(%(ids)s) {within} {owner}"
+        )
+    created = [r.created_at for r in records]
+    params = {
+        "ids": [r.id for r in records],
+        "owner": owner,
+        "from": min(created).decode(),
+        "to": max(created).decode(),
+    }
+    within = sql.SQL("AND m.created_at BETWEEN %(from)s::timestamptz AND %(to)s::timestamptz")
+    cur = conn.execute(query.format(messages=config.table.messages, within=within, owner=_owner_clause(owner)), params)
     return cur.rowcount
 
 
