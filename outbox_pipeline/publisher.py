@@ -53,6 +53,19 @@ PERMANENT_ERRORS = frozenset(
 )
 
 
+# Errors after which this producer instance is of no further use (its id or epoch is rejected).
+PRODUCER_RESET_ERRORS = frozenset(
+    {
+        KafkaError.PRODUCER_FENCED,
+        KafkaError._FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+        KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+        KafkaError.UNKNOWN_PRODUCER_ID,
+        KafkaError.INVALID_PRODUCER_ID_MAPPING,
+    }
+)
+
+
 def is_permanent(error: KafkaError) -> bool:
     return error.code() in PERMANENT_ERRORS
 
@@ -145,7 +158,9 @@ class KafkaPublisher:
             failures = [DeliveryFailure(r, "no delivery report before the timeout", False) for r in pending.records]
             return PublishOutcome([], failures, time.monotonic() - pending.started)
         if self._fatal:
-            # An idempotent producer that hit a fatal error cannot be used again.
+            # A fatal error ends an idempotent producer, and so does a fenced id or epoch: after an
+            # outage librdkafka bumps the epoch and the local broker answers PRODUCER_FENCED to every
+            # send from then on (not flagged fatal). A fresh producer works at once.
             self._fatal = False
             self._drop(self._producer)
             self._producer = None
@@ -159,7 +174,7 @@ class KafkaPublisher:
         """Called by librdkafka for failed messages only (delivery.report.only.error)."""
         if error is None:
             return
-        self._fatal = self._fatal or error.fatal()
+        self._fatal = self._fatal or error.fatal() or error.code() in PRODUCER_RESET_ERRORS
         # Delivery reports carry no headers: find the row by what was sent. Rows with identical
         # topic, key and payload are all marked failed (at worst a duplicate, never a loss).
         failure = (str(error.str()), is_permanent(error))

@@ -242,8 +242,8 @@ class Relay:
         """Relay until stopped, until nothing is claimable (``until_empty``) or ``max_seconds``.
 
         Pipelined: while Kafka confirms batch N, the worker reads batch N+1 from PostgreSQL; once N is
-        confirmed, N+1 goes to Kafka first and N is acked while Kafka works. At most one batch is in
-        the producer and at most two claims exist, so an ack never waits behind more than one batch.
+        confirmed and acked, N+1 goes to Kafka. At most one batch is in the producer (published, not
+        yet acked) and at most two claims exist.
         """
         idle_wait = self.settings.poll_interval_s
         failures = 0
@@ -259,12 +259,15 @@ class Relay:
                         previous, in_flight = in_flight, None
                         outcome = self._finish(previous)
                         kafka_down = bool(previous.claim.records) and not outcome.delivered
+                        # Ack before handing the next batch to Kafka: a crash then leaves at most one
+                        # published-but-unacked batch (the duplicates bound), at the cost of one
+                        # round trip not overlapped with Kafka.
+                        self._ack(previous, outcome)
                         if claim is not None and not kafka_down:
                             in_flight = self._publish(strategy, claim)
                             self._turn += 1
                         elif claim is not None:
                             strategy.give_back(claim, "Kafka accepted nothing of the previous batch")
-                        self._ack(previous, outcome)
                         if kafka_down:
                             # The broker is down or unreachable. Back off, don't spin.
                             failures += 1

@@ -216,7 +216,8 @@ class PositionStrategy(Strategy):
                 continue
             failure = failures[record.id]
             if failure.permanent or head_attempts + 1 >= self.config.max_attempts:
-                dead.append(failure)
+                # Attempts of an ordered partition are counted on its offsets row (rows never change).
+                dead.append(replace(failure, record=record._replace(attempts=head_attempts)))
                 advanced, head_attempts = record, 0
                 continue
             stopped_at = failure
@@ -265,7 +266,7 @@ class PositionStrategy(Strategy):
                     available_after = CASE
                         WHEN %(keep)s THEN now() + make_interval(secs => %(lease)s)
                         WHEN %(error)s::text IS NULL THEN now()
-                        ELSE now() + make_interval(
+                        ELSE clock_timestamp() + make_interval(
                             secs => least(%(max)s, %(base)s * power(2, %(attempts)s - 1)) * (0.5 + random() / 2))
                     END,
                     updated_at = now()

@@ -131,7 +131,12 @@ def mark_delivered(
 def schedule_retry(
     conn: psycopg.Connection, config: StrategyConfig, failures: Sequence[DeliveryFailure], *, owner: str | None
 ) -> int:
-    """attempts + 1 and an exponential backoff with jitter, computed per row by the server."""
+    """attempts + 1 and an exponential backoff with jitter, computed per row by the server.
+
+    From clock_timestamp(), not now(): in the locking strategy now() is when the claim's transaction
+    began, before a publish that may have waited out the whole message timeout, so a backoff from
+    now() would already be over and the failing row would be in every following batch.
+    """
     if not failures:
         return 0
     cur = conn.execute(
@@ -141,7 +146,7 @@ def schedule_retry(
             SET attempts = m.attempts + 1,
                 last_error = f.error,
                 locked_by = NULL,
-                available_after = now() + make_interval(
+                available_after = clock_timestamp() + make_interval(
                     secs => least(%(max)s, %(base)s * power(2, m.attempts)) * (0.5 + random() / 2))
             FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
             WHERE m.id = f.id {owner}

@@ -1,0 +1,139 @@
+"""Fixtures of the fault-injection suite: a PostgreSQL of its own to restart, a broker behind a TCP proxy to cut,
+outbox schemas on either server, and relay worker processes the tests kill, freeze and restart."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_pipeline import OutboxTable, init_db
+from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
+
+from ..tcp_proxy import TcpProxy
+from .helpers import FIGURES, WorkerProcess
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if FIGURES:
+        terminalreporter.section("fault figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def module_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    """A PostgreSQL server of the module's own: restarting it breaks no other test's connections, and its
+    transactions hold back no other server's snapshots."""
+    server = LocalPostgres(
+        PostgresSpec(
+            data_dir=tmp_path_factory.mktemp("fault_pg") / "data",
+            port=free_port(),
+            # synchronous_commit stays on: an immediate shutdown is a crash, and an acknowledged commit must
+            # survive it (asynchronous commits would be lost, and with them acks: more duplicates than the
+            # relay's own bound). fsync off is safe, the OS does not crash.
+            settings={"fsync": "off"},
+        )
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop("fast", force=True)
+
+
+@dataclass(frozen=True)
+class ProxiedBroker:
+    broker: LocalBroker
+    proxy: TcpProxy
+
+    @property
+    def bootstrap(self) -> str:
+        """What clients use: the proxy. The broker advertises the proxy too, so no client learns its real port."""
+        return self.proxy.address
+
+    def new_topic(self, prefix: str = "t", partitions: int = 1) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        self.broker.create_topics([name], partitions=partitions)
+        return name
+
+
+@pytest.fixture(scope="module")
+def proxied_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedBroker]:
+    """A broker of its own (freezing it stalls no other test) whose advertised listener is a TCP proxy."""
+    port = free_port()
+    with TcpProxy(port) as proxy:
+        log_path: Path = tmp_path_factory.mktemp("proxied_broker") / "broker.log"
+        broker = LocalBroker(BrokerSpec(port=port, advertised_port=proxy.port, log_path=log_path))
+        broker.start()
+        try:
+            yield ProxiedBroker(broker, proxy)
+        finally:
+            broker.stop()
+
+
+@pytest.fixture
+def outbox_tables() -> Iterator[Callable[[str], OutboxTable]]:
+    """``make(dsn)``: a freshly migrated outbox schema on that server, dropped after the test."""
+    made: list[tuple[str, OutboxTable]] = []
+
+    def make(dsn: str) -> OutboxTable:
+        table = OutboxTable(schema=f"f_{uuid.uuid4().hex[:12]}")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            init_db(conn, table)
+        made.append((dsn, table))
+        return table
+
+    yield make
+    for dsn, table in made:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """``spawn(name, dsn=..., schema=..., bootstrap=..., strategy=..., ...)``: a relay worker process (not yet
+    started). Whatever is still running at the end is killed, by pid."""
+    spawned: list[WorkerProcess] = []
+
+    def spawn(
+        name: str,
+        *,
+        dsn: str,
+        table: OutboxTable,
+        bootstrap: str,
+        strategy: str,
+        worker_id: str | None = None,
+        batch_size: int = 50,
+        config: dict[str, object] | None = None,
+        producer: dict[str, object] | None = None,
+        settings: dict[str, object] | None = None,
+        stop_after_publish: int | None = None,
+    ) -> WorkerProcess:
+        spec = {
+            "dsn": dsn,
+            "schema": table.schema,
+            "bootstrap": bootstrap,
+            "strategy": strategy,
+            "worker_id": worker_id or name,
+            "batch_size": batch_size,
+            "config": config or {},
+            "producer": producer or {},
+            "settings": settings or {},
+            "stop_after_publish": stop_after_publish,
+        }
+        worker = WorkerProcess(spec, tmp_path, name)
+        spawned.append(worker)
+        return worker
+
+    yield spawn
+    for worker in spawned:
+        if worker.alive():
+            worker.thaw()
+            worker.kill()

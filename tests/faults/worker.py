@@ -1,0 +1,131 @@
+"""One relay worker process for the fault tests: the real Relay, strategy and producer, instrumented.
+
+Run as ``python tests/faults/worker.py SPEC_JSON``. It appends one line per step to the ``events`` file
+(``<monotonic time> <step> [numbers]``; CLOCK_MONOTONIC is system-wide, so the test can compare times),
+which tells the test where a SIGKILL landed and how often the worker claimed during an outage, and writes
+its cumulative RelayStats as JSON to ``stats`` when it ends (SIGTERM stops it after the batch in hand).
+With ``stop_after_publish`` it freezes itself (SIGSTOP) once that many batches are confirmed by Kafka,
+before their ack: a worker hung past its lease, resumed by the test with SIGCONT. (The relay pipelines: by
+then it may have claimed its next batch, and it publishes that one before acking the confirmed one.)
+
+Steps: claim-begin, claim N (N records, 0: nothing), produce N, delivered OK FAILED, ack-begin,
+acked ACKED LOST RETRIED DEAD (the AckResult), give-back, frozen, thawed, start, end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.publisher import KafkaPublisher, PendingBatch
+from outbox_pipeline.relay import Relay, RelaySettings
+from outbox_pipeline.strategies import strategy_class
+from outbox_pipeline.strategies.base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
+
+
+class Events:
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1)  # kept open for the life of the process
+        self._lock = threading.Lock()
+
+    def __call__(self, step: str, *numbers: int) -> None:
+        with self._lock:
+            self._file.write(" ".join([f"{time.monotonic():.6f}", step, *map(str, numbers)]) + "\n")
+
+
+class InstrumentedPublisher(KafkaPublisher):
+    """Logs each batch handed to the producer (`produce`) and confirmed (`delivered`), for both paths the relay
+    takes: ``start``/``finish`` (pipelined) and ``publish`` (Kafka transactions)."""
+
+    def __init__(self, config: dict[str, object], events: Events, stop_after_publish: int | None) -> None:
+        super().__init__(config)
+        self.events = events
+        self.stop_after_publish = stop_after_publish
+        self.publishes = 0
+
+    def start(self, records: Sequence[OutboxRecord], *args: Any, **kwargs: Any) -> PendingBatch:
+        self.events("produce", len(records))
+        return super().start(records, *args, **kwargs)
+
+    def finish(self, pending: PendingBatch, *args: Any, **kwargs: Any) -> PublishOutcome:
+        return self._confirmed(super().finish(pending, *args, **kwargs))
+
+    def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
+        if transactional_id is None:
+            return super().publish(records)  # start + finish, logged there
+        self.events("produce", len(records))
+        return self._confirmed(super().publish(records, transactional_id=transactional_id))
+
+    def _confirmed(self, outcome: PublishOutcome) -> PublishOutcome:
+        self.events("delivered", len(outcome.delivered), len(outcome.failed))
+        self.publishes += 1
+        if self.publishes == self.stop_after_publish:
+            self.events("frozen")
+            os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us with SIGCONT
+            self.events("thawed")
+        return outcome
+
+
+def instrumented(cls: type[Strategy], events: Events) -> type[Strategy]:
+    """The strategy class with its claim, ack and give_back logged (a subclass, so the relay still sees the
+    class attributes it relies on, such as ``pipelining``)."""
+
+    class Instrumented(cls):  # type: ignore[valid-type,misc]
+        # *args: whatever the engine passes (the limit, and hints that change as the relay evolves)
+        def claim(self, *args: Any, **kwargs: Any) -> Claim | None:
+            events("claim-begin")
+            result = super().claim(*args, **kwargs)
+            events("claim", len(result.records) if result is not None else 0)
+            return result
+
+        def ack(self, claimed: Claim, outcome: PublishOutcome, *args: Any, **kwargs: Any) -> AckResult:
+            events("ack-begin")
+            result = super().ack(claimed, outcome, *args, **kwargs)
+            events("acked", result.acked, result.lost_ownership, result.retried, result.dead_lettered)
+            return result
+
+        def give_back(self, claimed: Claim, *args: Any, **kwargs: Any) -> None:
+            events("give-back")
+            super().give_back(claimed, *args, **kwargs)
+
+    Instrumented.__name__ = Instrumented.__qualname__ = f"Instrumented{cls.__name__}"
+    return Instrumented
+
+
+def main(spec: dict[str, Any]) -> None:
+    events = Events(spec["events"])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    config = StrategyConfig(
+        table=OutboxTable(schema=spec["schema"]), worker_id=spec["worker_id"], **spec.get("config", {})
+    )
+    settings = RelaySettings(**{"batch_size": spec["batch_size"], **spec.get("settings", {})})
+    publisher = InstrumentedPublisher(
+        {"bootstrap.servers": spec["bootstrap"], **spec.get("producer", {})}, events, spec.get("stop_after_publish")
+    )
+    relay = Relay(
+        spec["dsn"], instrumented(strategy_class(spec["strategy"]), events), config, publisher, settings, stop
+    )
+    events("start")
+    try:
+        relay.run()
+    finally:
+        stats = {f.name: getattr(relay.stats, f.name) for f in dataclasses.fields(relay.stats)}
+        stats["elapsed_s"] = relay.stats.elapsed_s
+        tmp = spec["stats"] + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(stats, fh)
+        os.replace(tmp, spec["stats"])
+        events("end")
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
