@@ -13,6 +13,7 @@ from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
+from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.schema import init_db
 
 from .kafka_helpers import KafkaProbe
@@ -84,3 +85,25 @@ def new_topic(broker: LocalBroker) -> Callable[..., str]:
         return name
 
     return create
+
+
+@pytest.fixture
+def connect(dsn: str) -> Iterator[Callable[[], psycopg.Connection]]:
+    """Extra autocommit sessions (one per simulated worker), closed after the test."""
+    opened: list[psycopg.Connection] = []
+
+    def open_one() -> psycopg.Connection:
+        conn = psycopg.connect(dsn, autocommit=True)
+        opened.append(conn)
+        return conn
+
+    yield open_one
+    for conn in opened:
+        conn.close()
+
+
+@pytest.fixture
+def publisher(kafka: KafkaProbe) -> Iterator[KafkaPublisher]:
+    pub = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 10_000})
+    yield pub
+    pub.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import psycopg
@@ -27,28 +27,6 @@ def _count(db: psycopg.Connection, table: OutboxTable, where: str = "true") -> i
 
 def _outbox_ids(records: list[Record]) -> list[int]:
     return [int(r.headers["outbox_id"]) for r in records]
-
-
-@pytest.fixture
-def connect(dsn: str) -> Iterator[Callable[[], psycopg.Connection]]:
-    """Extra autocommit sessions (one per simulated worker), closed after the test."""
-    opened: list[psycopg.Connection] = []
-
-    def open_one() -> psycopg.Connection:
-        conn = psycopg.connect(dsn, autocommit=True)
-        opened.append(conn)
-        return conn
-
-    yield open_one
-    for conn in opened:
-        conn.close()
-
-
-@pytest.fixture
-def publisher(kafka: KafkaProbe) -> Iterator[KafkaPublisher]:
-    pub = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 10_000})
-    yield pub
-    pub.close()
 
 
 def test_advisory_delivers_every_committed_row_once_in_id_order_and_deletes_it(

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import psycopg
-import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
@@ -40,28 +39,6 @@ def _wait_for_leases_to_expire(db: psycopg.Connection, table: OutboxTable, deadl
             return
         assert time.monotonic() < deadline, f"leases still running {remaining:.1f} s after the deadline"
         db.execute("SELECT pg_sleep(%s)", [min(remaining + 0.01, 1.0)])
-
-
-@pytest.fixture
-def connect(dsn: str) -> Iterator[Callable[[], psycopg.Connection]]:
-    """Extra autocommit sessions (one per simulated worker), closed after the test."""
-    opened: list[psycopg.Connection] = []
-
-    def open_one() -> psycopg.Connection:
-        conn = psycopg.connect(dsn, autocommit=True)
-        opened.append(conn)
-        return conn
-
-    yield open_one
-    for conn in opened:
-        conn.close()
-
-
-@pytest.fixture
-def publisher(kafka: KafkaProbe) -> Iterator[KafkaPublisher]:
-    pub = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 10_000})
-    yield pub
-    pub.close()
 
 
 def test_two_lease_workers_deliver_every_committed_row_once(
