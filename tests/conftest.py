@@ -3,6 +3,7 @@ schema and fresh topics per test. Nothing here mocks either server."""
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,16 @@ from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.schema import init_db
 
 from .kafka_helpers import KafkaProbe
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A CI timeout or a plain `kill` sends SIGTERM, which would end pytest without teardown and leave
+    # the servers (daemons) running: treat it like Ctrl-C, after which pytest runs every finalizer.
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")
