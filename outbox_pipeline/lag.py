@@ -9,7 +9,6 @@ state on the row (``sent_at IS NULL``); position strategies (partitioned, serial
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 
 import psycopg
@@ -160,7 +159,3 @@ def partition_lag(
 def pending_by_partition(conn: psycopg.Connection, table: OutboxTable) -> list[PartitionLag]:
     """Unsent rows per partition for the row-claiming strategies (sent rows are deleted or marked)."""
     return partition_lag(conn, table, "locking")
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)

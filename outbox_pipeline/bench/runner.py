@@ -32,7 +32,6 @@ from ..relay import Relay, RelaySettings
 from ..schema import init_db, set_topic_partitions
 from ..strategies import strategy_class
 from ..strategies.base import StrategyConfig
-from ..strategies.positions import PositionStrategy
 from ..verify import verify
 from .naive import run_naive
 from .procstat import process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
@@ -257,7 +256,3 @@ def compare(servers: Servers, spec: RunSpec, runs: int, progress: Callable[[str]
         comparison.naive.append(run_once(servers, replace(spec, naive=True, verify=False), progress))
         comparison.ours.append(run_once(servers, spec, progress))
     return comparison
-
-
-def ordered_read_only(strategy: str) -> bool:
-    return issubclass(strategy_class(strategy), PositionStrategy)
