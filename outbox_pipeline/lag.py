@@ -16,7 +16,7 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .strategies import strategy_class
-from .strategies.positions import PositionStrategy
+from .strategies.positions import PositionStrategy, partition_pairs
 
 
 @dataclass(frozen=True)
@@ -36,21 +36,6 @@ class PartitionLag:
     # Backing off after a failure (not leased, not available yet).
     in_backoff: bool = False
 
-
-# Distinct (topic, partition) pairs of the message table as a loose index scan: one probe of the
-# (topic, partition, ...) index per pair instead of a DISTINCT over every row.
-_PAIRS = """
-    pairs AS (
-        (SELECT topic, partition FROM {messages} ORDER BY topic, partition LIMIT 1)
-        UNION ALL
-        SELECT next.topic, next.partition
-        FROM pairs, LATERAL (
-            SELECT m.topic, m.partition FROM {messages} m
-            WHERE (m.topic, m.partition) > (pairs.topic, pairs.partition)
-            ORDER BY m.topic, m.partition LIMIT 1
-        ) next
-    )
-"""
 
 # Row strategies. Per pair, the pending rows oldest first (the (topic, partition, id) index), at most
 # %(cap)s of them (LIMIT NULL means all): with a cap a huge backlog costs ``cap`` rows per partition,
@@ -127,7 +112,7 @@ def partition_lag(
     if cap is not None and cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
     cls = strategy_class(strategy)
-    pairs = sql.SQL(_PAIRS).format(messages=table.messages)
+    pairs = partition_pairs(table)
     if not issubclass(cls, PositionStrategy):
         query = sql.SQL(_ROW_LAG).format(pairs=pairs, messages=table.messages)
         rows = conn.execute(query, {"cap": cap}).fetchall()

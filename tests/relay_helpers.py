@@ -85,3 +85,9 @@ def order_by_key(records: Sequence[Record]) -> dict[bytes | None, list[int]]:
             seen.add(oid)
             per_key[record.key].append(oid)
     return dict(per_key)
+
+
+def row_count(db: psycopg.Connection, table: OutboxTable, where: str = "true") -> int:
+    """Rows of the outbox table matching a (test-written, constant) condition."""
+    row = db.execute(sql.SQL("SELECT count(*) FROM {} WHERE " + where).format(table.messages)).fetchone()
+    return int(row[0]) if row else 0

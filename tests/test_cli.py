@@ -12,10 +12,7 @@ from outbox_pipeline.cli import main
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.localstack import free_port
 
-
-def _count(db: psycopg.Connection, table: OutboxTable) -> int:
-    row = db.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone()
-    return int(row[0]) if row else 0
+from .relay_helpers import row_count
 
 
 def test_init_db_reports_the_schema_version_and_is_rerunnable(
@@ -48,7 +45,7 @@ def test_enqueue_stores_one_message_and_prints_its_ids(
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     assert set(printed) == {"id", "message_id"}
-    assert _count(db, table) == 1
+    assert row_count(db, table) == 1
 
 
 def test_enqueue_with_an_invalid_topic_exits_2_with_a_clear_error_and_stores_nothing(
@@ -57,7 +54,7 @@ def test_enqueue_with_an_invalid_topic_exits_2_with_a_clear_error_and_stores_not
     code = main(["enqueue", "--dsn", dsn, "--schema", table.schema, "--topic", "bad topic", "--payload", "{}"])
     assert code == 2
     assert "invalid Kafka topic name 'bad topic'" in capsys.readouterr().err
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_load_copies_messages_and_prints_its_rate(
@@ -67,7 +64,7 @@ def test_load_copies_messages_and_prints_its_rate(
     out = capsys.readouterr().out
     print(out)  # the rate, for the record; speed is benchmarked, not asserted
     assert "loaded 50,000 messages of 256 B" in out
-    assert _count(db, table) == 50_000
+    assert row_count(db, table) == 50_000
     sizes = db.execute(
         sql.SQL("SELECT min(octet_length(payload::text)), count(DISTINCT topic) FROM {}").format(table.messages)
     ).fetchone()

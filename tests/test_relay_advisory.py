@@ -17,12 +17,7 @@ from outbox_pipeline.strategies.advisory import ADVISORY_LOCK_CLASS, AdvisoryStr
 from outbox_pipeline.strategies.base import StrategyConfig
 
 from .kafka_helpers import KafkaProbe, Record
-from .relay_helpers import drain, message_ids, order_by_key, run_workers
-
-
-def _count(db: psycopg.Connection, table: OutboxTable, where: str = "true") -> int:
-    row = db.execute(sql.SQL("SELECT count(*) FROM {} WHERE " + where).format(table.messages)).fetchone()
-    return int(row[0]) if row else 0
+from .relay_helpers import drain, message_ids, order_by_key, row_count, run_workers
 
 
 def _outbox_ids(records: list[Record]) -> list[int]:
@@ -39,7 +34,7 @@ def test_advisory_delivers_every_committed_row_once_in_id_order_and_deletes_it(
     assert _outbox_ids(records) == sorted(w.id for w in written)
     assert sorted(message_ids(records)) == sorted(str(w.message_id) for w in written)
     assert stats.published == 500
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_advisory_mark_sent_mode_keeps_rows_with_sent_at(
@@ -49,7 +44,7 @@ def test_advisory_mark_sent_mode_keeps_rows_with_sent_at(
     enqueue_many(db, [Message(topic, {"n": i}) for i in range(50)], table=table)
     drain(db.info.dsn, table, kafka.bootstrap_servers, "advisory", mode="mark-sent", batch_size=16)
     assert len(kafka.consume(topic, expect=50)) == 50
-    assert _count(db, table, "sent_at IS NOT NULL AND locked_by IS NULL") == 50
+    assert row_count(db, table, "sent_at IS NOT NULL AND locked_by IS NULL") == 50
 
 
 def test_two_advisory_workers_one_publishes_everything_in_per_key_id_order(
@@ -65,7 +60,7 @@ def test_two_advisory_workers_one_publishes_everything_in_per_key_id_order(
     assert sorted(s.published for s in stats) == [0, 2000]
     expected = {f"k{k}".encode(): [w.id for i, w in enumerate(written) if i % 10 == k] for k in range(10)}
     assert order_by_key(records) == expected
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_standby_claims_nothing_while_the_holder_lives_and_takes_over_after_close(
@@ -95,7 +90,7 @@ def test_standby_claims_nothing_while_the_holder_lives_and_takes_over_after_clos
     standby.close()
 
     assert _outbox_ids(kafka.consume(topic, expect=20)) == [w.id for w in written]
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_lock_is_released_when_the_holders_session_dies(
@@ -122,7 +117,7 @@ def test_lock_is_released_when_the_holders_session_dies(
     survivor.ack(claim, publisher.publish(claim.records))
 
     assert _outbox_ids(kafka.consume(topic, expect=10)) == [w.id for w in written]
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_transient_failure_acks_the_delivered_rows_and_later_rows_overtake_the_failed_one(
@@ -175,7 +170,7 @@ def test_permanently_failing_row_is_dead_lettered_and_skipped(
     )
     assert stats.dead_lettered == 1
     assert _outbox_ids(kafka.consume(topic, expect=7)) == [w.id for w in written if w is not written[3]]
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
     dead = db.execute(sql.SQL("SELECT id FROM {}").format(table.dead_letters)).fetchall()
     assert dead == [(written[3].id,)]
 
@@ -192,4 +187,4 @@ def test_acquiring_refuses_a_server_connection_that_already_holds_the_lock(
     with pytest.raises(ConfigurationError, match="transaction pooling"):
         strategy.claim(10)
     assert not strategy.holds_lock
-    assert _count(db, table, "sent_at IS NULL") == 1
+    assert row_count(db, table, "sent_at IS NULL") == 1

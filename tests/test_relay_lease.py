@@ -17,12 +17,7 @@ from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.strategies.lease import LeaseStrategy
 
 from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, message_ids, run_workers
-
-
-def _count(db: psycopg.Connection, table: OutboxTable, where: str = "true") -> int:
-    row = db.execute(sql.SQL("SELECT count(*) FROM {} WHERE " + where).format(table.messages)).fetchone()
-    return int(row[0]) if row else 0
+from .relay_helpers import drain, message_ids, row_count, run_workers
 
 
 def _wait_for_leases_to_expire(db: psycopg.Connection, table: OutboxTable, deadline_s: float = 15.0) -> None:
@@ -51,7 +46,7 @@ def test_two_lease_workers_deliver_every_committed_row_once(
     assert sorted(arrived) == sorted(str(w.message_id) for w in written)
     assert sum(s.published for s in stats) == 2000
     assert sum(s.lost_ownership for s in stats) == 0
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_lease_mark_sent_mode_keeps_rows_with_sent_at_and_no_owner(
@@ -61,7 +56,7 @@ def test_lease_mark_sent_mode_keeps_rows_with_sent_at_and_no_owner(
     enqueue_many(db, [Message(topic, {"n": i}) for i in range(50)], table=table)
     drain(db.info.dsn, table, kafka.bootstrap_servers, "lease", mode="mark-sent", batch_size=16)
     assert len(kafka.consume(topic, expect=50)) == 50
-    assert _count(db, table, "sent_at IS NOT NULL AND locked_by IS NULL") == 50
+    assert row_count(db, table, "sent_at IS NOT NULL AND locked_by IS NULL") == 50
 
 
 def test_claimed_rows_carry_the_owner_and_a_lease_in_the_future(
@@ -84,11 +79,11 @@ def test_claimed_rows_carry_the_owner_and_a_lease_in_the_future(
         ).format(table.messages)
     ).fetchall()
     assert [r[0] for r in leased] == [w.id for w in written[:10]]
-    assert _count(db, table, "locked_by IS NULL AND available_after <= now()") == 5
+    assert row_count(db, table, "locked_by IS NULL AND available_after <= now()") == 5
 
     assert strategy.ack(claim, publisher.publish(claim.records)).acked == 10
     assert len(kafka.consume(topic, expect=10)) == 10
-    assert _count(db, table) == 5
+    assert row_count(db, table) == 5
 
 
 def test_restarted_worker_reclaims_its_own_leases_at_once_while_others_wait(
@@ -113,7 +108,7 @@ def test_restarted_worker_reclaims_its_own_leases_at_once_while_others_wait(
     assert restarted.ack(claim, publisher.publish(claim.records)).acked == 10
 
     assert sorted(message_ids(kafka.consume(topic, expect=10))) == sorted(str(w.message_id) for w in written)
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_expired_lease_hands_a_dead_workers_rows_to_another_worker(
@@ -134,7 +129,7 @@ def test_expired_lease_hands_a_dead_workers_rows_to_another_worker(
     stats = drain(db.info.dsn, table, kafka.bootstrap_servers, "lease", worker_id="heir")
     assert stats.published == 30
     assert sorted(message_ids(kafka.consume(topic, expect=30))) == sorted(str(w.message_id) for w in written)
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_worker_whose_expired_lease_was_reclaimed_acks_nothing(
@@ -159,10 +154,10 @@ def test_worker_whose_expired_lease_was_reclaimed_acks_nothing(
 
     late = slow.ack(slow_claim, slow_outcome)
     assert (late.acked, late.lost_ownership) == (0, 20)
-    assert _count(db, table, "locked_by = 'fast'") == 20
+    assert row_count(db, table, "locked_by = 'fast'") == 20
 
     assert fast.ack(fast_claim, publisher.publish(fast_claim.records)).acked == 20
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
     # At-least-once: both workers published every row.
     arrived = Counter(message_ids(kafka.consume(topic, expect=40)))
     assert arrived == Counter({str(w.message_id): 2 for w in written})
@@ -184,13 +179,13 @@ def test_give_back_ends_the_lease_so_another_worker_can_claim_at_once(
     claim = first.claim(10)
     assert claim is not None
     first.give_back(claim, "producer failed")
-    assert _count(db, table, "locked_by IS NULL AND available_after <= now()") == 10
+    assert row_count(db, table, "locked_by IS NULL AND available_after <= now()") == 10
 
     taken = second.claim(10)
     assert taken is not None and [r.id for r in taken.records] == [w.id for w in written]
     assert second.ack(taken, publisher.publish(taken.records)).acked == 10
     assert len(kafka.consume(topic, expect=10)) == 10
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_lease_claim_takes_highest_priority_plus_an_oldest_share(
@@ -204,7 +199,7 @@ def test_lease_claim_takes_highest_priority_plus_an_oldest_share(
     first_batch = [json.loads(r.value or b"null")["p"] for r in records[:20]]
     assert stats.published == 110
     assert first_batch.count(0) == 5 and first_batch.count(9) == 15
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_shuffle_and_sample_with_three_workers_delivers_everything_and_counts_collisions(
@@ -219,4 +214,4 @@ def test_shuffle_and_sample_with_three_workers_delivers_everything_and_counts_co
     assert sorted(arrived) == sorted(str(w.message_id) for w in written)
     # Collisions cost a worker a row, never a delivery: every claimed row was published once.
     assert sum(s.claimed for s in stats) == sum(s.published for s in stats) == 3000
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0

@@ -6,17 +6,11 @@ import json
 from collections.abc import Callable
 
 import psycopg
-from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 
 from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, message_ids, run_workers
-
-
-def _count(db: psycopg.Connection, table: OutboxTable, where: str = "true") -> int:
-    row = db.execute(sql.SQL("SELECT count(*) FROM {} WHERE " + where).format(table.messages)).fetchone()
-    return int(row[0]) if row else 0
+from .relay_helpers import drain, message_ids, row_count, run_workers
 
 
 def test_locking_delivers_every_committed_row_once_and_deletes_it(
@@ -28,7 +22,7 @@ def test_locking_delivers_every_committed_row_once_and_deletes_it(
     arrived = message_ids(kafka.consume(topic, expect=500))
     assert sorted(arrived) == sorted(str(w.message_id) for w in written)
     assert stats.published == 500
-    assert _count(db, table) == 0
+    assert row_count(db, table) == 0
 
 
 def test_locking_mark_sent_mode_keeps_rows_with_sent_at(
@@ -38,7 +32,7 @@ def test_locking_mark_sent_mode_keeps_rows_with_sent_at(
     enqueue_many(db, [Message(topic, {"n": i}) for i in range(50)], table=table)
     drain(db.info.dsn, table, kafka.bootstrap_servers, "locking", mode="mark-sent")
     assert len(kafka.consume(topic, expect=50)) == 50
-    assert _count(db, table, "sent_at IS NOT NULL") == 50
+    assert row_count(db, table, "sent_at IS NOT NULL") == 50
 
 
 def test_two_locking_workers_split_the_rows_without_publishing_any_twice(

@@ -25,6 +25,7 @@ from typing import ClassVar
 import psycopg
 from psycopg import IsolationLevel, sql
 
+from ..config import OutboxTable
 from .base import (
     RECORD_COLUMNS,
     AckResult,
@@ -39,6 +40,27 @@ from .base import (
 
 # New (topic, partition) pairs get an offsets row at most this often while busy.
 DISCOVERY_INTERVAL_S = 5.0
+
+
+# Distinct (topic, partition) pairs of the message table as a loose index scan: one probe of the
+# (topic, partition, ...) index per pair instead of a DISTINCT over every row. A CTE named "pairs" for
+# a WITH RECURSIVE clause (lag reports use it too).
+_PAIRS_CTE = """
+    pairs AS (
+        (SELECT topic, partition FROM {messages} ORDER BY topic, partition LIMIT 1)
+        UNION ALL
+        SELECT next.topic, next.partition
+        FROM pairs, LATERAL (
+            SELECT m.topic, m.partition FROM {messages} m
+            WHERE (m.topic, m.partition) > (pairs.topic, pairs.partition)
+            ORDER BY m.topic, m.partition LIMIT 1
+        ) next
+    )
+"""
+
+
+def partition_pairs(table: OutboxTable) -> sql.Composed:
+    return sql.SQL(_PAIRS_CTE).format(messages=table.messages)
 
 
 @dataclass
@@ -137,21 +159,12 @@ class PositionStrategy(Strategy):
         cur = self.conn.execute(
             sql.SQL(
                 """
-                WITH RECURSIVE pairs AS (
-                    (SELECT topic, partition FROM {messages} ORDER BY topic, partition LIMIT 1)
-                    UNION ALL
-                    SELECT next.topic, next.partition
-                    FROM pairs, LATERAL (
-                        SELECT m.topic, m.partition FROM {messages} m
-                        WHERE (m.topic, m.partition) > (pairs.topic, pairs.partition)
-                        ORDER BY m.topic, m.partition LIMIT 1
-                    ) next
-                )
+                WITH RECURSIVE {pairs}
                 INSERT INTO {offsets} (topic, partition)
                 SELECT topic, partition FROM pairs
                 ON CONFLICT (topic, partition) DO NOTHING
                 """
-            ).format(messages=self.table.messages, offsets=self.table.offsets)
+            ).format(pairs=partition_pairs(self.table), offsets=self.table.offsets)
         )
         self._discovered_at = time.monotonic()
         return cur.rowcount
