@@ -119,6 +119,29 @@ class StrategyConfig:
     sample_factor: int = 1
     # partitioned: publish each batch in a Kafka transaction (one transactional.id per partition).
     kafka_transactions: bool = False
+    # Only these (topic, virtual partition) pairs; None means all. A Dagster run per outbox partition
+    # drains exactly its own; a position strategy still leases the partition, so two scoped workers
+    # on one partition never both publish.
+    partitions: frozenset[tuple[str, int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.partitions is not None and not self.partitions:
+            raise ValueError("partitions: give at least one (topic, partition) pair, or None for all")
+
+
+def scope_condition(config: StrategyConfig, alias: str) -> sql.Composable:
+    """``AND (alias.topic, alias.partition) IN (...)`` for a scoped strategy, nothing otherwise.
+
+    The pairs are fixed for the strategy's lifetime, so they go in as quoted literals: every query that
+    filters keeps its parameters, and the planner sees constants it can match to the index.
+    """
+    if config.partitions is None:
+        return sql.SQL("")
+    pairs = sql.SQL(", ").join(
+        sql.SQL("({}::text, {}::int)").format(sql.Literal(topic), sql.Literal(partition))
+        for topic, partition in sorted(config.partitions)
+    )
+    return sql.SQL("AND ({a}.topic, {a}.partition) IN ({pairs})").format(a=sql.Identifier(alias), pairs=pairs)
 
 
 class Strategy(abc.ABC):

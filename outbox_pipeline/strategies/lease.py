@@ -53,6 +53,7 @@ from .base import (
     Strategy,
     StrategyConfig,
     fetch_records,
+    scope_condition,
 )
 from .rows import finish
 
@@ -68,14 +69,14 @@ _SAMPLE_ROUNDS = 3
 _FAIR_IDS = """
     oldest AS (
         SELECT o.id FROM {messages} o
-        WHERE o.sent_at IS NULL AND o.available_after <= now()
+        WHERE o.sent_at IS NULL AND o.available_after <= now() {scope_o}
         ORDER BY o.id
         LIMIT %(oldest)s
         {lock}
     ),
     urgent AS (
         SELECT u.id FROM {messages} u
-        WHERE u.sent_at IS NULL AND u.available_after <= now()
+        WHERE u.sent_at IS NULL AND u.available_after <= now() {scope_u}
         ORDER BY u.priority DESC, u.id
         LIMIT %(limit)s
         {lock}
@@ -108,8 +109,9 @@ class LeaseStrategy(Strategy):
         # SKIP LOCKED's re-check of the lease is READ COMMITTED behaviour (see the module docstring).
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         messages = config.table.messages
-        locked = sql.SQL(_FAIR_IDS).format(messages=messages, lock=sql.SQL("FOR UPDATE SKIP LOCKED"))
-        unlocked = sql.SQL(_FAIR_IDS).format(messages=messages, lock=sql.SQL(""))
+        scope = {"scope_o": scope_condition(config, "o"), "scope_u": scope_condition(config, "u")}
+        locked = sql.SQL(_FAIR_IDS).format(messages=messages, lock=sql.SQL("FOR UPDATE SKIP LOCKED"), **scope)
+        unlocked = sql.SQL(_FAIR_IDS).format(messages=messages, lock=sql.SQL(""), **scope)
         self._claim_fair = sql.SQL("WITH {fair} {lease}").format(
             fair=locked,
             lease=sql.SQL(_LEASE).format(

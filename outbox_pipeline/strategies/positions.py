@@ -36,6 +36,7 @@ from .base import (
     Strategy,
     StrategyConfig,
     fetch_records,
+    scope_condition,
 )
 
 # New (topic, partition) pairs get an offsets row at most this often while busy.
@@ -181,7 +182,7 @@ class PositionStrategy(Strategy):
                     updated_at = now()
                 FROM (
                     SELECT o.topic, o.partition FROM {offsets} o
-                    WHERE o.available_after <= now()
+                    WHERE o.available_after <= now() {scope}
                       AND EXISTS (SELECT 1 FROM {messages} m
                                   WHERE m.topic = o.topic AND m.partition = o.partition AND {work})
                     ORDER BY o.available_after
@@ -192,7 +193,12 @@ class PositionStrategy(Strategy):
                 RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
                           target.last_processed_id, target.attempts
                 """
-            ).format(offsets=self.table.offsets, messages=self.table.messages, work=sql.SQL(self.work_condition)),
+            ).format(
+                offsets=self.table.offsets,
+                messages=self.table.messages,
+                work=sql.SQL(self.work_condition),
+                scope=scope_condition(self.config, "o"),
+            ),
             {"lease": self.config.lease_s, "worker": self.config.worker_id},
         ).fetchone()
         return PartitionLease(*row) if row else None

@@ -21,6 +21,7 @@ from .base import (
     PublishOutcome,
     StrategyConfig,
     fetch_records,
+    scope_condition,
 )
 
 
@@ -31,7 +32,7 @@ def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool, exclud
         """
         SELECT {columns}
         FROM {messages} m
-        WHERE m.sent_at IS NULL AND m.available_after <= now() {exclude}
+        WHERE m.sent_at IS NULL AND m.available_after <= now() {scope} {exclude}
         ORDER BY {order_by}
         LIMIT %(limit)s
         {lock}
@@ -39,6 +40,7 @@ def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool, exclud
     ).format(
         columns=sql.SQL(RECORD_COLUMNS),
         messages=config.table.messages,
+        scope=scope_condition(config, "m"),
         # With a one-off (unprepared) statement the array is planned as a constant and PostgreSQL
         # hashes it (>= 14): a lookup per row walked, not a scan of the array.
         exclude=sql.SQL("AND NOT (m.id = ANY(%(exclude)s::bigint[]))") if exclude else sql.SQL(""),
