@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..strategies import STRATEGY_NAMES
+from . import retained
 from .runner import Comparison, RunSpec, Servers, compare, run_once
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
@@ -52,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matrix", action="store_true", help="every strategy x {1, 2} workers, naive and ours")
     parser.add_argument("--verify", action="store_true", help="check every message_id arrived (outbox verify)")
     parser.add_argument("--embedded", action="store_true", help="use the embedded stack even if servers are set")
+    parser.add_argument(
+        "--retained",
+        type=_steps,
+        metavar="N,N,...",
+        help="claim latency (p50/p99, plans) with N already-relayed rows kept, e.g. 0,1000000,10000000",
+    )
+    parser.add_argument("--pending", type=int, default=50_000, help="--retained: unsent rows behind the history")
 
 
 @contextmanager
@@ -78,6 +86,16 @@ def servers(embedded: bool) -> Iterator[Servers]:
             pg.stop("fast", force=True)
 
 
+def _steps(text: str) -> list[int]:
+    try:
+        steps = [int(part.replace("_", "")) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
+    if steps != sorted(steps) or any(n < 0 for n in steps):
+        raise argparse.ArgumentTypeError("retained row counts must be >= 0 and ascending")
+    return steps
+
+
 def _mmss(seconds: float) -> str:
     return f"{int(seconds // 60):02d}:{seconds % 60:04.1f}"
 
@@ -97,6 +115,12 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
     with servers(args.embedded) as found:
+        if args.retained is not None:
+            steps = retained.measure(
+                found, args.strategy, args.retained, pending=args.pending, batch_size=args.batch_size
+            )
+            print("\n" + retained.render(args.strategy, steps, args.batch_size))
+            return 0 if all(s.bounded(args.batch_size) for s in steps) else 1
         if args.matrix:
             return _matrix(found, base, args.runs)
         if args.baseline:

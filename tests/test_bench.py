@@ -1,0 +1,56 @@
+"""`outbox bench` against the test servers: small sizes, checking what it reports, never how fast."""
+
+from __future__ import annotations
+
+import re
+
+import psycopg
+import pytest
+
+from outbox_pipeline.cli import main
+from outbox_pipeline.localstack import LocalBroker
+
+
+@pytest.fixture
+def bench_servers(monkeypatch: pytest.MonkeyPatch, dsn: str, broker: LocalBroker) -> str:
+    monkeypatch.setenv("OUTBOX_PG_DSN", dsn)
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", broker.bootstrap_servers)
+    return dsn
+
+
+def _bench_schemas(dsn: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'bench%%'").fetchall()
+    return [r[0] for r in rows]
+
+
+def test_bench_with_baseline_verifies_every_message_and_prints_the_ratio(
+    bench_servers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--strategy", "partitioned", "--messages", "3000", "--batch-size", "500", "--baseline",
+                 "--verify"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"partitioned ours w=2 b=500 +3,000 msgs .* verified", out), out
+    assert re.search(r"partitioned naive w=2 b=100 +3,000 msgs", out), out
+    assert re.search(r"ratio \d+\.\dx", out), out
+    assert _bench_schemas(bench_servers) == []  # every run drops its schema
+
+
+@pytest.mark.parametrize("strategy", ["lease", "partitioned"])
+def test_bench_retained_reports_claim_latency_with_plans_bounded_by_the_batch(
+    strategy: str, bench_servers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--strategy", strategy, "--retained", "0,5000", "--pending", "1000", "--batch-size", "200"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = re.findall(r"^ +([\d,]+) +[\d.]+ +[\d.]+ +\S+ % +(yes|NO) +(.*)$", out, re.MULTILINE)
+    assert [(retained, bounded) for retained, bounded, _ in rows] == [("0", "yes"), ("5,000", "yes")], out
+    assert all("Index Scan" in plan for _, _, plan in rows), out
+    assert _bench_schemas(bench_servers) == []
+
+
+def test_bench_rejects_descending_retained_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--retained", "1000,0"])
+    assert "ascending" in capsys.readouterr().err
