@@ -54,3 +54,15 @@ def test_bench_rejects_descending_retained_steps(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         main(["bench", "--retained", "1000,0"])
     assert "ascending" in capsys.readouterr().err
+
+
+def test_bench_latency_reports_percentiles_once_every_committed_message_arrived(
+    bench_servers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--strategy", "partitioned", "--workers", "1", "--latency", "200", "--seconds", "4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    found = re.search(r"p50 [\d.]+ ms, p95 [\d.]+ ms, p99 [\d.]+ ms, max [\d.]+ ms \(([\d,]+)/([\d,]+) arrived", out)
+    assert found is not None, out
+    assert found.group(1) == found.group(2) != "0"
+    assert _bench_schemas(bench_servers) == []

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..strategies import STRATEGY_NAMES
-from . import retained
+from . import latency, retained
 from .runner import Comparison, RunSpec, Servers, compare, run_once
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="claim latency (p50/p99, plans) with N already-relayed rows kept, e.g. 0,1000000,10000000",
     )
+    parser.add_argument("--latency", type=float, metavar="RATE", help="commit -> consumer latency at RATE msg/s")
+    parser.add_argument("--seconds", type=float, default=20.0, help="--latency: how long to write")
     parser.add_argument("--pending", type=int, default=50_000, help="--retained: unsent rows behind the history")
 
 
@@ -115,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
     with servers(args.embedded) as found:
+        if args.latency is not None:
+            report = latency.measure(
+                found, strategy=args.strategy, workers=args.workers, rate=args.latency, seconds=args.seconds
+            )
+            print("\n" + report.render())
+            return 0 if report.arrived == report.committed else 1
         if args.retained is not None:
             steps = retained.measure(
                 found, args.strategy, args.retained, pending=args.pending, batch_size=args.batch_size
