@@ -87,6 +87,10 @@ class OutboxTable:
         return self.ident("outbox_offsets")
 
     @cached_property
+    def leases(self) -> sql.Identifier:
+        return self.ident("outbox_leases")
+
+    @cached_property
     def dead_letters(self) -> sql.Identifier:
         return self.ident("outbox_dead_letters")
 

@@ -28,7 +28,8 @@ class PartitionLag:
     oldest_pending_age_s: float | None
     # Position strategies: the stored position ("xid=123 id=456" or "id=456"); None for row strategies.
     position: str | None = None
-    # Row strategies: the live leases' workers, comma-separated; position strategies: the partition's.
+    # Row strategies: the live leases' workers (strategy lease), comma-separated; position strategies:
+    # the partition's.
     leased_by: str | None = None
     # Row strategies: the most attempts of any pending row; position strategies: the partition's head.
     attempts: int = 0
@@ -48,15 +49,15 @@ _ROW_LAG = """
     CROSS JOIN LATERAL (
         SELECT count(*) AS pending,
                extract(epoch FROM now() - min(r.created_at))::float8 AS age,
-               string_agg(DISTINCT r.locked_by, ',')
-                   FILTER (WHERE r.locked_by IS NOT NULL AND r.available_after > now()) AS leased_by,
+               string_agg(DISTINCT r.leased_by, ',') AS leased_by,
                coalesce(max(r.attempts), 0) AS attempts,
                (array_agg(r.last_error ORDER BY r.attempts DESC, r.id)
                    FILTER (WHERE r.last_error IS NOT NULL))[1] AS last_error,
                coalesce(bool_or(r.locked_by IS NULL AND r.attempts > 0 AND r.available_after > now()), false)
                    AS in_backoff
         FROM (
-            SELECT m.id, m.created_at, m.locked_by, m.available_after, m.attempts, m.last_error
+            SELECT m.id, m.created_at, m.locked_by, m.available_after, m.attempts, m.last_error,
+                   (SELECT l.locked_by FROM {leases} l WHERE l.id = m.id AND l.expires_at > now()) AS leased_by
             FROM {messages} m
             WHERE m.topic = p.topic AND m.partition = p.partition AND m.sent_at IS NULL
             ORDER BY m.id
@@ -114,7 +115,7 @@ def partition_lag(
     cls = strategy_class(strategy)
     pairs = partition_pairs(table)
     if not issubclass(cls, PositionStrategy):
-        query = sql.SQL(_ROW_LAG).format(pairs=pairs, messages=table.messages)
+        query = sql.SQL(_ROW_LAG).format(pairs=pairs, messages=table.messages, leases=table.leases)
         rows = conn.execute(query, {"cap": cap}).fetchall()
         return [
             PartitionLag(topic, part, int(n), age, None, leased, int(attempts), error, bool(backoff))

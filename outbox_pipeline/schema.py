@@ -175,9 +175,31 @@ def _m002_wakeups_and_fairness(conn: psycopg.Connection, t: OutboxTable) -> None
         conn.execute(statement)
 
 
+def _m003_lease_table(conn: psycopg.Connection, t: OutboxTable) -> None:
+    # Strategy `lease` keeps its leases here instead of on the message row. Updating a wide message row
+    # writes a whole new version of it and, once its page is full (a batch leases every row of a page
+    # in one statement), an entry in each of the six indexes: measured 160-380 ms to lease 5,000 rows,
+    # against ~30 ms to insert 5,000 rows of this narrow table. Churn is constant (rows live for one
+    # publish), hence vacuum at 1 % dead rows.
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE TABLE {leases} (
+                id          bigint      PRIMARY KEY,
+                created_at  timestamptz NOT NULL,
+                locked_by   text        NOT NULL,
+                expires_at  timestamptz NOT NULL
+            ) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_insert_scale_factor = 0.01,
+                    autovacuum_vacuum_cost_delay = 0)
+            """
+        ).format(leases=t.leases)
+    )
+
+
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
     Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
+    Migration(3, "lease table for strategy lease", _m003_lease_table),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 
@@ -243,8 +265,8 @@ def require_current(conn: psycopg.Connection, table: OutboxTable) -> None:
         )
 
 
-# Storage of each daily partition. Free space per page lets a lease (available_after, locked_by:
-# no index covers them) be a HOT update that touches no index. Vacuum and analyze early: rows leave
+# Storage of each daily partition. Free space per page lets a retry (attempts, last_error,
+# available_after: no index covers them) be a HOT update that touches no index. Vacuum and analyze early: rows leave
 # the "unsent" indexes in bulk, and dead entries at their head slow every claim until vacuumed; a
 # fresh partition's statistics are stale within minutes.
 PARTITION_STORAGE = (

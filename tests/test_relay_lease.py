@@ -1,4 +1,4 @@
-"""Strategy `lease` (talk variant 2): two short transactions, rows leased with available_after + locked_by."""
+"""Strategy `lease` (talk variant 2): two short transactions, rows leased in outbox_leases (owner, expiry)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ from .relay_helpers import drain, message_ids, row_count, run_workers
 def _wait_for_leases_to_expire(db: psycopg.Connection, table: OutboxTable, deadline_s: float = 15.0) -> None:
     """Wait on the database clock (the one leases use) until no lease in the table is still running."""
     deadline = time.monotonic() + deadline_s
-    query = sql.SQL(
-        "SELECT extract(epoch FROM max(available_after) - clock_timestamp())::float8 "
-        "FROM {} WHERE locked_by IS NOT NULL"
-    ).format(table.messages)
+    query = sql.SQL("SELECT extract(epoch FROM max(expires_at) - clock_timestamp())::float8 FROM {}").format(
+        table.leases
+    )
     while True:
         row = db.execute(query).fetchone()
         remaining = row[0] if row else None
@@ -34,6 +33,12 @@ def _wait_for_leases_to_expire(db: psycopg.Connection, table: OutboxTable, deadl
             return
         assert time.monotonic() < deadline, f"leases still running {remaining:.1f} s after the deadline"
         db.execute("SELECT pg_sleep(%s)", [min(remaining + 0.01, 1.0)])
+
+
+def _live_leases(db: psycopg.Connection, table: OutboxTable) -> dict[int, str]:
+    """Row id -> owner, for every lease still running."""
+    query = sql.SQL("SELECT id, locked_by FROM {} WHERE expires_at > now()").format(table.leases)
+    return dict(db.execute(query).fetchall())
 
 
 def test_two_lease_workers_deliver_every_committed_row_once(
@@ -49,7 +54,7 @@ def test_two_lease_workers_deliver_every_committed_row_once(
     assert row_count(db, table) == 0
 
 
-def test_lease_mark_sent_mode_keeps_rows_with_sent_at_and_no_owner(
+def test_lease_mark_sent_mode_keeps_rows_with_sent_at_and_no_lease(
     db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     topic = new_topic()
@@ -57,9 +62,10 @@ def test_lease_mark_sent_mode_keeps_rows_with_sent_at_and_no_owner(
     drain(db.info.dsn, table, kafka.bootstrap_servers, "lease", mode="mark-sent", batch_size=16)
     assert len(kafka.consume(topic, expect=50)) == 50
     assert row_count(db, table, "sent_at IS NOT NULL AND locked_by IS NULL") == 50
+    assert _live_leases(db, table) == {}
 
 
-def test_claimed_rows_carry_the_owner_and_a_lease_in_the_future(
+def test_claimed_rows_are_leased_to_the_worker_until_the_lease_runs_out(
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -74,16 +80,17 @@ def test_claimed_rows_carry_the_owner_and_a_lease_in_the_future(
     assert claim is not None and [r.id for r in claim.records] == [w.id for w in written[:10]]
 
     leased = db.execute(
-        sql.SQL(
-            "SELECT id FROM {} WHERE locked_by = 'w1' AND available_after > now() + interval '20 s' ORDER BY id"
-        ).format(table.messages)
+        sql.SQL("SELECT id FROM {} WHERE locked_by = 'w1' AND expires_at > now() + interval '20 s' ORDER BY id").format(
+            table.leases
+        )
     ).fetchall()
     assert [r[0] for r in leased] == [w.id for w in written[:10]]
-    assert row_count(db, table, "locked_by IS NULL AND available_after <= now()") == 5
+    assert row_count(db, table) == 15  # rows are not touched by a claim
 
     assert strategy.ack(claim, publisher.publish(claim.records)).acked == 10
     assert len(kafka.consume(topic, expect=10)) == 10
     assert row_count(db, table) == 5
+    assert _live_leases(db, table) == {}  # the ack ends the leases
 
 
 def test_restarted_worker_reclaims_its_own_leases_at_once_while_others_wait(
@@ -154,7 +161,7 @@ def test_worker_whose_expired_lease_was_reclaimed_acks_nothing(
 
     late = slow.ack(slow_claim, slow_outcome)
     assert (late.acked, late.lost_ownership) == (0, 20)
-    assert row_count(db, table, "locked_by = 'fast'") == 20
+    assert set(_live_leases(db, table).values()) == {"fast"} and len(_live_leases(db, table)) == 20
 
     assert fast.ack(fast_claim, publisher.publish(fast_claim.records)).acked == 20
     assert row_count(db, table) == 0
@@ -179,7 +186,7 @@ def test_give_back_ends_the_lease_so_another_worker_can_claim_at_once(
     claim = first.claim(10)
     assert claim is not None
     first.give_back(claim, "producer failed")
-    assert row_count(db, table, "locked_by IS NULL AND available_after <= now()") == 10
+    assert _live_leases(db, table) == {}
 
     taken = second.claim(10)
     assert taken is not None and [r.id for r in taken.records] == [w.id for w in written]
