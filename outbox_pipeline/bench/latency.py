@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 import psycopg
@@ -161,7 +161,7 @@ class _Arrivals:
             self._times.setdefault(message_id, at)
             self._changed.notify_all()
 
-    def wait_for(self, message_ids: Collection[str], timeout_s: float) -> bool:
+    def wait_for(self, message_ids: Set[str], timeout_s: float) -> bool:
         with self._changed:
             return self._changed.wait_for(lambda: self._times.keys() >= message_ids, timeout=timeout_s)
 
@@ -190,7 +190,8 @@ def _consume(bootstrap: str, topics: list[str], arrived: _Arrivals, stop: thread
                     if error.code() != KafkaError._PARTITION_EOF:
                         raise RuntimeError(f"consumer: {error}")
                     continue
-                headers = dict(msg.headers() or [])
-                arrived.add(headers["message_id"].decode(), at)
+                message_id = dict(msg.headers() or []).get("message_id")
+                if isinstance(message_id, bytes):
+                    arrived.add(message_id.decode(), at)
     finally:
         consumer.close()

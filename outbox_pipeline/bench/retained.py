@@ -143,7 +143,7 @@ def _time_claims(
         cls = strategy_class(strategy)
         mode = "delete" if issubclass(cls, PositionStrategy) else "mark-sent"
         instance = cls(conn, StrategyConfig(table=table, worker_id="bench-latency", mode=mode))  # type: ignore[arg-type]
-        if issubclass(cls, PositionStrategy):
+        if isinstance(instance, PositionStrategy):
             instance.discover_partitions()
         timings: list[float] = []
         for i in range(samples + 1):
