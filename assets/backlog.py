@@ -1,22 +1,88 @@
-"""Dagster room: the outbox backlog, observed from PostgreSQL through the engine's lag query."""
+"""Dagster room: the outbox backlog and its lag SLO check, measured through the engine's lag query.
+
+`outbox_backlog` summarises the lag of every partition as the configured strategy sees it. Its check
+`outbox_lag_slo` fails with WARN or ERROR severity above the thresholds (OUTBOX_LAG_* variables). The
+check can be run from the UI, and `outbox_lag_slo_sensor` evaluates the same verdict every tick
+without a run, so the check's history is the outbox's lag over time.
+"""
 
 import dagster as dg
 
-from outbox_pipeline.lag import pending_by_partition
+from outbox_pipeline.lag import PartitionLag, partition_lag
+from outbox_pipeline.lag_slo import LagVerdict, evaluate_lag
+from outbox_pipeline.orchestration.partitions import partition_key
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from resources.postgres import PostgresResource
 
+BACKLOG_KEY = dg.AssetKey("outbox_backlog")
+LAG_SLO_CHECK = "outbox_lag_slo"
 
-@dg.asset(description="Unsent outbox rows per topic and virtual partition.", group_name="outbox")
-def outbox_backlog(context: dg.AssetExecutionContext, postgres: PostgresResource) -> dg.MaterializeResult:
+
+def read_lag(postgres: PostgresResource, settings: OrchestrationSettings) -> list[PartitionLag]:
     with postgres.connect() as conn:
-        lags = pending_by_partition(conn, postgres.table)
-    pending = sum(lag.pending for lag in lags)
-    oldest = max((lag.oldest_pending_age_s or 0.0 for lag in lags), default=0.0)
-    context.log.info("%d pending rows in %d partitions, oldest %.1f s", pending, len(lags), oldest)
-    return dg.MaterializeResult(
-        metadata={
-            "pending_rows": pending,
-            "lagging_partitions": len(lags),
-            "oldest_pending_age_s": round(oldest, 3),
-        }
+        return partition_lag(conn, postgres.table, settings.strategy, cap=settings.lag_cap)
+
+
+def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
+    """Numbers the UI plots over time, and the worst partitions as a table."""
+    t = verdict.thresholds
+    rows = [
+        f"| {partition_key(lag.topic, lag.partition)} | {lag.pending} | {lag.oldest_pending_age_s or 0:.1f} "
+        f"| {lag.leased_by or '-'} | {(lag.last_error or '-').replace('|', '/')[:80]} |"
+        for lag in verdict.worst
+    ]
+    table = "| partition | pending | oldest age s | leased by | last error |\n|---|---|---|---|---|\n" + "\n".join(rows)
+    return {
+        "pending_rows": dg.MetadataValue.int(verdict.total_pending),
+        "oldest_pending_age_s": dg.MetadataValue.float(round(verdict.oldest_pending_age_s or 0.0, 3)),
+        "lagging_partitions": dg.MetadataValue.int(verdict.lagging_partitions),
+        "partitions": dg.MetadataValue.int(verdict.partitions),
+        "worst_partitions": dg.MetadataValue.md(table if rows else "none lagging"),
+        "thresholds": dg.MetadataValue.text(
+            f"warn: age > {t.warn_age_s:g} s or pending > {t.warn_pending}; "
+            f"error: age > {t.error_age_s:g} s or pending > {t.error_pending}"
+        ),
+    }
+
+
+def check_evaluation(verdict: LagVerdict) -> dg.AssetCheckEvaluation:
+    """The check's result as an event a sensor can record without a run."""
+    return dg.AssetCheckEvaluation(
+        asset_key=BACKLOG_KEY,
+        check_name=LAG_SLO_CHECK,
+        passed=verdict.passed,
+        severity=dg.AssetCheckSeverity.ERROR if verdict.severity == "error" else dg.AssetCheckSeverity.WARN,
+        metadata=backlog_metadata(verdict),
+        description=verdict.summary(),
+    )
+
+
+@dg.asset(
+    key=BACKLOG_KEY,
+    group_name="outbox",
+    kinds={"postgres"},
+    description="Pending outbox rows per topic and virtual partition, as the relay strategy sees them.",
+)
+def outbox_backlog(context: dg.AssetExecutionContext, postgres: PostgresResource) -> dg.MaterializeResult:
+    settings = OrchestrationSettings.from_env()
+    verdict = evaluate_lag(read_lag(postgres, settings), settings.thresholds)
+    context.log.info("%s", verdict.summary())
+    return dg.MaterializeResult(metadata=backlog_metadata(verdict))
+
+
+@dg.asset_check(
+    asset=BACKLOG_KEY,
+    name=LAG_SLO_CHECK,
+    description="WARN/ERROR when the oldest pending row or the pending row count is above its threshold "
+    "(OUTBOX_LAG_WARN_AGE_S, OUTBOX_LAG_ERROR_AGE_S, OUTBOX_LAG_WARN_PENDING, OUTBOX_LAG_ERROR_PENDING).",
+)
+def outbox_lag_slo(postgres: PostgresResource) -> dg.AssetCheckResult:
+    settings = OrchestrationSettings.from_env()
+    verdict = evaluate_lag(read_lag(postgres, settings), settings.thresholds)
+    evaluation = check_evaluation(verdict)
+    return dg.AssetCheckResult(
+        passed=evaluation.passed,
+        severity=evaluation.severity,
+        metadata=evaluation.metadata,
+        description=evaluation.description,
     )

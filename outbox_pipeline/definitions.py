@@ -1,26 +1,48 @@
-"""Dagster room: the one module that wires assets, resources, sensors and schedules together.
+"""Dagster room: the one module that wires assets, checks, jobs, sensors and resources together.
 
-`dagster dev` loads it through workspace.yaml; resources take their configuration from the
-environment (OUTBOX_PG_DSN, OUTBOX_SCHEMA).
+`dagster dev` loads it through workspace.yaml. Resources take their configuration from the
+environment when a run or tick starts (OUTBOX_PG_DSN, OUTBOX_SCHEMA, KAFKA_*, OUTBOX_ALERT_WEBHOOK_URL);
+sensor intervals, the relay strategy and the lag thresholds are read here (OrchestrationSettings).
 """
-
-from __future__ import annotations
 
 import os
 
 import dagster as dg
 
-from assets import outbox_backlog
+from assets import outbox_backlog, outbox_lag_slo, relayed_outbox
 from outbox_pipeline.config import DEFAULT_SCHEMA
-from resources import PostgresResource
+from outbox_pipeline.orchestration.alert_sensors import build_lag_slo_sensor, build_relay_failure_sensor
+from outbox_pipeline.orchestration.jobs import relay_partition_job
+from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
+from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from resources import AlertResource, KafkaResource, PostgresResource
 
-defs = dg.Definitions(
-    assets=[outbox_backlog],
-    resources={
+
+def build_resources() -> dict[str, dg.ConfigurableResource]:
+    """The resources every definition uses, configured from the environment at execution time."""
+    return {
         "postgres": PostgresResource(
             dsn=dg.EnvVar("OUTBOX_PG_DSN"),
             # Optional: the default schema unless OUTBOX_SCHEMA names another.
             schema_name=dg.EnvVar("OUTBOX_SCHEMA") if "OUTBOX_SCHEMA" in os.environ else DEFAULT_SCHEMA,
         ),
-    },
+        # Every other KAFKA_* variable becomes a librdkafka property, as for the `outbox` CLI.
+        "kafka": KafkaResource(bootstrap_servers=dg.EnvVar("KAFKA_BOOTSTRAP_SERVERS"), include_kafka_env=True),
+        "alerts": AlertResource(),
+    }
+
+
+settings = OrchestrationSettings.from_env()
+
+defs = dg.Definitions(
+    assets=[outbox_backlog, relayed_outbox],
+    asset_checks=[outbox_lag_slo],
+    jobs=[relay_partition_job, *OPERATOR_JOBS],
+    sensors=[
+        build_outbox_lag_sensor(relay_partition_job, settings=settings),
+        build_lag_slo_sensor(settings),
+        build_relay_failure_sensor(relay_partition_job),
+    ],
+    resources=build_resources(),
 )

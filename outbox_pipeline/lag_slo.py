@@ -1,0 +1,120 @@
+"""Engine room: the outbox lag SLO, judged from per-partition lag (no I/O, no Dagster).
+
+The verdict is computed here, not in the Dagster check, so that the check run from the UI, the sensor
+that evaluates it every tick and anything else (a CLI, a test) agree on what "lagging" means. The
+whole outbox is judged: the oldest pending row of any partition against the age thresholds, and the
+total pending rows against the count thresholds; a value strictly above a threshold breaches it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import ConfigurationError
+from .lag import PartitionLag
+
+Severity = Literal["ok", "warn", "error"]
+
+ENV_WARN_AGE_S = "OUTBOX_LAG_WARN_AGE_S"
+ENV_ERROR_AGE_S = "OUTBOX_LAG_ERROR_AGE_S"
+ENV_WARN_PENDING = "OUTBOX_LAG_WARN_PENDING"
+ENV_ERROR_PENDING = "OUTBOX_LAG_ERROR_PENDING"
+
+
+@dataclass(frozen=True)
+class LagThresholds:
+    """WARN above the warn values, ERROR above the error values (age in seconds, rows in the outbox)."""
+
+    warn_age_s: float = 60.0
+    error_age_s: float = 300.0
+    warn_pending: int = 10_000
+    error_pending: int = 100_000
+
+    def __post_init__(self) -> None:
+        if min(self.warn_age_s, self.error_age_s) < 0 or min(self.warn_pending, self.error_pending) < 0:
+            raise ConfigurationError(f"lag thresholds must be >= 0: {self}")
+        if self.warn_age_s > self.error_age_s or self.warn_pending > self.error_pending:
+            raise ConfigurationError(f"lag warn thresholds must not exceed the error thresholds: {self}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LagThresholds:
+        env = os.environ if env is None else env
+        default = cls()
+        return cls(
+            warn_age_s=_number(env, ENV_WARN_AGE_S, default.warn_age_s, float),
+            error_age_s=_number(env, ENV_ERROR_AGE_S, default.error_age_s, float),
+            warn_pending=int(_number(env, ENV_WARN_PENDING, default.warn_pending, int)),
+            error_pending=int(_number(env, ENV_ERROR_PENDING, default.error_pending, int)),
+        )
+
+
+def _number(env: Mapping[str, str], name: str, default: float, kind: type[float] | type[int]) -> float:
+    raw = env.get(name, "")
+    if not raw:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name} must be a {kind.__name__}, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class LagVerdict:
+    severity: Severity
+    total_pending: int
+    oldest_pending_age_s: float | None
+    partitions: int
+    lagging_partitions: int
+    # The partitions that explain the verdict, worst first (oldest pending row, then most rows).
+    worst: tuple[PartitionLag, ...]
+    # Why, in words ("oldest pending 75.0 s > warn 60 s"); empty when passing.
+    reasons: tuple[str, ...]
+    thresholds: LagThresholds
+
+    @property
+    def passed(self) -> bool:
+        return self.severity == "ok"
+
+    def summary(self) -> str:
+        oldest = f"{self.oldest_pending_age_s:.1f} s" if self.oldest_pending_age_s is not None else "none"
+        head = (
+            f"{self.total_pending} pending in {self.lagging_partitions}/{self.partitions} partitions, oldest {oldest}"
+        )
+        return head if self.passed else f"{self.severity.upper()}: {head} ({'; '.join(self.reasons)})"
+
+
+def evaluate_lag(lags: Sequence[PartitionLag], thresholds: LagThresholds, *, worst: int = 5) -> LagVerdict:
+    """Judge the outbox's lag against the thresholds; ``worst`` partitions are named in the verdict."""
+    lagging = [lag for lag in lags if lag.pending > 0]
+    total = sum(lag.pending for lag in lagging)
+    ages = [lag.oldest_pending_age_s for lag in lagging if lag.oldest_pending_age_s is not None]
+    oldest = max(ages) if ages else None
+    severity: Severity = "ok"
+    reasons: list[str] = []
+    levels: tuple[tuple[Severity, float, int], ...] = (
+        ("error", thresholds.error_age_s, thresholds.error_pending),
+        ("warn", thresholds.warn_age_s, thresholds.warn_pending),
+    )
+    for level, age_limit, pending_limit in levels:
+        found = []
+        if oldest is not None and oldest > age_limit:
+            found.append(f"oldest pending {oldest:.1f} s > {level} {age_limit:g} s")
+        if total > pending_limit:
+            found.append(f"{total} pending rows > {level} {pending_limit}")
+        if found:
+            severity, reasons = level, found
+            break
+    ranked = sorted(lagging, key=lambda lag: (-(lag.oldest_pending_age_s or 0.0), -lag.pending, lag.topic))
+    return LagVerdict(
+        severity=severity,
+        total_pending=total,
+        oldest_pending_age_s=oldest,
+        partitions=len(lags),
+        lagging_partitions=len(lagging),
+        worst=tuple(ranked[:worst]),
+        reasons=tuple(reasons),
+        thresholds=thresholds,
+    )

@@ -1,0 +1,160 @@
+"""Dagster room: lag alerts. `outbox_lag_slo_sensor` evaluates the `outbox_lag_slo` check every tick
+without a run and alerts once per incident (and once on recovery); `relay_run_failure_alert` alerts
+when a relay run has failed for good, after its op retries and any run retries.
+
+The check's evaluations and a backlog observation are recorded on every tick, so the check's history
+and the backlog's plots show the lag over time. The sensor cursor remembers what was last announced;
+an alert the webhook did not accept is sent again on the next tick.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+
+import dagster as dg
+from dagster._utils.error import SerializableErrorInfo
+
+from assets.backlog import BACKLOG_KEY, LAG_SLO_CHECK, backlog_metadata, check_evaluation, read_lag
+from outbox_pipeline.lag_slo import LagVerdict, Severity, evaluate_lag
+from resources.alerts import Alert, AlertResource
+from resources.postgres import PostgresResource
+
+from .lag_sensor import PARTITION_TAG, WILL_RETRY_TAG, Job
+from .partitions import partition_key
+from .settings import OrchestrationSettings
+
+
+@dataclass(frozen=True)
+class AlertState:
+    """What the webhook was last told: "ok" (nothing open) or the severity of the open incident."""
+
+    announced: Severity = "ok"
+    since: str | None = None
+
+    @classmethod
+    def from_cursor(cls, cursor: str | None) -> "AlertState":
+        if not cursor:
+            return cls()
+        try:
+            return cls(**json.loads(cursor))
+        except (ValueError, TypeError):
+            return cls()  # a cursor from another version: start over, at worst one extra alert
+
+    def to_cursor(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def _partitions(verdict: LagVerdict) -> list[dict[str, object]]:
+    return [
+        {
+            "partition": partition_key(lag.topic, lag.partition),
+            "pending": lag.pending,
+            "oldest_pending_age_s": round(lag.oldest_pending_age_s or 0.0, 1),
+            "leased_by": lag.leased_by,
+            "last_error": lag.last_error,
+        }
+        for lag in verdict.worst
+    ]
+
+
+def lag_alert(verdict: LagVerdict, state: AlertState) -> Alert | None:
+    """The alert this verdict calls for, given what was announced: a new incident or a recovery."""
+    if not verdict.passed and state.announced == "ok":
+        worst = ", ".join(partition_key(lag.topic, lag.partition) for lag in verdict.worst) or "-"
+        return Alert(
+            alert=LAG_SLO_CHECK,
+            status="firing",
+            severity=verdict.severity.upper(),
+            text=f"outbox lag {verdict.summary()}; worst partitions: {worst}",
+            partitions=_partitions(verdict),
+            details={"total_pending": verdict.total_pending, "oldest_pending_age_s": verdict.oldest_pending_age_s},
+        )
+    if verdict.passed and state.announced != "ok":
+        return Alert(
+            alert=LAG_SLO_CHECK,
+            status="resolved",
+            severity="OK",
+            text=f"outbox lag recovered: {verdict.summary()} (incident since {state.since})",
+            details={"total_pending": verdict.total_pending, "oldest_pending_age_s": verdict.oldest_pending_age_s},
+        )
+    return None
+
+
+def build_lag_slo_sensor(
+    settings: OrchestrationSettings | None = None,
+    *,
+    name: str = "outbox_lag_slo_sensor",
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+) -> dg.SensorDefinition:
+    cfg = settings or OrchestrationSettings.from_env()
+
+    @dg.sensor(
+        name=name,
+        minimum_interval_seconds=cfg.check_interval_s,
+        default_status=default_status,
+        description=f"Evaluates {LAG_SLO_CHECK} every {cfg.check_interval_s} s (no run) and alerts when it "
+        "fails and when it recovers.",
+    )
+    def outbox_lag_slo_sensor(
+        context: dg.SensorEvaluationContext, postgres: PostgresResource, alerts: AlertResource
+    ) -> dg.SensorResult:
+        verdict = evaluate_lag(read_lag(postgres, cfg), cfg.thresholds)
+        state = AlertState.from_cursor(context.cursor)
+        alert = lag_alert(verdict, state)
+        if alert is not None and alerts.send(alert, context.log):
+            state = AlertState(verdict.severity, alert.at if alert.status == "firing" else None)
+        return dg.SensorResult(
+            skip_reason=verdict.summary(),
+            cursor=state.to_cursor(),
+            asset_events=[
+                dg.AssetObservation(asset_key=BACKLOG_KEY, metadata=backlog_metadata(verdict)),
+                check_evaluation(verdict),
+            ],
+        )
+
+    return outbox_lag_slo_sensor
+
+
+def _root_cause(error: SerializableErrorInfo) -> str:
+    """The innermost cause's message: what went wrong, not how Dagster wrapped it."""
+    while error.cause is not None:
+        error = error.cause
+    message = error.message.strip()
+    prefix, sep, rest = message.partition(": ")
+    return rest if sep and error.cls_name and prefix.endswith(error.cls_name) else message
+
+
+def build_relay_failure_sensor(
+    relay_job: Job,
+    *,
+    name: str = "relay_run_failure_alert",
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+) -> dg.SensorDefinition:
+    @dg.run_failure_sensor(
+        name=name,
+        monitored_jobs=[relay_job],
+        default_status=default_status,
+        description=f"Alerts when a {relay_job.name} run fails for good (after its retries).",
+    )
+    def relay_run_failure_alert(context: dg.RunFailureSensorContext, alerts: AlertResource) -> None:
+        run = context.dagster_run
+        if run.tags.get(WILL_RETRY_TAG) == "true":
+            context.log.info("run %s failed and will be retried by the instance: no alert yet", run.run_id)
+            return
+        partition = run.tags.get(PARTITION_TAG, "-")
+        errors = [event.step_failure_data.error for event in context.get_step_failure_events()]
+        errors.append(getattr(context.failure_event.event_specific_data, "error", None))
+        reasons = [_root_cause(error) for error in errors if error is not None]
+        reason = reasons[0] if reasons else (context.failure_event.message or "run failed")
+        alerts.send(
+            Alert(
+                alert="relay_run_failed",
+                status="firing",
+                severity="ERROR",
+                text=f"relay run for {partition} failed after its retries: {reason.splitlines()[0]}",
+                partitions=[{"partition": partition}],
+                details={"run_id": run.run_id, "job": run.job_name, "root_run_id": run.root_run_id},
+            ),
+            context.log,
+        )
+
+    return relay_run_failure_alert

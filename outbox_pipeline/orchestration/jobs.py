@@ -1,0 +1,40 @@
+"""Dagster room: the per-partition relay job, `relay_partition`, which the lag sensor launches.
+
+One run relays one outbox partition (the run's partition key, as for `relayed_outbox`). Transient
+failures (Kafka refusing or timing out, PostgreSQL dropping) are retried inside the run by the
+RetryPolicy, with exponential backoff and jitter; a crashed run worker is retried by the instance's
+run retries (dagster.yaml). The run executes in process: it is a single step, and a step subprocess
+would only add start-up time.
+"""
+
+import dagster as dg
+from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+
+from assets.relay import relayed_outbox
+
+RELAY_JOB_NAME = "relay_partition"
+RELAY_MAX_RUNTIME_S = 900
+
+# About 2 s, 4 s, 8 s (+-50 % jitter) between attempts: long enough for a broker blip or a leader
+# election, short enough that a partition is not left behind for long.
+RELAY_RETRY_POLICY = dg.RetryPolicy(
+    max_retries=3, delay=2.0, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
+)
+
+
+def build_relay_partition_job(
+    name: str = RELAY_JOB_NAME, retry_policy: dg.RetryPolicy = RELAY_RETRY_POLICY
+) -> UnresolvedAssetJobDefinition:
+    return dg.define_asset_job(
+        name,
+        selection=[relayed_outbox],
+        executor_def=dg.in_process_executor,
+        op_retry_policy=retry_policy,
+        # Run monitoring fails a relay run that hangs far past its time budget, freeing its partition.
+        run_tags={"dagster/max_runtime": RELAY_MAX_RUNTIME_S},
+        description="Relay one outbox partition (the run's partition key, topic:partition) to Kafka until "
+        "caught up or the time budget.",
+    )
+
+
+relay_partition_job = build_relay_partition_job()

@@ -1,0 +1,175 @@
+"""Dagster room: operator actions launched from the UI with config (replay, dead-letter retry, stuck lease).
+
+Each job calls one engine operation (outbox_pipeline.operations) and records what it changed as the
+run's metadata. Replay and lease release are partitioned like the relay, so the operator picks the
+outbox partition (topic:partition) in the launchpad and the run sits in that partition's history;
+the relay that follows a replay is launched by the lag sensor, which sees the partition lagging again.
+"""
+
+import datetime as dt
+
+import dagster as dg
+from pydantic import Field
+
+from outbox_pipeline.operations import (
+    list_dead_letters,
+    release_lease,
+    replay_sent,
+    retry_dead_letters,
+    rewind_partition,
+)
+from outbox_pipeline.strategies import strategy_class
+from outbox_pipeline.strategies.positions import PositionStrategy
+from resources.postgres import PostgresResource
+
+from .partitions import outbox_partitions, parse_partition_key
+from .settings import OrchestrationSettings
+
+
+class ReplayConfig(dg.Config):
+    """Where to replay the partition from: a position (after_id, optionally after_xid) or a time (since)."""
+
+    after_id: int | None = Field(default=None, description="replay rows after this outbox id (0: the whole partition)")
+    after_xid: str | None = Field(
+        default=None, description="partitioned: the transaction id of the position, with after_id (exact position)"
+    )
+    since: str | None = Field(default=None, description="replay rows created at or after this ISO-8601 time")
+    until: str | None = Field(default=None, description="row strategies (mark-sent): end of the time window, exclusive")
+    force: bool = Field(default=False, description="rewind even while a live worker leases the partition")
+    whole_topic: bool = Field(
+        default=False,
+        description="row strategies: the engine replays kept rows by topic, not partition; set to confirm",
+    )
+    strategy: str | None = Field(default=None, description="empty: OUTBOX_RELAY_STRATEGY (default partitioned)")
+
+
+def _timestamp(value: str | None, name: str) -> dt.datetime | None:
+    if not value:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise dg.Failure(f"{name}={value!r} is not an ISO-8601 time (e.g. 2026-01-31T12:00:00+00:00)") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+@dg.op(description="Replay one outbox partition from a position or a time.")
+def replay_outbox_partition(
+    context: dg.OpExecutionContext, config: ReplayConfig, postgres: PostgresResource
+) -> dg.Output[int]:
+    topic, partition = parse_partition_key(context.partition_key)
+    strategy = config.strategy or OrchestrationSettings.from_env().strategy
+    since, until = _timestamp(config.since, "since"), _timestamp(config.until, "until")
+    with postgres.connect() as conn:
+        if issubclass(strategy_class(strategy), PositionStrategy):
+            if until is not None:
+                raise dg.Failure("`until` applies to row strategies; a position replays everything after it")
+            rewound = rewind_partition(
+                conn,
+                postgres.table,
+                topic,
+                partition,
+                to_id=config.after_id,
+                to_xid=config.after_xid,
+                since=since,
+                force=config.force,
+            )
+            context.log.info(
+                "%s rewound from xid=%s id=%d to xid=%s id=%d",
+                context.partition_key,
+                rewound.from_xid,
+                rewound.from_id,
+                rewound.to_xid,
+                rewound.to_id,
+            )
+            return dg.Output(
+                rewound.changed,
+                metadata={
+                    "strategy": strategy,
+                    "position_before": f"xid={rewound.from_xid} id={rewound.from_id}",
+                    "position_after": f"xid={rewound.to_xid} id={rewound.to_id}",
+                },
+            )
+        if not config.whole_topic:
+            raise dg.Failure(
+                f"{strategy} keeps delivery state on rows and the engine replays them by topic: this replays "
+                f"every kept row of topic {topic!r} in the window, not just partition {partition}. "
+                "Set whole_topic: true to confirm."
+            )
+        count = replay_sent(
+            conn,
+            postgres.table,
+            topic=topic,
+            id_from=config.after_id + 1 if config.after_id is not None else None,
+            created_from=since,
+            created_to=until,
+        )
+    context.log.info("%d sent rows of %s marked pending again", count, topic)
+    return dg.Output(count, metadata={"strategy": strategy, "rows_replayed": count})
+
+
+@dg.job(
+    name="replay_partition",
+    partitions_def=outbox_partitions,
+    description="Replay a partition: position strategies rewind its position, row strategies (mark-sent) "
+    "mark kept rows pending. The lag sensor then relays them again.",
+)
+def replay_partition_job() -> None:
+    replay_outbox_partition()
+
+
+@dg.op(description="Free the partition's lease now instead of at its expiry.")
+def release_partition_lease(context: dg.OpExecutionContext, postgres: PostgresResource) -> dg.Output[bool]:
+    topic, partition = parse_partition_key(context.partition_key)
+    with postgres.connect() as conn:
+        released = release_lease(conn, postgres.table, topic, partition)
+    context.log.info("%s: %s", context.partition_key, "lease released" if released else "no lease was held")
+    return dg.Output(released, metadata={"released": released})
+
+
+@dg.job(
+    name="release_lease",
+    partitions_def=outbox_partitions,
+    description="Release a stuck partition lease (a worker that died or hangs). A live holder acks nothing "
+    "further; the next owner publishes its batch again.",
+)
+def release_lease_job() -> None:
+    release_partition_lease()
+
+
+class RetryDeadLettersConfig(dg.Config):
+    ids: list[int] = Field(default_factory=list, description="dead-letter ids to retry")
+    topic: str | None = Field(default=None, description="retry every pending dead letter of this topic")
+    all: bool = Field(default=False, description="retry every pending dead letter (when no ids or topic)")
+    dry_run: bool = Field(default=False, description="only list the pending dead letters")
+
+
+@dg.op(description="Put dead letters back into the outbox (same message_id), or list them.")
+def retry_outbox_dead_letters(
+    context: dg.OpExecutionContext, config: RetryDeadLettersConfig, postgres: PostgresResource
+) -> dg.Output[int]:
+    with postgres.connect() as conn:
+        pending = list_dead_letters(conn, postgres.table, limit=50)
+        listing = "\n".join(
+            f"| {d.id} | {d.topic}:{d.partition} | {d.key or '-'} | {d.attempts} "
+            f"| {d.last_error.replace('|', '/')[:80]} |"
+            for d in pending
+        )
+        table = "| id | partition | key | attempts | error |\n|---|---|---|---|---|\n" + listing if pending else "none"
+        if config.dry_run:
+            return dg.Output(0, metadata={"dead_letters (oldest 50)": dg.MetadataValue.md(table), "retried": 0})
+        if not (config.ids or config.topic or config.all):
+            raise dg.Failure("say which dead letters to retry: ids, topic, or all: true (dry_run: true lists them)")
+        retried = retry_dead_letters(conn, postgres.table, ids=config.ids or None, topic=config.topic)
+    context.log.info("%d dead letters put back into the outbox", retried)
+    return dg.Output(
+        retried, metadata={"retried": retried, "dead_letters before (oldest 50)": dg.MetadataValue.md(table)}
+    )
+
+
+@dg.job(name="retry_dead_letters", description="Retry dead letters by id, by topic or all; dry_run lists them.")
+def retry_dead_letters_job() -> None:
+    retry_outbox_dead_letters()
+
+
+OPERATOR_JOBS = [replay_partition_job, release_lease_job, retry_dead_letters_job]

@@ -1,0 +1,28 @@
+"""Dagster room: the outbox's partitions as Dagster partitions, one per (topic, virtual partition).
+
+Keys are ``topic:partition`` (``orders:3``): Kafka topic names cannot contain ``:``, so the last colon
+splits a key unambiguously. The set is dynamic: the lag sensor registers partitions as they appear.
+"""
+
+import dagster as dg
+
+OUTBOX_PARTITIONS_NAME = "outbox_partitions"
+
+outbox_partitions = dg.DynamicPartitionsDefinition(name=OUTBOX_PARTITIONS_NAME)
+
+
+def partition_key(topic: str, partition: int) -> str:
+    return f"{topic}:{partition}"
+
+
+def parse_partition_key(key: str) -> tuple[str, int]:
+    """``orders:3`` -> ("orders", 3); a clear error for anything else (keys typed in the UI included)."""
+    topic, sep, number = key.rpartition(":")
+    if not sep or not topic or not number.isdigit():
+        raise ValueError(f"outbox partition key {key!r} is not 'topic:partition' (e.g. 'orders:3')")
+    return topic, int(number)
+
+
+def is_valid_key(key: str) -> bool:
+    """Dagster refuses some substrings in partition keys ('...', control characters)."""
+    return "..." not in key and key.isprintable()

@@ -1,0 +1,257 @@
+"""End to end: `dagster dev` (the project's workspace.yaml and dagster.yaml) against the real PostgreSQL and
+broker. Its lag sensor must register the outbox's partitions and launch relay runs that succeed, each in
+its own partition's history, read back through GraphQL as the UI reads it; a headless Chromium screenshot
+of one partition's runs page is kept as a test artifact."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_pipeline import OutboxTable
+from outbox_pipeline.localstack import LocalBroker, LocalPostgres, free_port
+from outbox_pipeline.schema import init_db, set_topic_partitions
+
+from ..kafka_helpers import KafkaProbe
+from ..relay_helpers import message_ids
+from .conftest import Written, write_outbox_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+# The screenshot lands here (kept after the run; CI can upload it).
+ARTIFACTS = Path(os.environ.get("OUTBOX_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+LOCATION = "outbox_pipeline.definitions"
+
+
+def _restore_default_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class DagsterDev:
+    """`dagster dev` in its own process group; stopped with SIGINT (as a terminal would), then killed."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.log_path = home.parent / "dagster-dev.log"
+        dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [dagster, "dev", "-h", "127.0.0.1", "-p", str(self.port), "-w", "workspace.yaml"],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_restore_default_signals,
+            )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def graphql(self, query: str, variables: dict[str, object] | None = None) -> Any:
+        request = urllib.request.Request(
+            f"{self.url}/graphql",
+            data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = json.loads(response.read())
+        assert "errors" not in body, body
+        return body["data"]
+
+    def wait_for(self, what: str, check: Callable[[], bool], deadline_s: float) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < deadline_s:
+            assert self.process.poll() is None, f"dagster dev exited: {self.output()}"
+            try:
+                if check():
+                    return
+            except (OSError, AssertionError, KeyError, TypeError):
+                pass  # not up yet, or not there yet
+            time.sleep(1.0)
+        raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # whatever of the group outlived its leader
+        except ProcessLookupError:
+            pass
+
+
+@dataclass(frozen=True)
+class Stack:
+    dev: DagsterDev
+    written: Written
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, pg_server: LocalPostgres, broker: LocalBroker) -> Iterator[Stack]:
+    """An outbox with 90 rows in 3 partitions of a fresh topic, and `dagster dev` running against it (shared by
+    this module's tests: starting it takes a while)."""
+    table = OutboxTable(schema=f"t_{uuid.uuid4().hex[:12]}")
+    topic = f"dgdev-{uuid.uuid4().hex[:10]}"
+    broker.create_topics([topic], partitions=3)
+    with psycopg.connect(pg_server.dsn, autocommit=True) as db:
+        init_db(db, table)
+        set_topic_partitions(db, table, topic, 3)
+        written = write_outbox_rows(db, table, topic, 90)
+    home = tmp_path_factory.mktemp("dagster_dev") / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        resources.files("outbox_pipeline.localstack").joinpath("dagster.yaml").read_text()
+    )
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "OUTBOX_PG_DSN": pg_server.dsn,
+        "OUTBOX_SCHEMA": table.schema,
+        "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers,
+        "OUTBOX_LAG_SENSOR_INTERVAL_S": "2",
+        "OUTBOX_LAG_CHECK_INTERVAL_S": "2",
+        "OUTBOX_RELAY_TRIGGER_AGE_S": "0",
+    }
+    env.pop("OUTBOX_ALERT_WEBHOOK_URL", None)
+    dev = DagsterDev(home, env)
+    try:
+        yield Stack(dev, written)
+    finally:
+        dev.stop()  # before the outbox schema is dropped
+        with psycopg.connect(pg_server.dsn, autocommit=True) as db:
+            db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+
+
+def _every_partition_relayed(stack: Stack) -> None:
+    try:
+        stack.dev.wait_for(
+            "a successful relay run in every lagging partition's history",
+            lambda: all(_successful_runs(stack.dev, key) for key in stack.written.keys),
+            deadline_s=150,
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nrelay runs: {_relay_runs(stack.dev)}") from None
+
+
+def _relay_runs(dev: DagsterDev) -> list[tuple[str, str]]:
+    """(partition, status) of every relay run, to explain a timeout."""
+    data = dev.graphql(
+        """
+        { runsOrError(filter: {pipelineName: "relay_partition"}) {
+            ... on Runs { results { status tags { key value } } }
+        } }
+        """
+    )
+    return [
+        (next((t["value"] for t in run["tags"] if t["key"] == "dagster/partition"), "-"), run["status"])
+        for run in data["runsOrError"]["results"]
+    ]
+
+
+def _successful_runs(dev: DagsterDev, key: str) -> list[str]:
+    data = dev.graphql(
+        """
+        query ($key: String!) {
+          runsOrError(filter: {pipelineName: "relay_partition", statuses: [SUCCESS],
+                               tags: [{key: "dagster/partition", value: $key}]}) {
+            ... on Runs { results { runId } }
+          }
+        }
+        """,
+        {"key": key},
+    )
+    return [run["runId"] for run in data["runsOrError"]["results"]]
+
+
+def _materialized_partitions(dev: DagsterDev) -> set[str]:
+    data = dev.graphql(
+        """
+        { assetNodeOrError(assetKey: {path: ["relayed_outbox"]}) {
+            ... on AssetNode { assetPartitionStatuses { ... on DefaultPartitionStatuses { materializedPartitions } } }
+        } }
+        """
+    )
+    return set(data["assetNodeOrError"]["assetPartitionStatuses"]["materializedPartitions"])
+
+
+def test_dagster_dev_relays_every_lagging_partition_in_runs_of_its_own(stack: Stack, kafka: KafkaProbe) -> None:
+    _every_partition_relayed(stack)
+
+    assert _materialized_partitions(stack.dev) >= set(stack.written.keys)
+    arrived = message_ids(kafka.consume(stack.written.topic, expect=90))
+    assert set(arrived) == {m for ids in stack.written.by_key.values() for m in ids}
+
+
+def _lag_check_history(dev: DagsterDev) -> list[tuple[str, str]]:
+    data = dev.graphql(
+        """
+        { assetCheckExecutions(assetKey: {path: ["outbox_backlog"]}, checkName: "outbox_lag_slo", limit: 5) {
+            runId status
+        } }
+        """
+    )
+    return [(e["runId"], e["status"]) for e in data["assetCheckExecutions"]]
+
+
+def test_the_lag_check_history_fills_with_passing_evaluations_made_without_runs(stack: Stack) -> None:
+    stack.dev.wait_for("two outbox_lag_slo evaluations", lambda: len(_lag_check_history(stack.dev)) >= 2, 60)
+
+    assert set(_lag_check_history(stack.dev)) == {("", "SUCCEEDED")}  # runless: the sensor evaluated them
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium): no screenshot")
+def test_a_partitions_runs_page_is_captured_by_headless_chromium(stack: Stack) -> None:
+    _every_partition_relayed(stack)
+    key = stack.written.keys[0]
+    stack.dev.graphql("mutation { setNuxSeen }")  # the first-run dialog would cover the page
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / "dagster-partition-runs.png"  # one file, replaced by each run
+    path.unlink(missing_ok=True)
+    query = urllib.parse.urlencode({"q[0]": f"tag:dagster/partition={key}"})
+
+    subprocess.run(
+        [
+            str(CHROMIUM),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--window-size=1600,900",
+            "--virtual-time-budget=15000",
+            f"--screenshot={path}",
+            f"{stack.dev.url}/runs?{query}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+    assert path.stat().st_size > 10_000
+    print(f"screenshot of partition {key}'s runs page: {path}")

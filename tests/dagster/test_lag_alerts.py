@@ -1,0 +1,205 @@
+"""Lag alerts: the `outbox_lag_slo` check fails at its thresholds (from a sensor tick and from a run), the
+alert reaches a loopback webhook once per incident and once on recovery, and a relay run that failed
+for good is announced while one the instance will retry is not."""
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import dagster as dg
+import psycopg
+import pytest
+
+from assets import outbox_backlog, outbox_lag_slo, relayed_outbox
+from outbox_pipeline import OutboxTable
+from outbox_pipeline.lag_slo import LagThresholds
+from outbox_pipeline.localstack import free_port
+from outbox_pipeline.orchestration.alert_sensors import build_lag_slo_sensor, build_relay_failure_sensor
+from outbox_pipeline.orchestration.jobs import build_relay_partition_job, relay_partition_job
+from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from resources import Alert, AlertResource, KafkaResource
+
+from ..kafka_helpers import KafkaProbe
+from ..relay_helpers import drain
+from .conftest import Written
+
+# WARN above 5 pending rows, ERROR above 10; ages far out of reach.
+THRESHOLDS = LagThresholds(warn_age_s=3600, error_age_s=7200, warn_pending=5, error_pending=10)
+
+
+class Receiver:
+    """A loopback HTTP server that keeps every JSON body POSTed to it."""
+
+    def __init__(self) -> None:
+        received: list[dict[str, object]] = []
+        self.received = received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+
+@pytest.fixture
+def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
+    hook = Receiver()
+    hook.thread.start()
+    monkeypatch.setenv("OUTBOX_ALERT_WEBHOOK_URL", hook.url)
+    yield hook
+    hook.server.shutdown()
+    hook.server.server_close()
+
+
+def _tick(
+    sensor: dg.SensorDefinition,
+    instance: dg.DagsterInstance,
+    resources: dict[str, dg.ConfigurableResource],
+    cursor: str | None,
+) -> dg.SensorResult:
+    with dg.build_sensor_context(instance=instance, resources=resources, cursor=cursor) as context:
+        result = sensor(context)
+    assert isinstance(result, dg.SensorResult)
+    return result
+
+
+def _evaluation(result: dg.SensorResult) -> dg.AssetCheckEvaluation:
+    [evaluation] = [e for e in result.asset_events if isinstance(e, dg.AssetCheckEvaluation)]
+    return evaluation
+
+
+def test_the_lag_check_passes_below_warns_above_the_warn_and_errors_above_the_error_threshold(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+) -> None:
+    sensor = build_lag_slo_sensor(OrchestrationSettings(thresholds=THRESHOLDS))
+    verdicts = []
+    topic = write_rows(5, partitions=1).topic
+    for more in (0, 1, 5):  # 5, 6, 11 pending rows
+        if more:
+            write_rows(more, partitions=1, topic=topic)
+        evaluation = _evaluation(_tick(sensor, instance, dagster_resources, None))
+        verdicts.append((evaluation.passed, evaluation.severity, evaluation.metadata["pending_rows"].value))
+
+    assert verdicts == [
+        (True, dg.AssetCheckSeverity.WARN, 5),
+        (False, dg.AssetCheckSeverity.WARN, 6),
+        (False, dg.AssetCheckSeverity.ERROR, 11),
+    ]
+
+
+def test_the_lag_check_run_from_the_ui_judges_by_the_thresholds_in_the_environment(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    monkeypatch: pytest.MonkeyPatch,
+    write_rows: Callable[..., Written],
+) -> None:
+    monkeypatch.setenv("OUTBOX_LAG_WARN_PENDING", "5")
+    monkeypatch.setenv("OUTBOX_LAG_ERROR_PENDING", "10")
+    write_rows(11, partitions=1)
+
+    result = dg.materialize([outbox_backlog, outbox_lag_slo], resources=dagster_resources, instance=instance)
+
+    [evaluation] = result.get_asset_check_evaluations()
+    assert (evaluation.passed, evaluation.severity) == (False, dg.AssetCheckSeverity.ERROR)
+
+
+def test_a_lag_incident_alerts_the_webhook_once_and_its_recovery_once(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    receiver: Receiver,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    write_rows: Callable[..., Written],
+) -> None:
+    sensor = build_lag_slo_sensor(OrchestrationSettings(thresholds=THRESHOLDS))
+    written = write_rows(40)
+    cursor = None
+    for _ in range(2):  # lagging, twice
+        cursor = _tick(sensor, instance, dagster_resources, cursor).cursor
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    for _ in range(2):  # recovered, twice
+        cursor = _tick(sensor, instance, dagster_resources, cursor).cursor
+
+    assert [(a["alert"], a["status"], a["severity"]) for a in receiver.received] == [
+        ("outbox_lag_slo", "firing", "ERROR"),
+        ("outbox_lag_slo", "resolved", "OK"),
+    ]
+    partitions = receiver.received[0]["partitions"]
+    assert isinstance(partitions, list)
+    assert {p["partition"] for p in partitions} == set(written.keys)
+
+
+def test_an_unreachable_webhook_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_ALERT_WEBHOOK_URL", f"http://127.0.0.1:{free_port()}/nobody")
+    alert = Alert(alert="outbox_lag_slo", status="firing", severity="ERROR", text="test")
+
+    assert AlertResource(timeout_s=2).send(alert) is False
+
+
+def _failed_relay_run(instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource]) -> dg.DagsterRun:
+    """A relay run that fails for good: its Kafka configuration is invalid, which no retry can fix."""
+    broken = {
+        **resources,
+        "kafka": KafkaResource(bootstrap_servers="127.0.0.1:1", properties={"compression.type": "bogus"}),
+    }
+    defs = dg.Definitions(
+        assets=[relayed_outbox], jobs=[build_relay_partition_job(retry_policy=dg.RetryPolicy(0))], resources=broken
+    )
+    instance.add_dynamic_partitions(OUTBOX_PARTITIONS_NAME, ["orders:3"])
+    result = defs.resolve_job_def("relay_partition").execute_in_process(
+        partition_key="orders:3", instance=instance, raise_on_error=False
+    )
+    assert not result.success
+    return result.dagster_run
+
+
+def _run_failure_tick(instance: dg.DagsterInstance, run: dg.DagsterRun) -> None:
+    [failure] = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
+    sensor = build_relay_failure_sensor(relay_partition_job)
+    context = dg.build_run_status_sensor_context(
+        sensor_name=sensor.name,
+        dagster_event=failure.event_log_entry.get_dagster_event(),
+        dagster_instance=instance,
+        dagster_run=instance.get_run_by_id(run.run_id) or run,
+        resources={"alerts": AlertResource()},
+    )
+    sensor(context.for_run_failure())
+
+
+def test_a_relay_run_that_failed_for_good_alerts_naming_its_partition(
+    instance: dg.DagsterInstance, dagster_resources: dict[str, dg.ConfigurableResource], receiver: Receiver
+) -> None:
+    run = _failed_relay_run(instance, dagster_resources)
+
+    _run_failure_tick(instance, run)
+
+    [alert] = receiver.received
+    assert (alert["alert"], alert["status"], alert["partitions"]) == (
+        "relay_run_failed",
+        "firing",
+        [{"partition": "orders:3"}],
+    )
+    assert "invalid Kafka configuration" in str(alert["text"])
+
+
+def test_a_failed_relay_run_the_instance_will_retry_does_not_alert(
+    instance: dg.DagsterInstance, dagster_resources: dict[str, dg.ConfigurableResource], receiver: Receiver
+) -> None:
+    run = _failed_relay_run(instance, dagster_resources)
+    instance.add_run_tags(run.run_id, {"dagster/will_retry": "true"})
+
+    _run_failure_tick(instance, run)
+
+    assert receiver.received == []

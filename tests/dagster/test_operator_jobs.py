@@ -1,0 +1,99 @@
+"""Operator jobs launched with config, as from the UI's launchpad: replay a partition, release a stuck lease,
+retry dead letters. Each changes the real outbox the way the engine operation it calls promises."""
+
+from collections.abc import Callable
+
+import dagster as dg
+import psycopg
+from psycopg import sql
+
+from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.lag import partition_lag
+from outbox_pipeline.operations import list_dead_letters
+from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
+from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, parse_partition_key
+
+from ..kafka_helpers import KafkaProbe
+from ..relay_helpers import drain
+from .conftest import Written
+
+
+def _job(name: str, resources: dict[str, dg.ConfigurableResource]) -> dg.JobDefinition:
+    return dg.Definitions(jobs=OPERATOR_JOBS, resources=resources).resolve_job_def(name)
+
+
+def _pending(db: psycopg.Connection, table: OutboxTable, key: str) -> int:
+    topic, partition = parse_partition_key(key)
+    return sum(
+        lag.pending
+        for lag in partition_lag(db, table, "partitioned")
+        if (lag.topic, lag.partition) == (topic, partition)
+    )
+
+
+def test_replaying_a_partition_from_its_start_makes_all_of_it_pending_again(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    write_rows: Callable[..., Written],
+) -> None:
+    written = write_rows(80)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    key, other = written.keys[:2]
+    instance.add_dynamic_partitions(OUTBOX_PARTITIONS_NAME, written.keys)
+
+    result = _job("replay_partition", dagster_resources).execute_in_process(
+        partition_key=key,
+        instance=instance,
+        run_config={"ops": {"replay_outbox_partition": {"config": {"after_id": 0}}}},
+    )
+
+    assert result.success
+    assert (_pending(db, table, key), _pending(db, table, other)) == (len(written.by_key[key]), 0)
+
+
+def test_releasing_a_stuck_lease_frees_the_partition_at_once(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    write_rows: Callable[..., Written],
+) -> None:
+    written = write_rows(20, partitions=1)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    [key] = written.keys
+    db.execute(  # a worker that died holding the partition for another hour
+        sql.SQL("UPDATE {} SET locked_by = 'dead-worker', available_after = now() + interval '1 hour'").format(
+            table.offsets
+        )
+    )
+    instance.add_dynamic_partitions(OUTBOX_PARTITIONS_NAME, [key])
+
+    result = _job("release_lease", dagster_resources).execute_in_process(partition_key=key, instance=instance)
+
+    assert result.output_for_node("release_partition_lease") is True
+    assert [lag.leased_by for lag in partition_lag(db, table, "partitioned")] == [None]
+
+
+def test_retrying_dead_letters_puts_them_back_in_the_outbox(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    topic = new_topic()
+    enqueue_many(db, [Message(topic, {"blob": "x" * 20_000}, key="k")], table=table)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", producer={"message.max.bytes": 10_000})
+    assert len(list_dead_letters(db, table)) == 1
+    config = {"ops": {"retry_outbox_dead_letters": {"config": {"all": True}}}}
+
+    result = _job("retry_dead_letters", dagster_resources).execute_in_process(instance=instance, run_config=config)
+
+    assert result.output_for_node("retry_outbox_dead_letters") == 1
+    assert list_dead_letters(db, table) == []
+    assert sum(lag.pending for lag in partition_lag(db, table, "partitioned")) == 1
