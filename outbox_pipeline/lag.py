@@ -64,7 +64,7 @@ _ROW_LAG = """
             LIMIT %(cap)s
         ) r
     ) w
-    WHERE w.pending > 0
+    WHERE w.pending > 0 {only_p}
     ORDER BY p.topic, p.partition
 """
 
@@ -96,12 +96,18 @@ _POSITION_LAG = """
             LIMIT %(cap)s
         ) r
     ) w
+    WHERE true {only_o}
     ORDER BY o.topic, o.partition
 """
 
 
 def partition_lag(
-    conn: psycopg.Connection, table: OutboxTable, strategy: str, *, cap: int | None = None
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    strategy: str,
+    *,
+    cap: int | None = None,
+    only: tuple[str, int] | None = None,
 ) -> list[PartitionLag]:
     """Per-partition lag as ``strategy`` sees it, in one query.
 
@@ -114,18 +120,34 @@ def partition_lag(
         raise ValueError(f"cap must be >= 1, got {cap}")
     cls = strategy_class(strategy)
     pairs = partition_pairs(table)
+    params: dict[str, object] = {"cap": cap}
+
+    def only_for(alias: str) -> sql.Composable:
+        # Evaluated on the pair before the lateral count, so the other partitions cost an index probe.
+        if only is None:
+            return sql.SQL("")
+        params.update(only_topic=only[0], only_partition=only[1])
+        a = sql.Identifier(alias)
+        return sql.SQL("AND {a}.topic = %(only_topic)s AND {a}.partition = %(only_partition)s").format(a=a)
+
     if not issubclass(cls, PositionStrategy):
-        query = sql.SQL(_ROW_LAG).format(pairs=pairs, messages=table.messages, leases=table.leases)
-        rows = conn.execute(query, {"cap": cap}).fetchall()
+        query = sql.SQL(_ROW_LAG).format(
+            pairs=pairs, messages=table.messages, leases=table.leases, only_p=only_for("p")
+        )
+        rows = conn.execute(query, params).fetchall()
         return [
             PartitionLag(topic, part, int(n), age, None, leased, int(attempts), error, bool(backoff))
             for topic, part, n, age, _, leased, attempts, error, backoff in rows
         ]
     with_xid = "last_processed_transaction_id" in cls.work_condition
     query = sql.SQL(_POSITION_LAG).format(
-        pairs=pairs, offsets=table.offsets, messages=table.messages, work=sql.SQL(cls.work_condition)
+        pairs=pairs,
+        offsets=table.offsets,
+        messages=table.messages,
+        work=sql.SQL(cls.work_condition),
+        only_o=only_for("o"),
     )
-    rows = conn.execute(query, {"cap": cap}).fetchall()
+    rows = conn.execute(query, params).fetchall()
     return [
         PartitionLag(
             topic,

@@ -34,7 +34,7 @@ class PartitionRunReport:
     claimed: int
     dead_lettered: int
     # Confirmed by Kafka but not acked (lease lost, or after an unconfirmed row of an ordered
-    # partition): those rows are published again later (at-least-once). An upper-bound estimate.
+    # partition): those rows are published again later (at-least-once).
     duplicates_risked: int
     retried: int
     errors: int
@@ -91,15 +91,9 @@ LAG_CAP = 1_000_000
 def lag_of(
     conn: psycopg.Connection, table: OutboxTable, strategy: str, topic: str, partition: int, *, cap: int = LAG_CAP
 ) -> PartitionLag | None:
-    """One partition's lag, as ``strategy`` sees it (None: the partition has no rows and no position).
-
-    The engine's lag query reads every partition (one index probe each, counting at most ``cap`` rows);
-    this keeps the one asked for.
-    """
-    for lag in partition_lag(conn, table, strategy, cap=cap):
-        if (lag.topic, lag.partition) == (topic, partition):
-            return lag
-    return None
+    """One partition's lag, as ``strategy`` sees it (None: the partition has no rows and no position)."""
+    found = partition_lag(conn, table, strategy, cap=cap, only=(topic, partition))
+    return found[0] if found else None
 
 
 def end_backoff(conn: psycopg.Connection, table: OutboxTable, strategy: str, topic: str, partition: int) -> int:
@@ -151,11 +145,6 @@ def relay_partition(
     relay = Relay(dsn, strategy_class(strategy), scoped, publisher, replace(settings, until_empty=True), stop)
     stats = relay.run()
     after = lag_of(conn, table, strategy, topic, partition)
-    # Per batch, rows Kafka confirmed that were not acked = published + retried + dead - claimed
-    # (owned batches); batches whose lease was lost count all their confirmed rows (lost_ownership).
-    unacked_confirmed = max(
-        0, stats.published - stats.lost_ownership + stats.retried + stats.dead_lettered - stats.claimed
-    )
     return PartitionRunReport(
         topic=topic,
         partition=partition,
@@ -164,7 +153,7 @@ def relay_partition(
         published=stats.published,
         claimed=stats.claimed,
         dead_lettered=stats.dead_lettered,
-        duplicates_risked=stats.lost_ownership + unacked_confirmed,
+        duplicates_risked=stats.published - stats.acked,
         retried=stats.retried,
         errors=stats.errors,
         batches=stats.batches,

@@ -46,6 +46,9 @@ class RelaySettings:
 class BatchMetrics:
     claimed: int
     published: int
+    # Published and recorded as delivered; published - acked were confirmed by Kafka but will be
+    # published again (lease lost, or behind an unconfirmed row of an ordered partition).
+    acked: int
     collisions: int
     lost_ownership: int
     dead_lettered: int
@@ -65,6 +68,7 @@ class RelayStats:
     batches: int = 0
     claimed: int = 0
     published: int = 0
+    acked: int = 0
     collisions: int = 0
     lost_ownership: int = 0
     dead_lettered: int = 0
@@ -78,6 +82,7 @@ class RelayStats:
         self.batches += 1
         self.claimed += batch.claimed
         self.published += batch.published
+        self.acked += batch.acked
         self.collisions += batch.collisions
         self.lost_ownership += batch.lost_ownership
         self.dead_lettered += batch.dead_lettered
@@ -215,6 +220,7 @@ class Relay:
         metrics = BatchMetrics(
             claimed=len(batch.claim.records),
             published=len(outcome.delivered),
+            acked=result.acked,
             collisions=batch.claim.collisions,
             lost_ownership=result.lost_ownership,
             dead_lettered=result.dead_lettered,

@@ -100,6 +100,19 @@ def test_lag_with_a_cap_counts_at_most_cap_rows_per_partition(db: psycopg.Connec
     assert [(lag.partition, lag.pending) for lag in lags] == [(0, 10), (1, 3)]
 
 
+@pytest.mark.parametrize("strategy", ["lease", "partitioned"])
+def test_lag_of_one_partition_reports_only_that_partition(
+    strategy: str, db: psycopg.Connection, table: OutboxTable
+) -> None:
+    _write(db, table, "orders", 5, partition=0)
+    _write(db, table, "orders", 3, partition=1)
+    _write(db, table, "payments", 2, partition=1)
+
+    lags = partition_lag(db, table, strategy, only=("orders", 1))
+
+    assert [(lag.topic, lag.partition, lag.pending) for lag in lags] == [("orders", 1, 3)]
+
+
 @pytest.mark.parametrize("strategy", ORDERED)
 def test_position_strategy_lag_reports_the_position_and_the_rows_past_it(
     strategy: str,
