@@ -1,0 +1,160 @@
+"""Dagster room: ``outbox_partition_maintenance`` (one run per UTC day), its job and its daily schedule.
+
+For the run's day: rescue rows that landed in the DEFAULT partition, create partitions ahead, and for
+each day older than the retention window that is fully relayed, archive it to Parquet with Spark,
+verify the archive against PostgreSQL, then detach and drop it. A day that is not fully relayed (or
+whose archive does not match) is skipped with the reason in the run's metadata; nothing unrelayed is
+ever dropped. See ``outbox_pipeline.maintenance`` for what "relayed" means per strategy.
+"""
+
+import datetime as dt
+import os
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from outbox_pipeline.maintenance import (
+    DropResult,
+    Fingerprint,
+    check_relayed,
+    create_ahead,
+    day_partitions,
+    drop_partition,
+    expired,
+    id_slices,
+    move_default_rows,
+)
+from outbox_pipeline.schema import DEFAULT_DAYS_AHEAD
+from resources.postgres import PostgresResource
+from resources.spark import SparkResource
+
+from .datasource import archive_partition, archive_uri
+
+ENV_ARCHIVE_URI = "OUTBOX_ARCHIVE_URI"
+DEFAULT_RETENTION_DAYS = 7
+
+maintenance_partitions = dg.DailyPartitionsDefinition(
+    start_date="2026-01-01",
+    timezone="UTC",
+    # The current day is a partition too: the schedule maintains "today" shortly after midnight.
+    end_offset=1,
+)
+
+
+def default_archive_root() -> str:
+    """OUTBOX_ARCHIVE_URI, else ``$OUTBOX_HOME/archive`` (``./.outbox/archive``)."""
+    configured = os.environ.get(ENV_ARCHIVE_URI)
+    if configured:
+        return configured
+    return str((Path(os.environ.get("OUTBOX_HOME", ".outbox")) / "archive").resolve())
+
+
+class MaintenanceConfig(dg.Config):
+    days_ahead: int = Field(default=DEFAULT_DAYS_AHEAD, description="daily partitions to keep ready ahead")
+    retention_days: int = Field(
+        default=DEFAULT_RETENTION_DAYS, description="days older than this are archived and dropped once relayed"
+    )
+    archive_uri: str = Field(
+        default="",
+        description="archive root: a local directory or any Hadoop-compatible URI (s3a://, hdfs://, abfss://); "
+        "empty: OUTBOX_ARCHIVE_URI, else $OUTBOX_HOME/archive",
+    )
+    strategy: str = Field(
+        default="partitioned",
+        description="the relay strategy in use, which decides what 'relayed' means (a wrong one only refuses drops)",
+    )
+    archive_slices: int = Field(default=4, description="parallel Spark reads per archived day")
+    lock_timeout: str = Field(default="2s", description="longest wait for a lock before a step is skipped")
+
+
+@dg.asset(
+    group_name="outbox_spark",
+    kinds={"spark", "parquet", "postgres"},
+    partitions_def=maintenance_partitions,
+    description="Daily upkeep of the outbox's range partitions: create ahead, move DEFAULT rows, archive "
+    "fully relayed old days to Parquet, verify, then drop them.",
+)
+def outbox_partition_maintenance(
+    context: dg.AssetExecutionContext,
+    config: MaintenanceConfig,
+    postgres: PostgresResource,
+    spark: SparkResource,
+) -> dg.MaterializeResult:
+    table = postgres.table
+    today = (
+        dt.date.fromisoformat(context.partition_key) if context.has_partition_key else dt.datetime.now(dt.UTC).date()
+    )
+    root = config.archive_uri or default_archive_root()
+    archived: dict[str, dict[str, object]] = {}
+    dropped: list[DropResult] = []
+    skipped: dict[str, str] = {}
+    with postgres.connect() as conn:
+        moved = move_default_rows(conn, table, lock_timeout=config.lock_timeout)
+        created = create_ahead(conn, table, today=today, days_ahead=config.days_ahead, lock_timeout=config.lock_timeout)
+        candidates = expired(day_partitions(conn, table), today, config.retention_days)
+        for candidate in candidates:
+            check = check_relayed(conn, table, candidate.name, config.strategy)
+            if not check.relayed:
+                skipped[candidate.name] = "; ".join(check.reasons)
+                continue
+            slices = id_slices(conn, table, candidate.name, config.archive_slices)
+            written = Fingerprint(0, 0)
+            if slices:  # an empty day has nothing to archive
+                uri = archive_uri(root, table.schema, candidate.name)
+                written = archive_partition(
+                    spark.session,
+                    dsn=postgres.dsn,
+                    table=table,
+                    partition_name=candidate.name,
+                    slices=slices,
+                    uri=uri,
+                )
+                archived[candidate.name] = {"uri": uri, "rows": written.rows, "checksum": written.checksum}
+            result = drop_partition(
+                conn,
+                table,
+                candidate.name,
+                strategy=config.strategy,
+                archived=written,
+                lock_timeout=config.lock_timeout,
+            )
+            if result.dropped:
+                dropped.append(result)
+            else:
+                skipped[candidate.name] = result.reason or "not dropped"
+    for name, reason in skipped.items():
+        context.log.warning("kept %s: %s", name, reason)
+    bytes_freed = sum(r.bytes_freed for r in dropped)
+    return dg.MaterializeResult(
+        metadata={
+            "day": today.isoformat(),
+            "partitions_created": len(created),
+            "created": dg.MetadataValue.json(created),
+            "default_rows_moved": sum(moved.values()),
+            "default_rows_by_day": dg.MetadataValue.json({d.isoformat(): n for d, n in moved.items()}),
+            "partitions_archived": len(archived),
+            "archived": dg.MetadataValue.json(archived),
+            "partitions_dropped": len(dropped),
+            "dropped": dg.MetadataValue.json({r.name: r.rows for r in dropped}),
+            "partitions_skipped": len(skipped),
+            "skipped": dg.MetadataValue.json(skipped),
+            "bytes_freed": bytes_freed,
+        }
+    )
+
+
+outbox_partition_maintenance_job = dg.define_asset_job(
+    "outbox_partition_maintenance_job",
+    selection=[outbox_partition_maintenance],
+    description="Daily partition upkeep of the outbox (one run per UTC day).",
+)
+
+# Shortly after midnight UTC, for the day that just began (end_offset=1 makes it the newest partition).
+outbox_partition_maintenance_schedule = dg.build_schedule_from_partitioned_job(
+    outbox_partition_maintenance_job,
+    name="outbox_partition_maintenance_schedule",
+    hour_of_day=0,
+    minute_of_hour=15,
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)

@@ -1,0 +1,496 @@
+"""Engine room: bulk drains of a backlog, one frozen range per virtual partition, committed at the end.
+
+The online relay publishes a partition batch by batch; a bulk drain (run by Spark, but nothing here
+knows that) publishes many partitions' whole backlogs in parallel, one task per partition, so per-key
+order holds. Its life cycle, and who runs each step:
+
+1. ``plan_drain`` (driver): lease every available partition with work for the drain's owner
+   (``bulk-drain:<run id>``, the offsets row's ``locked_by``/``available_after``, taken with ``FOR UPDATE
+   SKIP LOCKED`` like the relay's own lease, so the relay skips those partitions until they are released)
+   and freeze each partition's end position, read under one snapshot, so every task's range is finite.
+2. ``fetch_range`` (one task per partition): the rows in (start, end] in the strategy's order, by keyset
+   pages in autocommit (no transaction held open for the drain's duration, which would hold back the
+   ``partitioned`` snapshot rule and vacuum), renewing the lease as it goes.
+3. ``publish_range`` (the same task): every row to Kafka with an idempotent producer, every delivery
+   confirmed; any failure raises, so the task fails.
+4. ``commit_drain`` (driver, only once every task succeeded): compare-and-set each offsets row from
+   (owner, start) to the last position its task delivered, releasing the lease. ``release_drain``
+   (driver, on abort or after any failure): release the leases, moving nothing; the relay or a rerun
+   publishes those partitions again (at-least-once: what a failed drain delivered comes twice).
+
+Only the position strategies (``partitioned``, ``serialized``) can be drained this way: their delivery
+state is one position per partition, so a drain of a million rows writes a handful of offsets rows.
+The row strategies keep delivery state on every row (delete or ``sent_at``): a drain would have to
+lease and then mark each row, twice the writes the online relay needs, and they promise no
+per-partition order to preserve.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from .config import OutboxTable
+from .errors import OutboxError
+from .lag import partition_lag
+from .publisher import KafkaPublisher
+from .strategies import strategy_class
+from .strategies.base import RECORD_COLUMNS, OutboxRecord, fetch_records
+from .strategies.positions import PositionStrategy, partition_pairs
+
+OWNER_PREFIX = "bulk-drain:"
+DRAIN_STRATEGIES = ("partitioned", "serialized")
+DEFAULT_LEASE_S = 3600.0
+DEFAULT_FETCH_ROWS = 10_000
+
+# The end of a frozen range, per strategy, on message row ``m``: together with the strategy's own
+# ``work_condition`` (past the start) it bounds a task's rows. Rows up to a ``partitioned`` end were
+# all committed when the end was read (their xid is below that snapshot's xmin), so the range never
+# grows; ``serialized`` relies on commit-ordered ids exactly as its relay does.
+_UP_TO_END = {
+    "partitioned": "(m.transaction_id, m.id) <= (%(end_xid)s::xid8, %(end_id)s::bigint)",
+    "serialized": "m.id <= %(end_id)s::bigint",
+}
+
+
+class DrainError(OutboxError):
+    """A bulk drain cannot run or its task cannot finish (nothing was committed)."""
+
+
+class LeaseLostError(DrainError):
+    """The drain no longer owns a partition (expired, released by an operator): stop publishing it."""
+
+
+class DeliveryError(DrainError):
+    """Kafka did not confirm every message of a range: the task fails and the drain aborts."""
+
+
+def drain_owner(run_id: str) -> str:
+    """The ``locked_by`` value of a drain's leases: recognisable in lag reports and by later drains."""
+    return f"{OWNER_PREFIX}{run_id}"
+
+
+def _position_class(strategy: str) -> type[PositionStrategy]:
+    if strategy not in DRAIN_STRATEGIES:
+        raise DrainError(
+            f"bulk drain works with the position strategies ({', '.join(DRAIN_STRATEGIES)}), not {strategy!r}: "
+            "row strategies keep delivery state on every row, so drain those with the online relay"
+        )
+    cls = strategy_class(strategy)
+    assert issubclass(cls, PositionStrategy)
+    return cls
+
+
+def position_key(strategy: str, xid: str, row_id: int) -> tuple[int, ...]:
+    """A position as a comparable tuple, in the strategy's publishing order."""
+    return (int(xid), row_id) if strategy == "partitioned" else (row_id,)
+
+
+@dataclass(frozen=True)
+class DrainRange:
+    """One virtual partition's frozen range: the rows after (start) up to and including (end)."""
+
+    topic: str
+    partition: int
+    start_xid: str
+    start_id: int
+    end_xid: str
+    end_id: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.topic}/{self.partition}"
+
+
+@dataclass(frozen=True)
+class DrainPlan:
+    """What a drain owns and how far it goes; JSON, so it can travel to tasks as a plain option."""
+
+    owner: str
+    strategy: str
+    schema: str
+    lease_s: float
+    ranges: tuple[DrainRange, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> DrainPlan:
+        raw = json.loads(text)
+        return cls(
+            owner=raw["owner"],
+            strategy=raw["strategy"],
+            schema=raw["schema"],
+            lease_s=float(raw["lease_s"]),
+            ranges=tuple(DrainRange(**r) for r in raw["ranges"]),
+        )
+
+    @property
+    def table(self) -> OutboxTable:
+        return OutboxTable(schema=self.schema)
+
+
+@dataclass(frozen=True)
+class RangeDelivery:
+    """What one task confirmed: every row of its range up to (last_xid, last_id), in order."""
+
+    topic: str
+    partition: int
+    rows: int
+    bytes: int
+    last_xid: str
+    last_id: int
+    elapsed_s: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.topic}/{self.partition}"
+
+
+@dataclass(frozen=True)
+class DrainOutcome:
+    """The driver's commit: positions moved, and partitions it could not move (and why)."""
+
+    committed: tuple[RangeDelivery, ...] = ()
+    # label -> reason: lease lost, no delivery reported, delivery outside the planned range
+    not_committed: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"committed": [asdict(d) for d in self.committed], "not_committed": dict(self.not_committed)})
+
+    @classmethod
+    def from_json(cls, text: str) -> DrainOutcome:
+        raw = json.loads(text)
+        return cls(tuple(RangeDelivery(**d) for d in raw["committed"]), dict(raw["not_committed"]))
+
+
+# -- plan (driver) ---------------------------------------------------------------------------------
+
+
+def plan_drain(
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    *,
+    strategy: str,
+    owner: str,
+    lease_s: float = DEFAULT_LEASE_S,
+    topics: Sequence[str] | None = None,
+    max_partitions: int | None = None,
+) -> DrainPlan:
+    """Lease the partitions to drain and freeze their ranges; an empty plan when nothing is available.
+
+    Partitions an online relay holds (or that back off after a failure) are skipped, not waited for.
+    ``conn`` must be in autocommit mode; the lease and the ends are one transaction.
+    """
+    cls = _position_class(strategy)
+    if not owner.startswith(OWNER_PREFIX):
+        raise DrainError(f"a drain owner starts with {OWNER_PREFIX!r}, got {owner!r}")
+    _discover(conn, table)
+    work = sql.SQL(cls.work_condition)
+    with conn.transaction():
+        conn.execute("SET LOCAL enable_sort = off")  # index order, never a sort of the backlog
+        leased = conn.execute(
+            sql.SQL(
+                """
+                UPDATE {offsets} target
+                SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(owner)s,
+                    updated_at = now()
+                FROM (
+                    SELECT o.topic, o.partition FROM {offsets} o
+                    WHERE o.available_after <= now()
+                      AND (%(topics)s::text[] IS NULL OR o.topic = ANY(%(topics)s::text[]))
+                      AND EXISTS (SELECT 1 FROM {messages} m
+                                  WHERE m.topic = o.topic AND m.partition = o.partition AND {work})
+                    ORDER BY o.topic, o.partition
+                    LIMIT %(max)s
+                    FOR UPDATE OF o SKIP LOCKED
+                ) free
+                WHERE target.topic = free.topic AND target.partition = free.partition
+                RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
+                          target.last_processed_id
+                """
+            ).format(offsets=table.offsets, messages=table.messages, work=work),
+            {"lease": lease_s, "owner": owner, "topics": list(topics) if topics else None, "max": max_partitions},
+        ).fetchall()
+        if not leased:
+            return DrainPlan(owner, strategy, table.schema, lease_s)
+        # Every partition's end in one statement, so one snapshot: the last row the relay could read now.
+        descending = ", ".join(f"{column.strip()} DESC" for column in cls.read_order.split(","))
+        ends = conn.execute(
+            sql.SQL(
+                """
+                SELECT o.topic, o.partition, e.xid, e.id
+                FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(xids)s::xid8[], %(ids)s::bigint[])
+                     AS o(topic, partition, last_processed_transaction_id, last_processed_id)
+                CROSS JOIN LATERAL (
+                    SELECT m.transaction_id::text AS xid, m.id FROM {messages} m
+                    WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+                    ORDER BY {descending}
+                    LIMIT 1
+                ) e
+                """
+            ).format(messages=table.messages, work=work, descending=sql.SQL(descending)),
+            {
+                "topics": [r[0] for r in leased],
+                "partitions": [r[1] for r in leased],
+                "xids": [r[2] for r in leased],
+                "ids": [r[3] for r in leased],
+            },
+        ).fetchall()
+        end_of = {(topic, part): (xid, last_id) for topic, part, xid, last_id in ends}
+        ranges = tuple(
+            DrainRange(topic, part, xid, last_id, *end_of[(topic, part)])
+            for topic, part, xid, last_id in sorted(leased)
+            if (topic, part) in end_of
+        )
+        idle = [(topic, part) for topic, part, _, _ in leased if (topic, part) not in end_of]
+        if idle:  # only if an operator moved the position between the two statements
+            _release(conn, table, owner, idle)
+    return DrainPlan(owner, strategy, table.schema, lease_s, ranges)
+
+
+def _discover(conn: psycopg.Connection, table: OutboxTable) -> None:
+    """Give every (topic, partition) with rows an offsets row, as the relay does on discovery."""
+    conn.execute(
+        sql.SQL(
+            """
+            WITH RECURSIVE {pairs}
+            INSERT INTO {offsets} (topic, partition)
+            SELECT topic, partition FROM pairs
+            ON CONFLICT (topic, partition) DO NOTHING
+            """
+        ).format(pairs=partition_pairs(table), offsets=table.offsets)
+    )
+
+
+# -- fetch and publish (one task per range) --------------------------------------------------------
+
+
+def fetch_range(
+    conn: psycopg.Connection,
+    plan: DrainPlan,
+    rng: DrainRange,
+    *,
+    page_rows: int = DEFAULT_FETCH_ROWS,
+) -> Iterator[list[OutboxRecord]]:
+    """The range's rows in publishing order, a page at a time; raises LeaseLostError if the lease goes.
+
+    ``conn`` in autocommit: each page is its own statement, so nothing holds a snapshot for the drain.
+    The lease is renewed every third of its length, and checked before the first page.
+    """
+    cls = _position_class(plan.strategy)
+    table = plan.table
+    conn.execute("SET enable_sort = off")
+    query = sql.SQL(
+        """
+        SELECT {columns}
+        FROM {messages} m,
+             (SELECT %(topic)s::text AS topic, %(partition)s::int AS partition,
+                     %(xid)s::xid8 AS last_processed_transaction_id, %(id)s::bigint AS last_processed_id) o
+        WHERE m.topic = o.topic AND m.partition = o.partition AND {work} AND {up_to_end}
+        ORDER BY {order}
+        LIMIT %(limit)s
+        """
+    ).format(
+        columns=sql.SQL(RECORD_COLUMNS),
+        messages=table.messages,
+        work=sql.SQL(cls.work_condition),
+        up_to_end=sql.SQL(_UP_TO_END[plan.strategy]),
+        order=sql.SQL(cls.read_order),
+    )
+    params: dict[str, object] = {
+        "topic": rng.topic,
+        "partition": rng.partition,
+        "xid": rng.start_xid,
+        "id": rng.start_id,
+        "end_xid": rng.end_xid,
+        "end_id": rng.end_id,
+        "limit": page_rows,
+    }
+    renewed = float("-inf")
+    while True:
+        if time.monotonic() - renewed > plan.lease_s / 3:
+            renew_lease(conn, plan, rng)
+            renewed = time.monotonic()
+        page = fetch_records(conn, query, params, prepare=True)
+        if not page:
+            return
+        yield page
+        if len(page) < page_rows:
+            return
+        params["xid"], params["id"] = page[-1].transaction_id, page[-1].id
+
+
+def renew_lease(conn: psycopg.Connection, plan: DrainPlan, rng: DrainRange) -> None:
+    cur = conn.execute(
+        sql.SQL(
+            """
+            UPDATE {offsets} SET available_after = now() + make_interval(secs => %(lease)s), updated_at = now()
+            WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(owner)s
+              AND last_processed_transaction_id = %(xid)s::xid8 AND last_processed_id = %(id)s
+            """
+        ).format(offsets=plan.table.offsets),
+        {
+            "lease": plan.lease_s,
+            "topic": rng.topic,
+            "partition": rng.partition,
+            "owner": plan.owner,
+            "xid": rng.start_xid,
+            "id": rng.start_id,
+        },
+    )
+    if cur.rowcount != 1:
+        raise LeaseLostError(f"{rng.label} is no longer leased to {plan.owner} at its planned start")
+
+
+def publish_range(
+    publisher: KafkaPublisher, strategy: str, pages: Iterable[Sequence[OutboxRecord]]
+) -> RangeDelivery | None:
+    """Publish pages of one partition's range and wait for every delivery; None for no rows.
+
+    Raises DeliveryError on the first page Kafka did not fully confirm, and DrainError if the rows are
+    not one partition's, in order: the task's input is checked, not trusted, since order is the promise.
+    """
+    started = time.monotonic()
+    rows = size = 0
+    first: OutboxRecord | None = None
+    last_key: tuple[int, ...] | None = None
+    last: OutboxRecord | None = None
+    for page in pages:
+        if not page:
+            continue
+        if first is None:
+            first = page[0]
+        for record in page:
+            key = position_key(strategy, record.transaction_id, record.id)
+            if (record.topic, record.partition) != (first.topic, first.partition):
+                raise DrainError(
+                    f"a task got rows of {first.topic}/{first.partition} and {record.topic}/{record.partition}"
+                )
+            if last_key is not None and key <= last_key:
+                raise DrainError(f"rows of {first.topic}/{first.partition} arrived out of order at id {record.id}")
+            last_key = key
+        outcome = publisher.publish(page)
+        if outcome.failed:
+            failure = outcome.failed[0]
+            raise DeliveryError(
+                f"{len(outcome.failed)} of {len(page)} messages of {first.topic}/{first.partition} were not "
+                f"confirmed (first: outbox id {failure.record.id}: {failure.error})"
+            )
+        rows += len(page)
+        size += sum(len(r.payload) + len(r.key or b"") for r in page)
+        last = page[-1]
+    if first is None or last is None:
+        return None
+    return RangeDelivery(
+        first.topic, first.partition, rows, size, last.transaction_id, last.id, time.monotonic() - started
+    )
+
+
+# -- commit or release (driver) --------------------------------------------------------------------
+
+
+def commit_drain(conn: psycopg.Connection, plan: DrainPlan, deliveries: Iterable[RangeDelivery | None]) -> DrainOutcome:
+    """Advance each range's position to what its task delivered; release every lease of the drain.
+
+    One transaction. Each position moves by compare-and-set from (owner, planned start): a partition
+    whose lease was lost (expired, released by an operator) is not moved, and its rows are published
+    again by whoever owns it now. A delivery outside its planned range is refused, never applied.
+    """
+    table = plan.table
+    by_label = {d.label: d for d in deliveries if d is not None}
+    committed: list[RangeDelivery] = []
+    refused: dict[str, str] = {}
+    with conn.transaction():
+        for rng in plan.ranges:
+            delivery = by_label.get(rng.label)
+            if delivery is None:
+                refused[rng.label] = "no delivery reported"
+                continue
+            key = position_key(plan.strategy, delivery.last_xid, delivery.last_id)
+            start = position_key(plan.strategy, rng.start_xid, rng.start_id)
+            end = position_key(plan.strategy, rng.end_xid, rng.end_id)
+            if not start < key <= end:
+                refused[rng.label] = (
+                    f"delivered up to xid={delivery.last_xid} id={delivery.last_id}, outside the planned range"
+                )
+                continue
+            cur = conn.execute(
+                sql.SQL(
+                    """
+                    UPDATE {offsets}
+                    SET last_processed_transaction_id = %(to_xid)s::xid8, last_processed_id = %(to_id)s,
+                        attempts = 0, last_error = NULL, locked_by = NULL, available_after = now(),
+                        updated_at = now()
+                    WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(owner)s
+                      AND last_processed_transaction_id = %(from_xid)s::xid8 AND last_processed_id = %(from_id)s
+                    """
+                ).format(offsets=table.offsets),
+                {
+                    "to_xid": delivery.last_xid,
+                    "to_id": delivery.last_id,
+                    "topic": rng.topic,
+                    "partition": rng.partition,
+                    "owner": plan.owner,
+                    "from_xid": rng.start_xid,
+                    "from_id": rng.start_id,
+                },
+            )
+            if cur.rowcount == 1:
+                committed.append(delivery)
+            else:
+                refused[rng.label] = f"lease lost: {rng.label} is no longer owned by {plan.owner} at its start"
+        release_drain(conn, table, plan.owner)
+    return DrainOutcome(tuple(committed), refused)
+
+
+def release_drain(conn: psycopg.Connection, table: OutboxTable, owner: str) -> int:
+    """Release every lease ``owner`` holds without moving a position; returns how many."""
+    cur = conn.execute(
+        sql.SQL(
+            "UPDATE {offsets} SET locked_by = NULL, available_after = now(), updated_at = now() "
+            "WHERE locked_by = %(owner)s"
+        ).format(offsets=table.offsets),
+        {"owner": owner},
+    )
+    return cur.rowcount
+
+
+def _release(conn: psycopg.Connection, table: OutboxTable, owner: str, pairs: Sequence[tuple[str, int]]) -> None:
+    conn.execute(
+        sql.SQL(
+            """
+            UPDATE {offsets} o SET locked_by = NULL, available_after = now(), updated_at = now()
+            FROM unnest(%(topics)s::text[], %(partitions)s::int[]) AS p(topic, partition)
+            WHERE o.topic = p.topic AND o.partition = p.partition AND o.locked_by = %(owner)s
+            """
+        ).format(offsets=table.offsets),
+        {"topics": [p[0] for p in pairs], "partitions": [p[1] for p in pairs], "owner": owner},
+    )
+
+
+def drain_leases(conn: psycopg.Connection, table: OutboxTable) -> dict[str, int]:
+    """Owners of bulk-drain leases still held (live or expired), with how many partitions each holds."""
+    rows = conn.execute(
+        sql.SQL("SELECT locked_by, count(*) FROM {offsets} WHERE locked_by LIKE %(prefix)s GROUP BY locked_by").format(
+            offsets=table.offsets
+        ),
+        {"prefix": OWNER_PREFIX.replace("_", r"\_") + "%"},
+    ).fetchall()
+    return {str(owner): int(n) for owner, n in rows}
+
+
+# -- when to drain ---------------------------------------------------------------------------------
+
+
+def backlog_at_least(conn: psycopg.Connection, table: OutboxTable, strategy: str, threshold: int) -> bool:
+    """Whether at least ``threshold`` rows wait, as ``strategy`` counts them (the lag query, capped:
+    a huge backlog costs at most ``threshold`` rows per partition to count)."""
+    lags = partition_lag(conn, table, strategy, cap=max(1, threshold))
+    return sum(lag.pending for lag in lags) >= threshold

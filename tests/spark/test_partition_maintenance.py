@@ -1,0 +1,204 @@
+"""The ``outbox_partition_maintenance`` asset against the real PostgreSQL (and Spark for the archive),
+and its daily schedule. The run's day is fixed, so which days count as old does not depend on the clock."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pyarrow.parquet as pq
+import pytest
+from psycopg import sql
+
+from assets.spark import outbox_partition_maintenance, spark_assets, spark_jobs, spark_schedules
+from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.operations import rewind_partition
+from outbox_pipeline.schema import ensure_partitions, partition_name
+from resources.kafka import KafkaResource
+from resources.postgres import PostgresResource
+from resources.spark import SparkResource
+
+from ..kafka_helpers import KafkaProbe
+from ..relay_helpers import drain
+
+RUN_DAY = dt.date(2026, 6, 15)
+OLD_DAY = dt.date(2026, 5, 1)  # 45 days before RUN_DAY: past a 7-day retention
+
+
+def _maintain(resources: dict[str, object], archive: Path, **config: object) -> dg.ExecuteInProcessResult:
+    result = dg.materialize(
+        [outbox_partition_maintenance],
+        resources=resources,
+        partition_key=RUN_DAY.isoformat(),
+        run_config={
+            "ops": {
+                "outbox_partition_maintenance": {"config": {"archive_uri": str(archive), "retention_days": 7, **config}}
+            }
+        },
+    )
+    assert result.success
+    return result
+
+
+def _metadata(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
+    [materialization] = result.asset_materializations_for_node("outbox_partition_maintenance")
+    return {key: value.value for key, value in materialization.metadata.items()}
+
+
+def _exists(db: psycopg.Connection, table: OutboxTable, name: str) -> bool:
+    row = db.execute("SELECT to_regclass(%s) IS NOT NULL", (table.ident(name).as_string(db),)).fetchone()
+    return bool(row and row[0])
+
+
+def _old_rows(db: psycopg.Connection, table: OutboxTable, topic: str, count: int, *, partitions: int = 2) -> list[str]:
+    """Rows created on OLD_DAY (in its own partition), keys k0..k4; returns their message ids."""
+    ensure_partitions(db, table, days_ahead=0, today=OLD_DAY + dt.timedelta(days=1))
+    rows = db.execute(
+        sql.SQL(
+            """
+            INSERT INTO {messages} (topic, key, payload, partition, created_at)
+            SELECT %(topic)s, 'k' || (g %% 5), jsonb_build_object('n', g), g %% %(partitions)s,
+                   %(day)s::timestamptz + make_interval(secs => g)
+            FROM generate_series(1, %(count)s) g
+            RETURNING message_id::text
+            """
+        ).format(messages=table.messages),
+        {
+            "topic": topic,
+            "partitions": partitions,
+            "day": dt.datetime.combine(OLD_DAY, dt.time(), dt.UTC),
+            "count": count,
+        },
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+@pytest.mark.spark
+def test_maintenance_creates_the_next_days_partitions(
+    db: psycopg.Connection, table: OutboxTable, spark_resources: dict[str, object], tmp_path: Path
+) -> None:
+    result = _maintain(spark_resources, tmp_path, days_ahead=3)
+
+    ahead = [partition_name(RUN_DAY + dt.timedelta(days=n)) for n in range(-1, 4)]
+    assert all(_exists(db, table, name) for name in ahead)
+    assert _metadata(result)["partitions_created"] == len(ahead)
+
+
+@pytest.mark.spark
+def test_rows_in_the_default_partition_are_reported_and_moved_into_their_day_partition(
+    db: psycopg.Connection, table: OutboxTable, spark_resources: dict[str, object], tmp_path: Path
+) -> None:
+    far = dt.datetime(2027, 3, 1, 12, tzinfo=dt.UTC)  # no partition that far ahead: lands in DEFAULT
+    db.execute(
+        sql.SQL("INSERT INTO {} (topic, key, payload, created_at) VALUES ('t', 'k', '{{}}', %s)").format(
+            table.messages
+        ),
+        (far,),
+    )
+
+    result = _maintain(spark_resources, tmp_path)
+
+    day_rows = db.execute(sql.SQL("SELECT count(*) FROM {}").format(table.ident(partition_name(far.date())))).fetchone()
+    default_rows = db.execute(
+        sql.SQL("SELECT count(*) FROM {}").format(table.ident("outbox_messages_default"))
+    ).fetchone()
+    assert day_rows == (1,) and default_rows == (0,)
+    assert _metadata(result)["default_rows_by_day"] == {"2027-03-01": 1}
+
+
+@pytest.mark.spark
+def test_an_old_fully_relayed_partition_is_archived_to_parquet_verified_and_dropped(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    spark_resources: dict[str, object],
+    tmp_path: Path,
+) -> None:
+    topic = new_topic()
+    written = _old_rows(db, table, topic, 400)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    old = partition_name(OLD_DAY)
+
+    result = _maintain(spark_resources, tmp_path)
+
+    assert not _exists(db, table, old)
+    archived = pq.read_table(tmp_path / table.schema / old)
+    assert archived.num_rows == 400
+    assert sorted(archived.column("message_id").to_pylist()) == sorted(written)
+    metadata = _metadata(result)
+    assert metadata["dropped"][old] == 400
+    assert metadata["archived"][old]["rows"] == 400
+    assert metadata["bytes_freed"] > 0
+
+
+@pytest.mark.spark
+def test_an_old_partition_with_a_pending_row_is_kept_and_the_reason_reported(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    spark_resources: dict[str, object],
+    tmp_path: Path,
+) -> None:
+    topic = new_topic()
+    _old_rows(db, table, topic, 50)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "locking", mode="mark-sent")
+    _old_rows(db, table, topic, 1)  # written late, not relayed yet
+    old = partition_name(OLD_DAY)
+
+    result = _maintain(spark_resources, tmp_path, strategy="locking")
+
+    assert _exists(db, table, old)
+    assert "1 of 51 rows not relayed yet" in _metadata(result)["skipped"][old]
+    assert not (tmp_path / table.schema / old).exists()
+
+
+@pytest.mark.spark
+def test_an_old_partition_with_an_offset_position_inside_it_is_kept_and_the_reason_reported(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    spark_resources: dict[str, object],
+    tmp_path: Path,
+) -> None:
+    topic = new_topic()
+    _old_rows(db, table, topic, 10, partitions=1)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    fifth = db.execute(sql.SQL("SELECT id FROM {} ORDER BY id OFFSET 4 LIMIT 1").format(table.messages)).fetchone()
+    assert fifth is not None
+    rewind_partition(db, table, topic, 0, to_id=fifth[0])  # an operator replays the second half
+    old = partition_name(OLD_DAY)
+
+    result = _maintain(spark_resources, tmp_path)
+
+    assert _exists(db, table, old)
+    assert "is inside this day (5 of 10 rows past it)" in _metadata(result)["skipped"][old]
+    assert not (tmp_path / table.schema / old).exists()
+
+
+def test_the_schedule_maintains_each_day_shortly_after_it_begins() -> None:
+    defs = dg.Definitions(
+        assets=spark_assets,
+        jobs=spark_jobs,
+        schedules=spark_schedules,
+        resources={
+            "postgres": PostgresResource(dsn="host=unused"),
+            "kafka": KafkaResource(bootstrap_servers="unused:9092"),
+            "spark": SparkResource(),
+        },
+    )
+    schedule = defs.resolve_schedule_def("outbox_partition_maintenance_schedule")
+    tick = dt.datetime(2026, 6, 15, 0, 15, tzinfo=dt.UTC)
+
+    [request] = schedule.evaluate_tick(dg.build_schedule_context(scheduled_execution_time=tick)).run_requests or []
+
+    assert schedule.cron_schedule == "15 0 * * *"
+    assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
+    assert request.partition_key == "2026-06-15"
+    assert defs.resolve_job_def("bulk_drain_job") is not None
