@@ -1,6 +1,22 @@
-"""Dagster room: assets over the outbox (backlog and lag check, per-partition relay; Spark drains, maintenance)."""
+"""Dagster room: assets over the outbox (backlog and lag check, per-partition relay; Spark drains, maintenance).
 
-from .backlog import outbox_backlog, outbox_lag_slo
-from .relay import relayed_outbox
+Names resolve on first use (PEP 562): Spark executors import ``assets.spark.datasource`` and must not pay
+for importing Dagster and every asset with it.
+"""
 
-__all__ = ["outbox_backlog", "outbox_lag_slo", "relayed_outbox"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "outbox_backlog": ".backlog",
+    "outbox_lag_slo": ".backlog",
+    "relayed_outbox": ".relay",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -1,7 +1,8 @@
 """Dagster room: the one module that wires assets, checks, jobs, sensors and resources together.
 
 `dagster dev` loads it through workspace.yaml. Resources take their configuration from the
-environment when a run or tick starts (OUTBOX_PG_DSN, OUTBOX_SCHEMA, KAFKA_*, OUTBOX_ALERT_WEBHOOK_URL);
+environment when a run or tick starts (OUTBOX_PG_DSN, OUTBOX_SCHEMA, KAFKA_*, OUTBOX_ALERT_WEBHOOK_URL,
+SPARK_MASTER);
 sensor intervals, the relay strategy and the lag thresholds are read here (OrchestrationSettings).
 """
 
@@ -10,13 +11,14 @@ import os
 import dagster as dg
 
 from assets import outbox_backlog, outbox_lag_slo, relayed_outbox
+from assets.spark import bulk_drain_job, spark_assets, spark_jobs, spark_schedules
 from outbox_pipeline.config import DEFAULT_SCHEMA
 from outbox_pipeline.orchestration.alert_sensors import build_lag_slo_sensor, build_relay_failure_sensor
 from outbox_pipeline.orchestration.jobs import relay_partition_job
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from resources import AlertResource, KafkaResource, PostgresResource
+from resources import AlertResource, KafkaResource, PostgresResource, SparkResource
 
 
 def build_resources() -> dict[str, dg.ConfigurableResource]:
@@ -30,17 +32,22 @@ def build_resources() -> dict[str, dg.ConfigurableResource]:
         # Every other KAFKA_* variable becomes a librdkafka property, as for the `outbox` CLI.
         "kafka": KafkaResource(bootstrap_servers=dg.EnvVar("KAFKA_BOOTSTRAP_SERVERS"), include_kafka_env=True),
         "alerts": AlertResource(),
+        # SPARK_MASTER: local[*] unless it names a cluster (spark://, k8s://, yarn).
+        "spark": SparkResource.from_env(),
     }
 
 
 settings = OrchestrationSettings.from_env()
 
 defs = dg.Definitions(
-    assets=[outbox_backlog, relayed_outbox],
+    assets=[outbox_backlog, relayed_outbox, *spark_assets],
     asset_checks=[outbox_lag_slo],
-    jobs=[relay_partition_job, *OPERATOR_JOBS],
+    jobs=[relay_partition_job, *OPERATOR_JOBS, *spark_jobs],
+    schedules=spark_schedules,
     sensors=[
-        build_outbox_lag_sensor(relay_partition_job, settings=settings),
+        # Past OUTBOX_BULK_DRAIN_THRESHOLD pending rows the sensor requests one bulk drain on Spark
+        # instead of per-partition runs.
+        build_outbox_lag_sensor(relay_partition_job, settings=settings, bulk_drain_job=bulk_drain_job),
         build_lag_slo_sensor(settings),
         build_relay_failure_sensor(relay_partition_job),
     ],

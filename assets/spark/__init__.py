@@ -4,39 +4,46 @@ Resource keys: ``postgres`` (PostgresResource), ``kafka`` (KafkaResource, bulk_d
 ``spark`` (SparkResource).
 """
 
-from .bulk_drain import (
-    DEFAULT_BULK_DRAIN_THRESHOLD,
-    ENV_BULK_DRAIN_THRESHOLD,
-    BulkDrainConfig,
-    bulk_drain,
-    bulk_drain_job,
-    bulk_drain_threshold,
-)
-from .partition_maintenance import (
-    MaintenanceConfig,
-    maintenance_partitions,
-    outbox_partition_maintenance,
-    outbox_partition_maintenance_job,
-    outbox_partition_maintenance_schedule,
-)
+import importlib
+from typing import Any
 
-spark_assets = [bulk_drain, outbox_partition_maintenance]
-spark_jobs = [bulk_drain_job, outbox_partition_maintenance_job]
-spark_schedules = [outbox_partition_maintenance_schedule]
+# Names resolve on first use (PEP 562): executors import ``assets.spark.datasource`` alone, without
+# Dagster and the assets.
+_EXPORTS = {
+    **dict.fromkeys(
+        [
+            "DEFAULT_BULK_DRAIN_THRESHOLD",
+            "ENV_BULK_DRAIN_THRESHOLD",
+            "BulkDrainConfig",
+            "bulk_drain",
+            "bulk_drain_job",
+            "bulk_drain_threshold",
+        ],
+        ".bulk_drain",
+    ),
+    **dict.fromkeys(
+        [
+            "MaintenanceConfig",
+            "maintenance_partitions",
+            "outbox_partition_maintenance",
+            "outbox_partition_maintenance_job",
+            "outbox_partition_maintenance_schedule",
+        ],
+        ".partition_maintenance",
+    ),
+}
+_GROUPS = {
+    "spark_assets": ["bulk_drain", "outbox_partition_maintenance"],
+    "spark_jobs": ["bulk_drain_job", "outbox_partition_maintenance_job"],
+    "spark_schedules": ["outbox_partition_maintenance_schedule"],
+}
 
-__all__ = [
-    "DEFAULT_BULK_DRAIN_THRESHOLD",
-    "ENV_BULK_DRAIN_THRESHOLD",
-    "BulkDrainConfig",
-    "MaintenanceConfig",
-    "bulk_drain",
-    "bulk_drain_job",
-    "bulk_drain_threshold",
-    "maintenance_partitions",
-    "outbox_partition_maintenance",
-    "outbox_partition_maintenance_job",
-    "outbox_partition_maintenance_schedule",
-    "spark_assets",
-    "spark_jobs",
-    "spark_schedules",
-]
+__all__ = sorted([*_EXPORTS, *_GROUPS])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _GROUPS:
+        return [__getattr__(member) for member in _GROUPS[name]]
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

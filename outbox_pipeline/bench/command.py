@@ -159,8 +159,12 @@ def _matrix(found: Servers, base: RunSpec, runs: int) -> int:
         f"\n{base.messages:,} messages x {base.payload_bytes} B, {base.topics} topics x {base.partitions} partition(s),"
         f" medians of {runs} run(s), naive batch 100, ours batch {base.batch_size}"
     )
-    print("| variant | talk 1w | talk 2w | naive 1w | naive 2w | ours 1w | ours 2w | ours/naive 1w | ours/naive 2w |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| variant | talk 1w | talk 2w | naive 1w | naive 2w | naive / variant 1 (1w, 2w) "
+        "| ours 1w | ours 2w | ours/naive 1w | ours/naive 2w |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    variant_1 = {w: table[("locking", w)].median_rate(table[("locking", w)].naive) for w in (1, 2)}
     for strategy in STRATEGY_NAMES:
         one, two = table[(strategy, 1)], table[(strategy, 2)]
         talk = TALK_TABLE.get(strategy, ("-", "-"))
@@ -169,8 +173,13 @@ def _matrix(found: Servers, base: RunSpec, runs: int) -> int:
             rate = c.median_rate(c.ours if ours else c.naive)
             return f"{_mmss(base.messages / rate)} ({rate / 1000:.0f}k/s)" if rate else "-"
 
+        def vs_variant_1(c: Comparison, workers: int) -> str:
+            rate = c.median_rate(c.naive)
+            return f"{rate / variant_1[workers]:.2f}" if variant_1[workers] else "-"
+
         print(
             f"| {strategy} | {talk[0]} | {talk[1]} | {cell(one, False)} | {cell(two, False)} | "
+            f"{vs_variant_1(one, 1)}, {vs_variant_1(two, 2)} | "
             f"{cell(one, True)} | {cell(two, True)} | {one.ratio:.1f}x | {two.ratio:.1f}x |"
         )
     return 0

@@ -6,6 +6,7 @@ import dagster as dg
 import psycopg
 
 from assets import relayed_outbox
+from assets.spark import bulk_drain_job
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.orchestration.jobs import relay_partition_job
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
@@ -119,13 +120,6 @@ def test_a_backlog_above_the_bulk_threshold_asks_for_the_bulk_drain_job_instead(
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
 ) -> None:
-    @dg.op
-    def drain_everything() -> None: ...
-
-    @dg.job(name="bulk_drain_job")
-    def bulk_drain_job() -> None:
-        drain_everything()
-
     write_rows(120)
     settings = OrchestrationSettings(trigger_pending=1, trigger_age_s=0.0, bulk_drain_threshold=100)
     sensor = build_outbox_lag_sensor(relay_partition_job, settings=settings, bulk_drain_job=bulk_drain_job)
