@@ -50,3 +50,20 @@ def test_dagster_definitions_load() -> None:
     from outbox_pipeline.definitions import defs
 
     dg.Definitions.validate_loadable(defs)
+
+
+def test_spark_executors_import_the_data_sources_without_dagster() -> None:
+    code = (
+        "import sys, assets.spark.datasource\n"
+        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_asset_package_exports_are_definitions_even_after_their_modules_were_imported() -> None:
+    import assets.spark.bulk_drain_asset  # noqa: F401 - a submodule import must not shadow the export
+    from assets.spark import bulk_drain, spark_assets
+
+    assert isinstance(bulk_drain, dg.AssetsDefinition)
+    assert all(isinstance(a, dg.AssetsDefinition) for a in spark_assets)

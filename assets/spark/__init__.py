@@ -8,7 +8,8 @@ import importlib
 from typing import Any
 
 # Names resolve on first use (PEP 562): executors import ``assets.spark.datasource`` alone, without
-# Dagster and the assets.
+# Dagster and the assets. No submodule may share an exported name: an imported submodule becomes an
+# attribute of the package and would shadow the export (hence bulk_drain_asset.py).
 _EXPORTS = {
     **dict.fromkeys(
         [
@@ -19,7 +20,7 @@ _EXPORTS = {
             "bulk_drain_job",
             "bulk_drain_threshold",
         ],
-        ".bulk_drain",
+        ".bulk_drain_asset",
     ),
     **dict.fromkeys(
         [
