@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=1, help="repetitions; medians are reported")
     parser.add_argument("--baseline", action="store_true", help="also run the talk's naive variant, interleaved")
     parser.add_argument("--matrix", action="store_true", help="every strategy x {1, 2} workers, naive and ours")
+    parser.add_argument(
+        "--matrix-strategies",
+        type=lambda text: [s for s in text.split(",") if s],
+        default=list(STRATEGY_NAMES),
+        metavar="S,S,...",
+        help="--matrix: only these strategies (default: all)",
+    )
     parser.add_argument("--verify", action="store_true", help="check every message_id arrived (outbox verify)")
     parser.add_argument("--embedded", action="store_true", help="use the embedded stack even if servers are set")
     parser.add_argument(
@@ -130,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + retained.render(args.strategy, steps, args.batch_size))
             return 0 if all(s.bounded(args.batch_size) for s in steps) else 1
         if args.matrix:
-            return _matrix(found, base, args.runs)
+            return _matrix(found, base, args.runs, args.matrix_strategies)
         if args.baseline:
             comparison = compare(found, base, args.runs)
             _print_comparison(base, comparison)
@@ -149,9 +156,12 @@ def _print_comparison(spec: RunSpec, c: Comparison) -> None:
     )
 
 
-def _matrix(found: Servers, base: RunSpec, runs: int) -> int:
+def _matrix(found: Servers, base: RunSpec, runs: int, strategies: list[str]) -> int:
+    unknown = sorted(set(strategies) - set(STRATEGY_NAMES))
+    if unknown:
+        raise SystemExit(f"outbox bench: unknown strategies {unknown}; choose from {', '.join(STRATEGY_NAMES)}")
     table: dict[tuple[str, int], Comparison] = {}
-    for strategy in STRATEGY_NAMES:
+    for strategy in strategies:
         for workers in (1, 2):
             print(f"\n== {strategy}, {workers} worker(s)", flush=True)
             table[(strategy, workers)] = compare(found, replace(base, strategy=strategy, workers=workers), runs)
@@ -164,8 +174,11 @@ def _matrix(found: Servers, base: RunSpec, runs: int) -> int:
         "| ours 1w | ours 2w | ours/naive 1w | ours/naive 2w |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    variant_1 = {w: table[("locking", w)].median_rate(table[("locking", w)].naive) for w in (1, 2)}
-    for strategy in STRATEGY_NAMES:
+    variant_1 = {
+        w: table[("locking", w)].median_rate(table[("locking", w)].naive) if ("locking", w) in table else 0.0
+        for w in (1, 2)
+    }
+    for strategy in strategies:
         one, two = table[(strategy, 1)], table[(strategy, 2)]
         talk = TALK_TABLE.get(strategy, ("-", "-"))
 

@@ -33,7 +33,7 @@ from ..schema import init_db, set_topic_partitions
 from ..strategies import strategy_class
 from ..strategies.base import StrategyConfig
 from ..verify import verify
-from .naive import run_naive
+from .naive import prepare_naive_schema, run_naive
 from .procstat import process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 
 
@@ -135,6 +135,8 @@ def prepare(
             set_topic_partitions(conn, table, topic, spec.partitions)
     load_s = load(servers.dsn, table, spec.messages, payload_bytes=spec.payload_bytes, topics=topics, keys=spec.keys)
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
+        if spec.naive:
+            prepare_naive_schema(conn, table, spec.strategy)
         # The talk's offsets table starts with a row per partition; ours discovers them, the naive
         # variants need them up front.
         conn.execute(

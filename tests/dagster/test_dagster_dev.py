@@ -137,6 +137,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, pg_server: LocalPostgres, br
         "OUTBOX_LAG_SENSOR_INTERVAL_S": "2",
         "OUTBOX_LAG_CHECK_INTERVAL_S": "2",
         "OUTBOX_RELAY_TRIGGER_AGE_S": "0",
+        "OUTBOX_ARCHIVE_URI": str(tmp_path_factory.mktemp("archive")),
     }
     env.pop("OUTBOX_ALERT_WEBHOOK_URL", None)
     dev = DagsterDev(home, env)
@@ -255,3 +256,64 @@ def test_a_partitions_runs_page_is_captured_by_headless_chromium(stack: Stack) -
 
     assert path.stat().st_size > 10_000
     print(f"screenshot of partition {key}'s runs page: {path}")
+
+
+def _launch(dev: DagsterDev, job: str, tags: dict[str, str] | None = None) -> str:
+    """What the UI's Materialize / Launch run button sends."""
+    data = dev.graphql(
+        """
+        mutation ($params: ExecutionParams!) {
+          launchRun(executionParams: $params) {
+            __typename
+            ... on LaunchRunSuccess { run { runId } }
+            ... on Error { message }
+          }
+        }
+        """,
+        {
+            "params": {
+                "selector": {"repositoryLocationName": LOCATION, "repositoryName": "__repository__", "jobName": job},
+                "runConfigData": {},
+                "executionMetadata": {"tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]},
+            }
+        },
+    )
+    launched = data["launchRun"]
+    assert launched["__typename"] == "LaunchRunSuccess", launched
+    return str(launched["run"]["runId"])
+
+
+def _run_status(dev: DagsterDev, run_id: str) -> str:
+    data = dev.graphql("query ($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }", {"id": run_id})
+    return str(data["runOrError"]["status"])
+
+
+@pytest.mark.spark
+def test_the_spark_jobs_launched_as_from_the_ui_succeed_and_the_maintenance_schedule_is_running(
+    stack: Stack,
+) -> None:
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    runs = {
+        "outbox_partition_maintenance_job": _launch(
+            stack.dev, "outbox_partition_maintenance_job", {"dagster/partition": today}
+        ),
+        "bulk_drain_job": _launch(stack.dev, "bulk_drain_job"),
+    }
+    done = {"SUCCESS", "FAILURE", "CANCELED"}
+    stack.dev.wait_for(
+        "both Spark runs to finish",
+        lambda: all(_run_status(stack.dev, run) in done for run in runs.values()),
+        deadline_s=240,
+    )
+    assert {job: _run_status(stack.dev, run) for job, run in runs.items()} == dict.fromkeys(runs, "SUCCESS")
+
+    data = stack.dev.graphql(
+        f"""
+        {{ scheduleOrError(scheduleSelector: {{repositoryLocationName: "{LOCATION}", repositoryName: "__repository__",
+                                              scheduleName: "outbox_partition_maintenance_schedule"}}) {{
+            ... on Schedule {{ cronSchedule scheduleState {{ status }} }}
+        }} }}
+        """
+    )
+    schedule = data["scheduleOrError"]
+    assert (schedule["cronSchedule"], schedule["scheduleState"]["status"]) == ("15 0 * * *", "RUNNING")
