@@ -49,3 +49,13 @@ def tree_cpu_s(root: int) -> float:
         if fields is not None and int(fields[1]) == root:
             total += process_cpu_s(int(stat.parent.name))
     return total
+
+
+def own_peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM). Not ``ru_maxrss``: Linux keeps that across execve, so a
+    spawned worker would report its parent's peak (the bench process after a verify) as its own."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0

@@ -34,7 +34,7 @@ from ..strategies import strategy_class
 from ..strategies.base import StrategyConfig
 from ..verify import verify
 from .naive import prepare_naive_schema, run_naive
-from .procstat import process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
+from .procstat import own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def _worker(spec: RunSpec, dsn: str, schema: str, bootstrap: str, index: int, go
             go.wait()
             published = relay.run().published
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        out.put(_WorkerReport(published, time.time(), usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024))
+        out.put(_WorkerReport(published, time.time(), usage.ru_utime + usage.ru_stime, own_peak_rss_mb()))
     except Exception as exc:  # reported, the run is marked failed
         out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
 
@@ -251,10 +251,21 @@ class Comparison:
         return self.median_rate(self.ours) / naive if naive else 0.0
 
 
-def compare(servers: Servers, spec: RunSpec, runs: int, progress: Callable[[str], None] = print) -> Comparison:
-    """naive, ours, naive, ours, ...: the machine's speed swings, so the pair shares its conditions."""
+def compare(
+    servers: Servers,
+    spec: RunSpec,
+    runs: int,
+    progress: Callable[[str], None] = print,
+    *,
+    naive_strategy: str | None = None,
+) -> Comparison:
+    """naive, ours, naive, ours, ...: the machine's speed swings, so the pair shares its conditions.
+
+    ``naive_strategy``: the talk's variant to compare with (default: the same strategy's).
+    """
     comparison = Comparison()
+    naive = replace(spec, naive=True, verify=False, strategy=naive_strategy or spec.strategy)
     for _ in range(runs):
-        comparison.naive.append(run_once(servers, replace(spec, naive=True, verify=False), progress))
+        comparison.naive.append(run_once(servers, naive, progress))
         comparison.ours.append(run_once(servers, spec, progress))
     return comparison
