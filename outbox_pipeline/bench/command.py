@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -114,7 +115,14 @@ def _mmss(seconds: float) -> str:
     return f"{int(seconds // 60):02d}:{seconds % 60:04.1f}"
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the embedded PostgreSQL and broker are
+    # stopped instead of outliving the benchmark.
+    signal.signal(signal.SIGTERM, _interrupt)
     base = RunSpec(
         strategy=args.strategy,
         workers=args.workers,

@@ -174,9 +174,10 @@ class PositionStrategy(Strategy):
         # The talk's "longest unchecked partition first", restricted to partitions that have work (one
         # index probe per partition), so an empty partition costs no lease round trips and "nothing
         # claimed" really means "nothing to publish". SKIP LOCKED keeps two workers off one partition.
-        # The probe is ordered like the read: with 10M relayed rows behind the positions the planner
-        # answered a bare EXISTS with a bitmap scan of every pending entry of the partition (25,000
-        # in `outbox bench --retained`); in index order it stops at the first.
+        # The probe is a scalar subquery ordered like the read: with 10M relayed rows behind the
+        # positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
+        # bitmap scan of every pending entry of the partition (25,000 in `outbox bench --retained`);
+        # in index order, with LIMIT 1, it stops at the first.
         row = self.conn.execute(
             sql.SQL(
                 """
@@ -186,9 +187,9 @@ class PositionStrategy(Strategy):
                 FROM (
                     SELECT o.topic, o.partition FROM {offsets} o
                     WHERE o.available_after <= now() {scope}
-                      AND EXISTS (SELECT 1 FROM {messages} m
-                                  WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
-                                  ORDER BY {order} LIMIT 1)
+                      AND (SELECT true FROM {messages} m
+                           WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+                           ORDER BY {order} LIMIT 1)
                     ORDER BY o.available_after
                     LIMIT 1
                     FOR UPDATE OF o SKIP LOCKED
