@@ -12,6 +12,7 @@ from outbox_pipeline.lag import partition_lag
 from outbox_pipeline.operations import list_dead_letters
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, parse_partition_key
+from outbox_pipeline.partition_run import lag_of
 
 from ..kafka_helpers import KafkaProbe
 from ..relay_helpers import drain
@@ -23,12 +24,8 @@ def _job(name: str, resources: dict[str, dg.ConfigurableResource]) -> dg.JobDefi
 
 
 def _pending(db: psycopg.Connection, table: OutboxTable, key: str) -> int:
-    topic, partition = parse_partition_key(key)
-    return sum(
-        lag.pending
-        for lag in partition_lag(db, table, "partitioned")
-        if (lag.topic, lag.partition) == (topic, partition)
-    )
+    lag = lag_of(db, table, "partitioned", *parse_partition_key(key))
+    return lag.pending if lag else 0
 
 
 def test_replaying_a_partition_from_its_start_makes_all_of_it_pending_again(
