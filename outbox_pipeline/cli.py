@@ -103,6 +103,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         payload_bytes=args.size,
         topics=args.topics.split(","),
         keys=args.keys,
+        rows_per_transaction=args.rows_per_transaction,
         progress=print_progress,
     )
     sys.stderr.write("\n")
@@ -579,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=256, help="payload bytes per message")
     p.add_argument("--topics", default="topic-1,topic-2")
     p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--rows-per-transaction", type=int, help="commit every N rows (default: one transaction)")
     p.set_defaults(func=cmd_load)
 
     p = sub.add_parser("demo-traffic", help="write steady demo traffic until interrupted")

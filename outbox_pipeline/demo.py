@@ -110,15 +110,23 @@ def load(
     topics: Sequence[str] = ("topic-1", "topic-2"),
     keys: int = 1000,
     chunk: int = 20_000,
+    rows_per_transaction: int | None = None,
     progress: Callable[[int, float], None] | None = None,
 ) -> float:
     """COPY ``count`` messages of about ``payload_bytes`` each; returns the elapsed seconds.
 
     Rows are spread round-robin over ``topics`` (the talk's layout: two topics), keys ``key-0..keys-1``,
-    each in its topic's virtual partition as enqueue would route it.
+    each in its topic's virtual partition as enqueue would route it. ``rows_per_transaction`` commits
+    every that many rows, like services writing small transactions: one million rows under one
+    transaction id is a shape no real outbox has, and it turns the talk's variant-3 condition (a range on
+    ``transaction_id`` alone) into a scan of every row already read.
     """
     started = time.monotonic()
-    with psycopg.connect(dsn) as conn:
+    per_tx = rows_per_transaction or count
+    # Autocommit: each `conn.transaction()` below is a real transaction, not a savepoint.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # Many small commits: waiting for each one's WAL flush would time the disk, not the load.
+        conn.execute("SET synchronous_commit = off")
         counts = _partition_counts(conn, table, topics)
         routes = [
             (topic, f"key-{k}", partition_for(f"key-{k}", counts[topic])) for topic in topics for k in range(keys)
@@ -127,28 +135,24 @@ def load(
         prefixes = [f"{t}\t{k}\tdemo.loaded\t".encode() for t, k, _ in routes]
         suffixes = [f"\t{{}}\t{p}\n".encode() for _, _, p in routes]
         skeleton = len('{"seq":,"pad":""}')
-        with (
-            conn.cursor() as cur,
-            cur.copy(
-                sql.SQL("COPY {} (topic, key, type, payload, headers, partition) FROM STDIN").format(table.messages)
-            ) as copy,
-        ):
-            buf = bytearray()
-            for i in range(count):
-                route = (i % len(topics)) * keys + (i // len(topics)) % keys
-                seq = str(i)
-                pad = "x" * max(0, payload_bytes - skeleton - len(seq))
-                buf += prefixes[route]
-                buf += f'{{"seq":{seq},"pad":"{pad}"}}'.encode()
-                buf += suffixes[route]
-                if (i + 1) % chunk == 0:
+        copy_sql = sql.SQL("COPY {} (topic, key, type, payload, headers, partition) FROM STDIN").format(table.messages)
+        for first in range(0, count, per_tx):
+            with conn.transaction(), conn.cursor() as cur, cur.copy(copy_sql) as copy:
+                buf = bytearray()
+                for i in range(first, min(first + per_tx, count)):
+                    route = (i % len(topics)) * keys + (i // len(topics)) % keys
+                    seq = str(i)
+                    pad = "x" * max(0, payload_bytes - skeleton - len(seq))
+                    buf += prefixes[route]
+                    buf += f'{{"seq":{seq},"pad":"{pad}"}}'.encode()
+                    buf += suffixes[route]
+                    if (i + 1) % chunk == 0:
+                        copy.write(bytes(buf))
+                        buf.clear()
+                        if progress:
+                            progress(i + 1, time.monotonic() - started)
+                if buf:
                     copy.write(bytes(buf))
-                    buf.clear()
-                    if progress:
-                        progress(i + 1, time.monotonic() - started)
-            if buf:
-                copy.write(bytes(buf))
-        conn.commit()
     elapsed = time.monotonic() - started
     if progress:
         progress(count, elapsed)

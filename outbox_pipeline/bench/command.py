@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topics", type=int, default=2, help="topics (the talk: 2)")
     parser.add_argument("--partitions", type=int, default=1, help="partitions per topic (the talk: 1)")
     parser.add_argument("--keys", type=int, default=1000)
+    parser.add_argument(
+        "--rows-per-transaction", type=int, default=100, help="load commits every N rows, as services would"
+    )
     parser.add_argument("--mode", choices=("delete", "mark-sent"), default="delete")
     parser.add_argument("--runs", type=int, default=1, help="repetitions; medians are reported")
     parser.add_argument("--baseline", action="store_true", help="also run the talk's naive variant, interleaved")
@@ -132,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         topics=args.topics,
         partitions=args.partitions,
         keys=args.keys,
+        rows_per_transaction=args.rows_per_transaction,
         mode=args.mode,
         verify=args.verify,
     )

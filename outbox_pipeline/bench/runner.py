@@ -56,6 +56,8 @@ class RunSpec:
     topics: int = 2
     partitions: int = 1
     keys: int = 1000
+    # Services commit small transactions; the talk's variant 3 depends on it (see demo.load).
+    rows_per_transaction: int = 100
     mode: str = "delete"
     verify: bool = False
 
@@ -133,7 +135,15 @@ def prepare(
         init_db(conn, table)
         for topic in topics:
             set_topic_partitions(conn, table, topic, spec.partitions)
-    load_s = load(servers.dsn, table, spec.messages, payload_bytes=spec.payload_bytes, topics=topics, keys=spec.keys)
+    load_s = load(
+        servers.dsn,
+        table,
+        spec.messages,
+        payload_bytes=spec.payload_bytes,
+        topics=topics,
+        keys=spec.keys,
+        rows_per_transaction=spec.rows_per_transaction,
+    )
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
         if spec.naive:
             prepare_naive_schema(conn, table, spec.strategy)

@@ -76,8 +76,7 @@ class AdvisoryStrategy(Strategy):
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         self._key = {"class": ADVISORY_LOCK_CLASS, "schema": self.table.schema}
         self._held = False
-        self._select = select_pending_sql(config, order="id", lock=False, exclude=False)
-        self._select_avoiding = select_pending_sql(config, order="id", lock=False, exclude=True)
+        self._select = select_pending_sql(config, order="id", lock=False)
 
     @property
     def holds_lock(self) -> bool:
@@ -88,8 +87,7 @@ class AdvisoryStrategy(Strategy):
         if not self._held and not self._acquire():
             return None
         # Rows of a batch still in flight are unsent but not ours to take again (pipelining).
-        query = self._select_avoiding if avoid else self._select
-        records = fetch_records(self.conn, query, {"limit": limit, "exclude": list(avoid)}, prepare=not avoid)
+        records = fetch_records(self.conn, self._select, {"limit": limit, "exclude": list(avoid)}, prepare=True)
         return Claim(records) if records else None
 
     def _acquire(self) -> bool:

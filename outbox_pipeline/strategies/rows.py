@@ -25,8 +25,9 @@ from .base import (
 )
 
 
-def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool, exclude: bool) -> sql.Composed:
-    """Unsent, currently available rows in ``order`` ("priority" or "id"), optionally locked."""
+def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool) -> sql.Composed:
+    """Unsent, currently available rows in ``order`` ("priority" or "id"), optionally locked, except
+    the ids in ``%(exclude)s`` (this worker's batch in flight; may be empty)."""
     order_by = "m.priority DESC, m.id" if order == "priority" else "m.id"
     return sql.SQL(
         """
@@ -41,12 +42,41 @@ def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool, exclud
         columns=sql.SQL(RECORD_COLUMNS),
         messages=config.table.messages,
         scope=scope_condition(config, "m"),
-        # With a one-off (unprepared) statement the array is planned as a constant and PostgreSQL
-        # hashes it (>= 14): a lookup per row walked, not a scan of the array.
-        exclude=sql.SQL("AND NOT (m.id = ANY(%(exclude)s::bigint[]))") if exclude else sql.SQL(""),
+        # A hashed subplan: one hash lookup per row walked, and the statement stays prepared. Measured
+        # with 5,000 ids: ``NOT (id = ANY(array constant))`` is hashed too (PostgreSQL >= 14) but only
+        # unprepared, and its planning estimates every element against every daily partition (7 ms
+        # per claim); prepared, that array is a parameter compared element by element (700 ms).
+        exclude=sql.SQL("AND m.id NOT IN (SELECT unnest(%(exclude)s::bigint[]))"),
         order_by=sql.SQL(order_by),
         lock=sql.SQL("FOR UPDATE OF m SKIP LOCKED") if lock else sql.SQL(""),
     )
+
+
+def one_priority_sql(config: StrategyConfig) -> sql.Composed:
+    """Whether every unsent row has the same priority: two ends of the pending index, no scan."""
+    pending = sql.SQL("FROM {messages} m WHERE m.sent_at IS NULL {scope}").format(
+        messages=config.table.messages, scope=scope_condition(config, "m")
+    )
+    return sql.SQL(
+        """
+        SELECT (SELECT m.priority {pending} ORDER BY m.priority DESC, m.id LIMIT 1)
+            IS NOT DISTINCT FROM (SELECT m.priority {pending} ORDER BY m.priority, m.id DESC LIMIT 1)
+        """
+    ).format(pending=pending)
+
+
+def oldest_share(conn: psycopg.Connection, config: StrategyConfig, limit: int) -> int:
+    """How many rows of a batch to take oldest-first: none when all pending rows share one priority.
+
+    Then the priority order is the id order and one read serves both, instead of two reads that each
+    walk past the rows in flight (measured, locking, 5,000 rows: 11 ms for the oldest 500). A row of
+    another priority committed after this check is still taken in priority order by the one read;
+    nothing can starve within a batch that is all one priority.
+    """
+    share = int(limit * config.oldest_share)
+    if share and conn.execute(one_priority_sql(config), prepare=True).fetchone() == (True,):
+        return 0
+    return share
 
 
 def claim_fair(
@@ -61,17 +91,17 @@ def claim_fair(
     """
     params: dict[str, object] = {"exclude": list(avoid)}
     records: list[OutboxRecord] = []
-    oldest = int(limit * config.oldest_share)
+    oldest = oldest_share(conn, config, limit)
     if oldest:
-        query = select_pending_sql(config, order="id", lock=lock, exclude=bool(avoid))
-        records = fetch_records(conn, query, {**params, "limit": oldest}, prepare=not avoid)
+        query = select_pending_sql(config, order="id", lock=lock)
+        records = fetch_records(conn, query, {**params, "limit": oldest}, prepare=True)
     rest = limit - len(records)
     if rest > 0:
         # Asking for as many as the oldest share may overlap keeps the batch full; rows locked beyond
         # the batch stay unsent and are released at commit.
-        query = select_pending_sql(config, order="priority", lock=lock, exclude=bool(avoid))
+        query = select_pending_sql(config, order="priority", lock=lock)
         seen = {r.id for r in records}
-        more = fetch_records(conn, query, {**params, "limit": rest + len(records)}, prepare=not avoid)
+        more = fetch_records(conn, query, {**params, "limit": rest + len(records)}, prepare=True)
         records.extend([r for r in more if r.id not in seen][:rest])
     return records
 
