@@ -6,6 +6,7 @@ import re
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from outbox_pipeline.cli import main
 from outbox_pipeline.localstack import LocalBroker
@@ -66,3 +67,20 @@ def test_bench_latency_reports_percentiles_once_every_committed_message_arrived(
     assert found is not None, out
     assert found.group(1) == found.group(2) != "0"
     assert _bench_schemas(bench_servers) == []
+
+
+def test_bench_load_turns_the_wakeup_trigger_back_on_before_the_drain(dsn: str, broker: LocalBroker) -> None:
+    from outbox_pipeline.bench.runner import RunSpec, Servers, prepare
+
+    table, _topics, _load_s = prepare(
+        Servers(dsn, broker.bootstrap_servers), RunSpec(strategy="partitioned", messages=500), lambda _: None
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        enabled = conn.execute(
+            "SELECT tgenabled FROM pg_trigger WHERE tgname = 'outbox_messages_notify' AND tgrelid = %s::regclass",
+            (f"{table.schema}.outbox_messages",),
+        ).fetchone()
+        loaded = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone()
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
+    assert enabled == ("O",)  # "O": fires in origin sessions, i.e. enabled
+    assert loaded == (500,)
