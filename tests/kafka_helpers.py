@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import cast
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
@@ -65,21 +66,17 @@ class KafkaProbe:
                 msg = consumer.poll(0.2)
                 if msg is None:
                     continue
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
                         continue
-                    raise RuntimeError(f"consume error: {msg.error()}")
+                    raise RuntimeError(f"consume error: {error}")
                 last = time.monotonic()
-                records.append(
-                    Record(
-                        msg.topic(),
-                        msg.partition(),
-                        msg.offset(),
-                        msg.key(),
-                        msg.value(),
-                        {k: v for k, v in (msg.headers() or [])},
-                    )
-                )
+                got_topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+                assert got_topic is not None and partition is not None and offset is not None  # a consumed message
+                # Consumed header values are bytes (the stubs also allow the producer side's str).
+                headers = cast(list[tuple[str, bytes]], msg.headers() or [])
+                records.append(Record(got_topic, partition, offset, msg.key(), msg.value(), dict(headers)))
             return records
         finally:
             consumer.close()

@@ -6,6 +6,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -41,12 +42,12 @@ def make_relay(
     return Relay(dsn, strategy_class(strategy), strategy_config, publisher, settings, stop)
 
 
-def drain(dsn: str, table: OutboxTable, bootstrap: str, strategy: str, **kwargs: object) -> RelayStats:
+def drain(dsn: str, table: OutboxTable, bootstrap: str, strategy: str, **kwargs: Any) -> RelayStats:
     return make_relay(dsn, table, bootstrap, strategy, **kwargs).run()
 
 
 def run_workers(
-    dsn: str, table: OutboxTable, bootstrap: str, strategy: str, workers: int, **kwargs: object
+    dsn: str, table: OutboxTable, bootstrap: str, strategy: str, workers: int, **kwargs: Any
 ) -> list[RelayStats]:
     """Several relay workers in threads, each with its own connection and producer."""
     results: list[RelayStats] = []
