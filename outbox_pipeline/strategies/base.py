@@ -27,25 +27,12 @@ AckMode = Literal["delete", "mark-sent"]
 # handed to librdkafka as it is, so the hot loop does no per-row decoding or encoding. jsonb is read
 # as text: decoding payloads in the driver is ~5x slower and the relay sends the text anyway.
 # ``m.`` qualifies every column so ORDER BY m.transaction_id sorts by xid8, not by the text alias.
-_RECORD_EXPRESSIONS = (
-    ("id", "m.id"),
-    ("topic", "m.topic"),
-    ("key", "convert_to(m.key, 'UTF8')"),
-    ("payload", "convert_to(m.payload::text, 'UTF8')"),
-    ("headers", "m.headers::text"),
-    ("message_id", "convert_to(m.message_id::text, 'UTF8')"),
-    ("outbox_id", "convert_to(m.id::text, 'UTF8')"),
-    ("created_at", """convert_to(to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), 'UTF8')"""),
-    ("type", "convert_to(m.type, 'UTF8')"),
-    ("partition", "m.partition"),
-    ("transaction_id", "m.transaction_id::text AS xid_text"),
-    ("attempts", "m.attempts"),
-)
-RECORD_COLUMNS = ", ".join(expression for _, expression in _RECORD_EXPRESSIONS)
-# The same, each named for its OutboxRecord field: for statements that pass the columns through a CTE.
-NAMED_RECORD_COLUMNS = ", ".join(
-    f'{expression.removesuffix(" AS xid_text")} AS "{name}"' for name, expression in _RECORD_EXPRESSIONS
-)
+RECORD_COLUMNS = """
+    m.id, m.topic, convert_to(m.key, 'UTF8'), convert_to(m.payload::text, 'UTF8'), m.headers::text,
+    convert_to(m.message_id::text, 'UTF8'), convert_to(m.id::text, 'UTF8'),
+    convert_to(to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), 'UTF8'),
+    convert_to(m.type, 'UTF8'), m.partition, m.transaction_id::text AS xid_text, m.attempts
+"""
 
 
 class OutboxRecord(NamedTuple):
@@ -64,9 +51,6 @@ class OutboxRecord(NamedTuple):
     partition: int
     transaction_id: str
     attempts: int
-
-
-assert OutboxRecord._fields == tuple(name for name, _ in _RECORD_EXPRESSIONS)
 
 
 def fetch_records(

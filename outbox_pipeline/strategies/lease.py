@@ -23,13 +23,10 @@ Leases, and what they cost when they run out:
   its own leases when it starts, so it does not wait for them to expire; other workers do.
 - An expired lease row means nothing (a claim overwrites it) and may be deleted at any time.
 
-One statement per claim: it locks its candidates, takes their leases and returns the rows it won,
-read from the locked row versions. A row another worker acked (deleted or marked sent, or rescheduled)
-after this statement's snapshot cannot be among them: ``FOR UPDATE`` in READ COMMITTED skips a row
-deleted by then and re-checks an updated one against the candidate condition, and from the lock to
-the commit nobody else can touch it. (A separate read of the leased rows after the lease committed
-cost 18-20 ms per 5,000 rows, a quarter of the claim's database time.) Shuffle and sample takes its
-leases on ids read without locks, so there the read stays a statement of its own, after the commit.
+Why two statements per claim: the lease insert and the read of the leased rows are separate, so the
+read has a snapshot taken after the lease committed. A lease won on a row that another worker acked
+(deleted or marked sent) between this claim's snapshot and its insert is then seen as gone and not
+published again.
 
 Concurrency: the candidate rows are locked ``FOR UPDATE SKIP LOCKED`` while the claim statement runs,
 so two claims at the same moment pick different rows; the lease rows are inserted in id order, so two
@@ -63,7 +60,6 @@ import psycopg
 from psycopg import IsolationLevel, sql
 
 from .base import (
-    NAMED_RECORD_COLUMNS,
     RECORD_COLUMNS,
     AckResult,
     Claim,
@@ -92,34 +88,28 @@ _CANDIDATE = """
 # The fair pick as CTEs: the oldest share by id, then the rest by priority. They may pick the same
 # rows (always, when priorities are equal), so "urgent" reads a full batch and "picked" drops what
 # "oldest" has with ``NOT IN (SELECT ...)``, a hashed lookup. Rows urgent locked but did not pick
-# are released when the statement ends. ``{columns}``: what each pick carries, ``id`` among them.
+# are released when the statement ends.
 _FAIR = """
     oldest AS (
-        SELECT {columns} FROM {messages} m
-        WHERE {candidate}
-        ORDER BY m.id
+        SELECT o.id, o.created_at FROM {messages} o
+        WHERE {candidate_o}
+        ORDER BY o.id
         LIMIT %(oldest)s
         {lock}
     ),
     urgent AS (
-        SELECT {columns} FROM {messages} m
-        WHERE {candidate}
-        ORDER BY m.priority DESC, m.id
+        SELECT u.id, u.created_at FROM {messages} u
+        WHERE {candidate_u}
+        ORDER BY u.priority DESC, u.id
         LIMIT %(limit)s
         {lock}
     ),
     picked AS (
-        SELECT * FROM oldest
+        SELECT id, created_at FROM oldest
         UNION ALL
-        (SELECT * FROM urgent WHERE id NOT IN (SELECT id FROM oldest)
+        (SELECT id, created_at FROM urgent WHERE id NOT IN (SELECT id FROM oldest)
          LIMIT %(limit)s - (SELECT count(*) FROM oldest))
     )
-"""
-
-# The claim: leases on the fair pick, and the rows won, as the locks found them.
-_CLAIM = """
-    WITH {fair}, won AS ({take})
-    SELECT {record} FROM picked WHERE id IN (SELECT id FROM won)
 """
 
 # Take the leases; RETURNING names the rows won. In id order, so concurrent claims never deadlock.
@@ -156,27 +146,19 @@ class LeaseStrategy(Strategy):
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         t = config.table
 
-        def fair(columns: str, lock: str) -> sql.Composed:
-            candidate = sql.SQL(_CANDIDATE).format(
-                a=sql.Identifier("m"), scope=scope_condition(config, "m"), leases=t.leases
-            )
+        def fair(lock: str) -> sql.Composed:
+            def candidate(alias: str) -> sql.Composed:
+                return sql.SQL(_CANDIDATE).format(
+                    a=sql.Identifier(alias), scope=scope_condition(config, alias), leases=t.leases
+                )
+
             return sql.SQL(_FAIR).format(
-                columns=sql.SQL(columns), messages=t.messages, candidate=candidate, lock=sql.SQL(lock)
+                messages=t.messages, candidate_o=candidate("o"), candidate_u=candidate("u"), lock=sql.SQL(lock)
             )
 
-        # The CTEs carry the record's columns under names of their own (RECORD_COLUMNS leaves several
-        # unnamed), and the final SELECT hands them out in OutboxRecord's order.
-        carried = f"m.created_at AS created_ts, {NAMED_RECORD_COLUMNS}"
-        self._claim = sql.SQL(_CLAIM).format(
-            fair=fair(carried, "FOR UPDATE OF m SKIP LOCKED"),
-            take=sql.SQL(_TAKE).format(
-                leases=t.leases, source=sql.SQL("(SELECT id, created_ts AS created_at FROM picked) p")
-            ),
-            record=sql.SQL(", ").join(map(sql.Identifier, OutboxRecord._fields)),
-        )
-        self._candidates = sql.SQL("WITH {fair} SELECT id, created_at FROM picked").format(
-            fair=fair("m.id, m.created_at", "")
-        )
+        take_picked = sql.SQL(_TAKE).format(leases=t.leases, source=sql.SQL("picked"))
+        self._claim = sql.SQL("WITH {fair} {take}").format(fair=fair("FOR UPDATE SKIP LOCKED"), take=take_picked)
+        self._candidates = sql.SQL("WITH {fair} SELECT id, created_at FROM picked").format(fair=fair(""))
         self._take_sample = sql.SQL(_TAKE).format(
             leases=t.leases,
             source=sql.SQL("unnest(%(ids)s::bigint[], %(created)s::timestamptz[]) AS s(id, created_at)"),
@@ -223,11 +205,12 @@ class LeaseStrategy(Strategy):
             return self._claim_sampled(limit)
         params = self._params(limit)
         for _ in range(_ROUNDS):
-            records = fetch_records(self.conn, self._claim, params, prepare=True)
-            if records:
-                records.sort(key=lambda r: r.id)  # publish oldest first within the batch
-                return Claim(records, state=_Leased([r.id for r in records]))
-            if not self._contended(limit):
+            won = self.conn.execute(self._claim, params, prepare=True).fetchall()
+            if won:
+                records = self._read_leased(won)
+                if records:
+                    return Claim(records, state=_Leased([row[0] for row in won]))
+            elif not self._contended(limit):
                 break
         self._sweep()
         return None
