@@ -130,7 +130,11 @@ def _refill(
             ).format(o=table.offsets, m=table.messages)
         )
     conn.execute(fill, {"topics": topics, "count": pending, "sent": False})
-    conn.execute(sql.SQL("ANALYZE {}").format(table.messages))
+    # What autovacuum would have done by the time a service has this much history: without it, the
+    # claims are timed while autovacuum works through millions of fresh rows on the same two cores,
+    # and the pending index still holds the entries of the pending rows deleted above (measured,
+    # locking p50 20 / 26 / 33 ms at 0 / 1M / 10M retained rows with ANALYZE only).
+    conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(table.messages))
 
 
 def _time_claims(
