@@ -125,7 +125,7 @@ _TAKE = """
 # daily partitions holding them (``id = ANY(...)`` alone probes every partition's key for every id).
 _READ = """
     SELECT {columns} FROM {messages} m
-    WHERE m.id = ANY(%(ids)s::bigint[]) AND m.created_at BETWEEN %(from)s AND %(to)s AND m.sent_at IS NULL
+    WHERE m.id = ANY(%(ids)b::bigint[]) AND m.created_at BETWEEN %(from)s AND %(to)s AND m.sent_at IS NULL
 """
 
 
@@ -165,7 +165,7 @@ class LeaseStrategy(Strategy):
         )
         self._read = sql.SQL(_READ).format(columns=sql.SQL(RECORD_COLUMNS), messages=t.messages)
         self._release = sql.SQL(
-            "DELETE FROM {leases} l WHERE l.id = ANY(%(ids)s::bigint[]) AND l.locked_by = %(worker)s RETURNING l.id"
+            "DELETE FROM {leases} l WHERE l.id = ANY(%(ids)b::bigint[]) AND l.locked_by = %(worker)s RETURNING l.id"
         ).format(leases=t.leases)
         self._swept_at = float("-inf")
         self._reclaim_own_leases()

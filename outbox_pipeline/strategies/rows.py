@@ -27,7 +27,7 @@ from .base import (
 
 def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool) -> sql.Composed:
     """Unsent, currently available rows in ``order`` ("priority" or "id"), optionally locked, except
-    the ids in ``%(exclude)s`` (this worker's batch in flight; may be empty)."""
+    the ids in ``%(exclude)b`` (this worker's batch in flight; may be empty)."""
     order_by = "m.priority DESC, m.id" if order == "priority" else "m.id"
     return sql.SQL(
         """
@@ -46,7 +46,8 @@ def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool) -> sql
         # with 5,000 ids: ``NOT (id = ANY(array constant))`` is hashed too (PostgreSQL >= 14) but only
         # unprepared, and its planning estimates every element against every daily partition (7 ms
         # per claim); prepared, that array is a parameter compared element by element (700 ms).
-        exclude=sql.SQL("AND m.id NOT IN (SELECT unnest(%(exclude)s::bigint[]))"),
+        # ``%(exclude)b``: id lists go in binary (see mark_delivered).
+        exclude=sql.SQL("AND m.id NOT IN (SELECT unnest(%(exclude)b::bigint[]))"),
         order_by=sql.SQL(order_by),
         lock=sql.SQL("FOR UPDATE OF m SKIP LOCKED") if lock else sql.SQL(""),
     )
@@ -142,11 +143,15 @@ def mark_delivered(
     partitions that hold it: ``id = ANY(...)`` alone probes every partition's key for every id."""
     if not records:
         return 0
+    # ``%(ids)b``: psycopg sends a list parameter as text unless told otherwise, built in Python at
+    # 6.8 ms per 5,000 ids against 2 ms in binary (measured); a row strategy sends two such lists
+    # per batch, about 2 s of relay CPU per million rows.
     if config.mode == "delete":
-        query = sql.SQL("DELETE FROM {messages} m WHERE m.id = ANY(%(ids)s) {within} {owner}")
+        query = sql.SQL("DELETE FROM {messages} m WHERE m.id = ANY(%(ids)b::bigint[]) {within} {owner}")
     else:
         query = sql.SQL(
-            "UPDATE {messages} m SET sent_at = now(), locked_by = NULL WHERE m.id = ANY(%(ids)s) {within} {owner}"
+            "UPDATE {messages} m SET sent_at = now(), locked_by = NULL "
+            "WHERE m.id = ANY(%(ids)b::bigint[]) {within} {owner}"
         )
     created = [r.created_at for r in records]
     params = {
