@@ -16,7 +16,7 @@ import psycopg
 from psycopg import IsolationLevel
 
 from .base import AckResult, Claim, PublishOutcome, Strategy, StrategyConfig
-from .rows import claim_fair, finish
+from .rows import FairPick, claim_fair, finish
 
 
 class LockingStrategy(Strategy):
@@ -28,12 +28,13 @@ class LockingStrategy(Strategy):
         super().__init__(conn, config)
         # SKIP LOCKED semantics are defined for READ COMMITTED; say so rather than inherit a default.
         conn.isolation_level = IsolationLevel.READ_COMMITTED
+        self._pick = FairPick.build(config, lock=True)
 
     def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
         transaction = contextlib.ExitStack()
         transaction.enter_context(self.conn.transaction())
         try:
-            records = claim_fair(self.conn, self.config, limit, lock=True, avoid=avoid)
+            records = claim_fair(self.conn, self.config, self._pick, limit, avoid)
         except BaseException:
             _rollback(transaction)
             raise

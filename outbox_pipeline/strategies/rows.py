@@ -9,6 +9,7 @@ dead-letter table. Each of those is one statement over an id array, whatever the
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
@@ -66,7 +67,24 @@ def one_priority_sql(config: StrategyConfig) -> sql.Composed:
     ).format(pending=pending)
 
 
-def oldest_share(conn: psycopg.Connection, config: StrategyConfig, limit: int) -> int:
+@dataclass(frozen=True)
+class FairPick:
+    """The statements of ``claim_fair``, composed once per strategy instead of on every claim."""
+
+    one_priority: sql.Composed
+    oldest: sql.Composed
+    urgent: sql.Composed
+
+    @classmethod
+    def build(cls, config: StrategyConfig, *, lock: bool) -> FairPick:
+        return cls(
+            one_priority=one_priority_sql(config),
+            oldest=select_pending_sql(config, order="id", lock=lock),
+            urgent=select_pending_sql(config, order="priority", lock=lock),
+        )
+
+
+def oldest_share(conn: psycopg.Connection, config: StrategyConfig, pick: FairPick, limit: int) -> int:
     """How many rows of a batch to take oldest-first: none when all pending rows share one priority.
 
     Then the priority order is the id order and one read serves both, instead of two reads that each
@@ -75,13 +93,13 @@ def oldest_share(conn: psycopg.Connection, config: StrategyConfig, limit: int) -
     nothing can starve within a batch that is all one priority.
     """
     share = int(limit * config.oldest_share)
-    if share and conn.execute(one_priority_sql(config), prepare=True).fetchone() == (True,):
+    if share and conn.execute(pick.one_priority, prepare=True).fetchone() == (True,):
         return 0
     return share
 
 
 def claim_fair(
-    conn: psycopg.Connection, config: StrategyConfig, limit: int, *, lock: bool, avoid: Collection[int] = ()
+    conn: psycopg.Connection, config: StrategyConfig, pick: FairPick, limit: int, avoid: Collection[int] = ()
 ) -> list[OutboxRecord]:
     """Highest priority first, plus an oldest-first share so old low-priority rows are never starved.
 
@@ -92,17 +110,15 @@ def claim_fair(
     """
     params: dict[str, object] = {"exclude": list(avoid)}
     records: list[OutboxRecord] = []
-    oldest = oldest_share(conn, config, limit)
+    oldest = oldest_share(conn, config, pick, limit)
     if oldest:
-        query = select_pending_sql(config, order="id", lock=lock)
-        records = fetch_records(conn, query, {**params, "limit": oldest}, prepare=True)
+        records = fetch_records(conn, pick.oldest, {**params, "limit": oldest}, prepare=True)
     rest = limit - len(records)
     if rest > 0:
         # Asking for as many as the oldest share may overlap keeps the batch full; rows locked beyond
         # the batch stay unsent and are released at commit.
-        query = select_pending_sql(config, order="priority", lock=lock)
         seen = {r.id for r in records}
-        more = fetch_records(conn, query, {**params, "limit": rest + len(records)}, prepare=True)
+        more = fetch_records(conn, pick.urgent, {**params, "limit": rest + len(records)}, prepare=True)
         records.extend([r for r in more if r.id not in seen][:rest])
     return records
 
