@@ -10,6 +10,7 @@ from typing import Any
 _EXPORTS = {
     "outbox_backlog": ".backlog",
     "outbox_lag_slo": ".backlog",
+    "outbox_dead_letters": ".backlog",
     "relayed_outbox": ".relay",
 }
 

@@ -8,7 +8,7 @@ without a run, so the check's history is the outbox's lag over time.
 
 import dagster as dg
 
-from outbox_pipeline.lag import PartitionLag, partition_lag
+from outbox_pipeline.lag import DeadLetterBacklog, PartitionLag, dead_letter_backlog, partition_lag
 from outbox_pipeline.lag_slo import LagVerdict, evaluate_lag
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
@@ -16,6 +16,7 @@ from resources.postgres import PostgresResource
 
 BACKLOG_KEY = dg.AssetKey("outbox_backlog")
 LAG_SLO_CHECK = "outbox_lag_slo"
+DEAD_LETTER_CHECK = "outbox_dead_letters"
 
 
 def read_lag(postgres: PostgresResource, settings: OrchestrationSettings) -> list[PartitionLag]:
@@ -80,6 +81,46 @@ def outbox_lag_slo(postgres: PostgresResource) -> dg.AssetCheckResult:
     settings = OrchestrationSettings.from_env()
     verdict = evaluate_lag(read_lag(postgres, settings), settings.thresholds)
     evaluation = check_evaluation(verdict)
+    return dg.AssetCheckResult(
+        passed=evaluation.passed,
+        severity=evaluation.severity,
+        metadata=evaluation.metadata,
+        description=evaluation.description,
+    )
+
+
+def read_dead_letters(postgres: PostgresResource) -> DeadLetterBacklog:
+    with postgres.connect() as conn:
+        return dead_letter_backlog(conn, postgres.table)
+
+
+def dead_letter_evaluation(backlog: DeadLetterBacklog) -> dg.AssetCheckEvaluation:
+    """Fails (ERROR) while any dead letter is waiting for an operator: each one is a message consumers
+    have not seen, skipped past by its partition (``outbox dead-letters`` lists them, the
+    `retry_dead_letters` job re-enqueues them)."""
+    rows = [f"| {partition_key(t, p)} | {n} | {e.replace('|', '/')[:80]} |" for t, p, n, e in backlog.worst]
+    table = "| partition | dead letters | last error |\n|---|---|---|\n" + "\n".join(rows)
+    return dg.AssetCheckEvaluation(
+        asset_key=BACKLOG_KEY,
+        check_name=DEAD_LETTER_CHECK,
+        passed=backlog.open == 0,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={
+            "dead_letters": dg.MetadataValue.int(backlog.open),
+            "newest": dg.MetadataValue.text(backlog.newest_at or "-"),
+            "worst_partitions": dg.MetadataValue.md(table if rows else "none"),
+        },
+        description=f"{backlog.open} dead letters not retried" if backlog.open else "no dead letters",
+    )
+
+
+@dg.asset_check(
+    asset=BACKLOG_KEY,
+    name=DEAD_LETTER_CHECK,
+    description="ERROR while dead letters wait for an operator (retry them with the retry_dead_letters job).",
+)
+def outbox_dead_letters(postgres: PostgresResource) -> dg.AssetCheckResult:
+    evaluation = dead_letter_evaluation(read_dead_letters(postgres))
     return dg.AssetCheckResult(
         passed=evaluation.passed,
         severity=evaluation.severity,

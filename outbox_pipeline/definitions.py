@@ -10,10 +10,14 @@ import os
 
 import dagster as dg
 
-from assets import outbox_backlog, outbox_lag_slo, relayed_outbox
+from assets import outbox_backlog, outbox_dead_letters, outbox_lag_slo, relayed_outbox
 from assets.spark import bulk_drain_job, spark_assets, spark_jobs, spark_schedules
 from outbox_pipeline.config import DEFAULT_SCHEMA
-from outbox_pipeline.orchestration.alert_sensors import build_lag_slo_sensor, build_relay_failure_sensor
+from outbox_pipeline.orchestration.alert_sensors import (
+    build_dead_letter_sensor,
+    build_lag_slo_sensor,
+    build_relay_failure_sensor,
+)
 from outbox_pipeline.orchestration.jobs import relay_partition_job
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
@@ -41,7 +45,7 @@ settings = OrchestrationSettings.from_env()
 
 defs = dg.Definitions(
     assets=[outbox_backlog, relayed_outbox, *spark_assets],
-    asset_checks=[outbox_lag_slo],
+    asset_checks=[outbox_lag_slo, outbox_dead_letters],
     jobs=[relay_partition_job, *OPERATOR_JOBS, *spark_jobs],
     schedules=spark_schedules,
     sensors=[
@@ -49,6 +53,7 @@ defs = dg.Definitions(
         # instead of per-partition runs.
         build_outbox_lag_sensor(relay_partition_job, settings=settings, bulk_drain_job=bulk_drain_job),
         build_lag_slo_sensor(settings),
+        build_dead_letter_sensor(settings),
         build_relay_failure_sensor(relay_partition_job),
     ],
     resources=build_resources(),

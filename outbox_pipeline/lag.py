@@ -167,3 +167,41 @@ def partition_lag(
 def pending_by_partition(conn: psycopg.Connection, table: OutboxTable) -> list[PartitionLag]:
     """Unsent rows per partition for the row-claiming strategies (sent rows are deleted or marked)."""
     return partition_lag(conn, table, "locking")
+
+
+@dataclass(frozen=True)
+class DeadLetterBacklog:
+    """Dead letters not yet retried: what the dead-letter alert reports.
+
+    ``newest_at`` tells a new incident from the one already announced (a dead letter re-dead-lettered
+    after a retry gets a new ``dead_lettered_at`` too).
+    """
+
+    open: int
+    newest_at: str | None  # ISO-8601 UTC
+    # (topic, partition, dead letters, last error) of the partitions with the most, at most 5
+    worst: tuple[tuple[str, int, int, str], ...] = ()
+
+
+def dead_letter_backlog(conn: psycopg.Connection, table: OutboxTable) -> DeadLetterBacklog:
+    row = conn.execute(
+        sql.SQL(
+            """
+            SELECT count(*), to_char(max(dead_lettered_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+            FROM {dead_letters} WHERE retried_at IS NULL
+            """
+        ).format(dead_letters=table.dead_letters)
+    ).fetchone()
+    count, newest = (row[0], row[1]) if row else (0, None)
+    if not count:
+        return DeadLetterBacklog(0, None)
+    worst = conn.execute(
+        sql.SQL(
+            """
+            SELECT topic, partition, count(*), (array_agg(last_error ORDER BY dead_lettered_at DESC))[1]
+            FROM {dead_letters} WHERE retried_at IS NULL
+            GROUP BY topic, partition ORDER BY count(*) DESC, topic, partition LIMIT 5
+            """
+        ).format(dead_letters=table.dead_letters)
+    ).fetchall()
+    return DeadLetterBacklog(int(count), newest, tuple((t, int(p), int(n), str(e)) for t, p, n, e in worst))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,7 +23,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from .config import redact_kafka_config
 from .enqueue import decode_headers
-from .strategies.base import DeliveryFailure, OutboxRecord, PublishOutcome
+from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,54 @@ PRODUCER_RESET_ERRORS = frozenset(
 )
 
 
-def is_permanent(error: KafkaError) -> bool:
-    return error.code() in PERMANENT_ERRORS
+# Errors that say the broker or the path to it is unavailable, slow or has fenced this producer: no
+# fault of the record, so they never count toward its attempts (see FailureKind).
+TRANSPORT_ERRORS = PRODUCER_RESET_ERRORS | frozenset(
+    {
+        KafkaError._MSG_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._RESOLVE,
+        KafkaError._DESTROY,
+        KafkaError._FATAL,
+        KafkaError._PURGE_QUEUE,
+        KafkaError._PURGE_INFLIGHT,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._STATE,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NETWORK_EXCEPTION,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.BROKER_NOT_AVAILABLE,
+        KafkaError.REPLICA_NOT_AVAILABLE,
+        KafkaError.NOT_ENOUGH_REPLICAS,
+        KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+        KafkaError.KAFKA_STORAGE_ERROR,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.CONCURRENT_TRANSACTIONS,
+        KafkaError.THROTTLING_QUOTA_EXCEEDED,
+    }
+)
+
+
+def failure_kind(error: KafkaError) -> FailureKind:
+    """What a delivery error says about the record (see FailureKind). A topic that does not exist looks
+    like a transport error here (unknown partition, timeout); ``_explain_missing_topics`` re-labels it."""
+    code = error.code()
+    if code in PERMANENT_ERRORS:
+        return "permanent"
+    if code in TRANSPORT_ERRORS or error.retriable():
+        return "transport"
+    return "record"
+
+
+# Transactional producers kept at most (one per virtual partition this worker published recently).
+MAX_TRANSACTIONAL_PRODUCERS = 16
 
 
 @dataclass
@@ -76,8 +123,8 @@ class PendingBatch:
 
     records: Sequence[OutboxRecord]
     started: float
-    # outbox id -> (error, permanent), filled by error reports and by produce() refusals
-    errors: dict[int, tuple[str, bool]] = field(default_factory=dict)
+    # outbox id -> (error, kind), filled by error reports and by produce() refusals
+    errors: dict[int, tuple[str, FailureKind]] = field(default_factory=dict)
     _by_content: dict[tuple[str, bytes | None, bytes], list[int]] | None = None
 
     def ids_of(self, topic: str | None, key: bytes | None, value: bytes | None) -> list[int]:
@@ -92,13 +139,15 @@ class PendingBatch:
 class KafkaPublisher:
     """One idempotent producer (plus transactional ones on demand) used by one relay worker."""
 
-    def __init__(self, config: Mapping[str, object]) -> None:
+    def __init__(self, config: Mapping[str, object], *, max_transactional: int = MAX_TRANSACTIONAL_PRODUCERS) -> None:
         merged: dict[str, object] = {**DEFAULT_PRODUCER_CONFIG, **config, **REQUIRED_PRODUCER_CONFIG}
         self._config = merged
         self._timeout_s = float(merged["message.timeout.ms"]) / 1000.0 + 10.0  # type: ignore[arg-type]
         self._producer: Producer | None = None
         self._fatal = False
-        self._transactional: dict[str, Producer] = {}
+        # Least recently used first; bounded (each producer holds threads and broker connections).
+        self._transactional: OrderedDict[str, Producer] = OrderedDict()
+        self._max_transactional = max_transactional
         log.debug("producer config: %s", redact_kafka_config(merged))
 
     @property
@@ -141,7 +190,7 @@ class KafkaPublisher:
                     self.producer.poll(0.05)  # local queue full: serve reports, which frees space
                 except KafkaException as exc:
                     error = exc.args[0]
-                    pending.errors[oid] = (str(error.str()), is_permanent(error))
+                    pending.errors[oid] = (str(error.str()), failure_kind(error))
                     break
         return pending
 
@@ -155,7 +204,7 @@ class KafkaPublisher:
         if unsettled:
             # Outcome unknown: claim nothing was delivered (at worst a duplicate, never a loss).
             log.warning("%d messages unsettled after %.0f s", unsettled, self._timeout_s)
-            failures = [DeliveryFailure(r, "no delivery report before the timeout", False) for r in pending.records]
+            failures = [DeliveryFailure(r, "no delivery report before the timeout", "transport") for r in pending.records]
             return PublishOutcome([], failures, time.monotonic() - pending.started)
         if self._fatal:
             # A fatal error ends an idempotent producer, and so does a fenced id or epoch: after an
@@ -177,7 +226,7 @@ class KafkaPublisher:
         self._fatal = self._fatal or error.fatal() or error.code() in PRODUCER_RESET_ERRORS
         # Delivery reports carry no headers: find the row by what was sent. Rows with identical
         # topic, key and payload are all marked failed (at worst a duplicate, never a loss).
-        failure = (str(error.str()), is_permanent(error))
+        failure = (str(error.str()), failure_kind(error))
         for oid in pending.ids_of(msg.topic(), msg.key(), msg.value()):
             pending.errors[oid] = failure
 
@@ -193,12 +242,13 @@ class KafkaPublisher:
         except KafkaException:
             return failures  # the broker is unreachable: the timeout is the right explanation
         return [
+            # The record's own fault (its topic), so it counts toward max_attempts.
             DeliveryFailure(
                 f.record,
                 f"topic {f.record.topic!r} does not exist on the broker and is not auto-created ({f.error})",
-                f.permanent,
+                "record",
             )
-            if f.record.topic not in existing
+            if f.record.topic not in existing and not f.permanent
             else f
             for f in failures
         ]
@@ -225,7 +275,8 @@ class KafkaPublisher:
                 # Fenced by a newer producer with this id, or a fatal/abortable error: nothing confirmed.
                 kerr = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
                 self._drop(self._transactional.pop(transactional_id, None))
-                failed = [DeliveryFailure(r, kerr.str() if kerr else str(exc), False) for r in batch]
+                kind = failure_kind(kerr) if kerr else "transport"
+                failed = [DeliveryFailure(r, kerr.str() if kerr else str(exc), kind) for r in batch]
                 return PublishOutcome([], permanent + failed, time.monotonic() - started)
             failures = _all_failed(batch, reports.first_error or "a message in the transaction failed", reports)
             newly_permanent = [f for f in failures if f.permanent]
@@ -236,24 +287,39 @@ class KafkaPublisher:
             batch = [r for r in batch if r.id not in rejected]
             if not batch:
                 break
-        transient = [DeliveryFailure(r, "transaction aborted", False) for r in batch]
+        transient = [DeliveryFailure(r, "transaction aborted", "transport") for r in batch]
         return PublishOutcome([], permanent + transient, time.monotonic() - started)
 
     def _transactional_producer(self, transactional_id: str) -> Producer:
         producer = self._transactional.get(transactional_id)
-        if producer is None:
-            producer = Producer(
-                {**self._config, "transactional.id": transactional_id, "delivery.report.only.error": False}
-            )
-            producer.init_transactions(self._timeout_s)
-            self._transactional[transactional_id] = producer
+        if producer is not None:
+            self._transactional.move_to_end(transactional_id)
+            return producer
+        while len(self._transactional) >= self._max_transactional:
+            self._drop(self._transactional.popitem(last=False)[1])
+        producer = Producer({**self._config, "transactional.id": transactional_id, "delivery.report.only.error": False})
+        producer.init_transactions(self._timeout_s)
+        self._transactional[transactional_id] = producer
         return producer
+
+    @property
+    def transactional_producers(self) -> int:
+        return len(self._transactional)
+
+    def retain_transactional(self, ids: frozenset[str] | None) -> None:
+        """Drop the transactional producers whose ids are not in ``ids`` (partitions another worker holds
+        now: it fenced, or will fence, ours). None: the strategy uses no transactions, keep everything."""
+        if ids is None:
+            return
+        for stale in [tid for tid in self._transactional if tid not in ids]:
+            log.debug("dropping transactional producer %s: its partition is leased by another worker", stale)
+            self._drop(self._transactional.pop(stale))
 
     def _produce_all(self, producer: Producer, records: Sequence[OutboxRecord]) -> _Reports:
         """Produce with a report per message (transactions: each must be accounted for)."""
         reports = _Reports(len(records))
         for index, record in enumerate(records):
-            refused: dict[int, tuple[str, bool]] = {}
+            refused: dict[int, tuple[str, FailureKind]] = {}
             self._produce_one(producer, record, refused, reports.callback(index))
             if refused:
                 reports.fail(index, *refused[record.id])
@@ -268,7 +334,7 @@ class KafkaPublisher:
     def _produce_one(
         producer: Producer,
         record: OutboxRecord,
-        refused: dict[int, tuple[str, bool]],
+        refused: dict[int, tuple[str, FailureKind]],
         on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
     ) -> None:
         headers: list[tuple[str, str | bytes | None]] = [
@@ -291,7 +357,7 @@ class KafkaPublisher:
                 producer.poll(0.05)  # local queue full: serve reports, which frees space
             except KafkaException as exc:
                 error = exc.args[0]
-                refused[record.id] = (error.str(), is_permanent(error))
+                refused[record.id] = (error.str(), failure_kind(error))
                 return
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -312,7 +378,7 @@ class _Reports:
 
     def __init__(self, size: int) -> None:
         self.ok = [False] * size
-        self.errors: dict[int, tuple[str, bool]] = {}
+        self.errors: dict[int, tuple[str, FailureKind]] = {}
         self.pending = size
         self.first_error: str | None = None
 
@@ -322,12 +388,12 @@ class _Reports:
                 self.ok[index] = True
                 self.pending -= 1
             else:
-                self.fail(index, error.str(), is_permanent(error))
+                self.fail(index, error.str(), failure_kind(error))
 
         return on_delivery
 
-    def fail(self, index: int, error: str, permanent: bool) -> None:
-        self.errors[index] = (error, permanent)
+    def fail(self, index: int, error: str, kind: FailureKind) -> None:
+        self.errors[index] = (error, kind)
         self.first_error = self.first_error or error
         self.pending -= 1
 
@@ -343,8 +409,8 @@ class _Reports:
         for index, record in enumerate(records):
             if self.ok[index]:
                 continue
-            error, permanent = self.errors.get(index, ("no delivery report before the timeout", False))
-            failures.append(DeliveryFailure(record, error, permanent))
+            error, kind = self.errors.get(index, ("no delivery report before the timeout", "transport"))
+            failures.append(DeliveryFailure(record, error, kind))
         return failures
 
 
@@ -352,6 +418,6 @@ def _all_failed(records: Sequence[OutboxRecord], error: str, reports: _Reports) 
     """After an aborted transaction nothing was delivered; keep the permanent errors we know of."""
     failures = []
     for index, record in enumerate(records):
-        own_error, permanent = reports.errors.get(index, (f"transaction aborted: {error}", False))
-        failures.append(DeliveryFailure(record, own_error, permanent))
+        own_error, kind = reports.errors.get(index, (f"transaction aborted: {error}", "transport"))
+        failures.append(DeliveryFailure(record, own_error, kind))
     return failures

@@ -217,6 +217,7 @@ class Relay:
 
     def _ack(self, batch: _InFlight, outcome: PublishOutcome) -> BatchMetrics:
         result = batch.strategy.ack(batch.claim, outcome)
+        self.publisher.retain_transactional(batch.strategy.transactional_ids())
         metrics = BatchMetrics(
             claimed=len(batch.claim.records),
             published=len(outcome.delivered),
@@ -270,8 +271,11 @@ class Relay:
                         # round trip not overlapped with Kafka.
                         self._ack(previous, outcome)
                         if claim is not None and not kafka_down:
-                            in_flight = self._publish(strategy, claim)
-                            self._turn += 1
+                            # Read while N was in Kafka: the strategy renews it, trims it, or gives it
+                            # back when N did not ack in full (then N+1 would only add duplicates).
+                            if (ready := strategy.before_publish(claim)) is not None:
+                                in_flight = self._publish(strategy, ready)
+                                self._turn += 1
                         elif claim is not None:
                             strategy.give_back(claim, "Kafka accepted nothing of the previous batch")
                         if kafka_down:

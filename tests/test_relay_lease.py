@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -222,3 +223,118 @@ def test_shuffle_and_sample_with_three_workers_delivers_everything_and_counts_co
     # Collisions cost a worker a row, never a delivery: every claimed row was published once.
     assert sum(s.claimed for s in stats) == sum(s.published for s in stats) == 3000
     assert row_count(db, table) == 0
+
+
+def _waiting_for_a_lock(db: psycopg.Connection, pid: int) -> bool:
+    return db.execute("SELECT count(*) > 0 FROM pg_locks WHERE pid = %s AND NOT granted", [pid]).fetchone() == (True,)
+
+
+def _until(what: str, condition: Callable[[], bool], deadline_s: float = 15.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_an_ack_and_a_claim_meeting_on_the_same_expired_leases_never_deadlock(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    connect: Callable[[], psycopg.Connection],
+    publisher: KafkaPublisher,
+) -> None:
+    """Forced interleaving: the ack stops right after deleting its lease rows (a test trigger waits for an
+    advisory lock the test holds); meanwhile a claim of the same, expired, leases runs; then the ack goes on.
+    Both must finish (no DeadlockDetected), and the ack, which got there first, keeps its rows."""
+    topic = new_topic()
+    enqueue_many(db, [Message(topic, {"n": i}) for i in range(5)], table=table)
+    slow = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="slow", lease_s=30.0))
+    fast = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="fast", lease_s=30.0))
+    claim = slow.claim(5)
+    assert claim is not None and len(claim.records) == 5
+    outcome = publisher.publish(claim.records)
+    db.execute(sql.SQL("UPDATE {} SET expires_at = now() - interval '1 second'").format(table.leases))
+    pause = sql.Identifier(table.schema, "pause_after_lease_delete")
+    db.execute(
+        sql.SQL(
+            "CREATE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_advisory_xact_lock_shared(4242); RETURN NULL; END $$"
+        ).format(pause)
+    )
+    db.execute(
+        sql.SQL("CREATE TRIGGER pause AFTER DELETE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()").format(
+            table.leases, pause
+        )
+    )
+    gate = connect()
+    gate.execute("SELECT pg_advisory_lock(4242)")
+    results: dict[str, object] = {}
+
+    def run(name: str, call: Callable[[], object]) -> threading.Thread:
+        def target() -> None:
+            try:
+                results[name] = call()
+            except Exception as exc:  # reported by the assertion below
+                results[name] = exc
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    acking = run("ack", lambda: slow.ack(claim, outcome))
+    _until("the ack to stop after its lease delete", lambda: _waiting_for_a_lock(db, slow.conn.info.backend_pid))
+    claiming = run("claim", lambda: fast.claim(5))
+    _until(
+        "the claim to finish or wait",
+        lambda: not claiming.is_alive() or _waiting_for_a_lock(db, fast.conn.info.backend_pid),
+    )
+    gate.execute("SELECT pg_advisory_unlock(4242)")
+    acking.join(30)
+    claiming.join(30)
+    assert not isinstance(results["ack"], Exception), f"the ack failed: {results['ack']!r}"
+    assert not isinstance(results["claim"], Exception), f"the claim failed: {results['claim']!r}"
+    assert results["ack"].acked == 5  # type: ignore[attr-defined]
+    assert results["claim"] is None
+    assert row_count(db, table) == 0
+
+
+def test_a_batch_read_ahead_has_its_leases_renewed_when_it_goes_to_kafka(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    new_topic: Callable[..., str],
+    connect: Callable[[], psycopg.Connection],
+) -> None:
+    """The relay reads batch N+1 while N is in Kafka; by the time N+1 is published its leases have aged
+    one publish. ``before_publish`` renews them, so another worker cannot take them mid-publish."""
+    topic = new_topic()
+    enqueue_many(db, [Message(topic, {"n": i}) for i in range(10)], table=table)
+    first = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="first", lease_s=30.0))
+    other = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="other", lease_s=30.0))
+    ahead = first.claim(10)
+    assert ahead is not None
+    db.execute(sql.SQL("UPDATE {} SET expires_at = now() + interval '10 milliseconds'").format(table.leases))
+    ready = first.before_publish(ahead)
+    assert ready is not None and len(ready.records) == 10
+    db.execute("SELECT pg_sleep(0.05)")  # past the old expiry, on the database clock
+    assert other.claim(10) is None, "another worker took rows whose batch was being published"
+
+
+def test_a_batch_read_ahead_whose_leases_another_worker_took_publishes_only_what_is_still_ours(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    new_topic: Callable[..., str],
+    connect: Callable[[], psycopg.Connection],
+) -> None:
+    topic = new_topic()
+    enqueue_many(db, [Message(topic, {"n": i}) for i in range(10)], table=table)
+    first = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="first", lease_s=30.0))
+    other = LeaseStrategy(connect(), StrategyConfig(table=table, worker_id="other", lease_s=30.0))
+    ahead = first.claim(10)
+    assert ahead is not None
+    taken = [r.id for r in ahead.records[:4]]
+    db.execute(sql.SQL("UPDATE {} SET expires_at = now() WHERE id = ANY(%s)").format(table.leases), [taken])
+    stolen = other.claim(4)
+    assert stolen is not None and sorted(r.id for r in stolen.records) == taken
+    ready = first.before_publish(ahead)
+    assert ready is not None and sorted(r.id for r in ready.records) == sorted(r.id for r in ahead.records[4:])

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import replace
+from typing import Any
 
 import psycopg
 import pytest
@@ -14,7 +17,9 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import PublishOutcome, StrategyConfig
+from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.relay import Relay, RelaySettings
+from outbox_pipeline.strategies.base import Claim, PublishOutcome, StrategyConfig
 
 from .kafka_helpers import KafkaProbe
 from .relay_helpers import drain, message_ids, order_by_key, run_workers
@@ -285,3 +290,108 @@ def test_canary_the_local_broker_shows_aborted_transactions_to_read_committed_co
     producer.commit_transaction(30)
     values = [r.value for r in kafka.consume(topic, idle_s=2.0, isolation="read_committed")]
     assert values == [b"aborted", b"committed"]
+
+
+@pytest.mark.parametrize("strategy", ORDERED)
+def test_a_batch_read_ahead_is_not_published_when_the_batch_before_it_lost_the_lease(
+    strategy: str, dsn: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """While batch N is in Kafka the relay reads N+1. Another worker takes the partition meanwhile: N's ack
+    advances nothing, and N+1 must go back unpublished (duplicates stay bounded by one batch)."""
+    topic = new_topic()
+    set_topic_partitions(db, table, topic, 1)
+    enqueue_many(db, [Message(topic, {"n": i}, key="k") for i in range(30)], serialized=True, table=table)
+    base = strategy_class(strategy)
+
+    class StolenAfterReadAhead(base):  # type: ignore[valid-type,misc]
+        claims = 0
+
+        def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
+            claim = super().claim(limit, avoid)
+            StolenAfterReadAhead.claims += 1
+            if StolenAfterReadAhead.claims == 2:  # N+1 read: now another worker takes the partition
+                db.execute(
+                    sql.SQL(
+                        "UPDATE {} SET locked_by = 'thief', available_after = now() + interval '1 hour'"
+                    ).format(table.offsets)
+                )
+            return claim
+
+    publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers})
+    settings = RelaySettings(batch_size=10, until_empty=True, max_seconds=30, listen=False, poll_interval_s=0.05)
+    stats = Relay(dsn, StolenAfterReadAhead, StrategyConfig(table=table), publisher, settings).run()
+    arrived = message_ids(kafka.consume(topic, expect=10, deadline_s=5))
+    assert len(arrived) == 10, f"{len(arrived)} messages published; only batch N (10) may be"
+    assert stats.lost_ownership == 10
+
+
+class _CountingProducers(Relay):
+    """Records how many transactional producers the publisher keeps after each ack."""
+
+    kept: list[int]
+
+    def _ack(self, batch: Any, outcome: PublishOutcome) -> Any:
+        result = super()._ack(batch, outcome)
+        self.kept.append(self.publisher.transactional_producers)
+        return result
+
+
+def test_transactional_producers_are_bounded_and_dropped_when_another_worker_holds_their_partition(
+    dsn: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=2)
+    set_topic_partitions(db, table, topic, 8)
+    enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(200)], table=table)
+    config = StrategyConfig(table=table, kafka_transactions=True, worker_id="one")
+    settings = RelaySettings(batch_size=10, until_empty=True, max_seconds=60, listen=False, poll_interval_s=0.05)
+
+    def relay(max_transactional: int) -> _CountingProducers:
+        publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers}, max_transactional=max_transactional)
+        counting = _CountingProducers(dsn, strategy_class("partitioned"), config, publisher, settings)
+        counting.kept = []
+        return counting
+
+    bounded = relay(4)
+    bounded.run()
+    assert bounded.kept and max(bounded.kept) == 4, f"transactional producers kept: {bounded.kept}"
+    assert len(set(message_ids(kafka.consume(topic, expect=200, isolation="read_committed")))) == 200
+
+    # 8 producers, then another worker takes the 7 partitions this worker is not publishing: their
+    # producers are dropped at the next check (every DISCOVERY_INTERVAL_S) while partition 0 still flows.
+    enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(200)], table=table)
+    stop = threading.Event()
+    unbounded = relay(16)
+    unbounded.stop = stop
+    unbounded.settings = replace(settings, until_empty=False, max_seconds=None)
+    worker = threading.Thread(target=unbounded.run)
+    worker.start()
+    try:
+        _until("8 producers", lambda: 8 in unbounded.kept)
+        db.execute(
+            sql.SQL(
+                "UPDATE {} SET locked_by = 'other', available_after = now() + interval '1 hour' WHERE partition > 0"
+            ).format(table.offsets)
+        )
+        zero = [f"k{i}" for i in range(200) if _partition_of(db, table, f"k{i}") == 0][0]
+
+        def dropped() -> bool:
+            enqueue_many(db, [Message(topic, {"n": 0}, key=zero)], table=table)
+            return unbounded.kept[-1] == 1
+
+        _until("the producers of the other worker's partitions to be dropped", dropped, 20)
+    finally:
+        stop.set()
+        worker.join()
+
+
+def _until(what: str, condition: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _partition_of(db: psycopg.Connection, table: OutboxTable, key: str) -> int:
+    row = db.execute(sql.SQL("SELECT partition FROM {} WHERE key = %s LIMIT 1").format(table.messages), [key]).fetchone()
+    assert row is not None, f"no row with key {key}"
+    return int(row[0])

@@ -1,6 +1,8 @@
-"""Dagster room: lag alerts. `outbox_lag_slo_sensor` evaluates the `outbox_lag_slo` check every tick
-without a run and alerts once per incident (and once on recovery); `relay_run_failure_alert` alerts
-when a relay run has failed for good, after its op retries and any run retries.
+"""Dagster room: alerts. `outbox_lag_slo_sensor` evaluates the `outbox_lag_slo` check every tick
+without a run and alerts once per incident (and once on recovery); `outbox_dead_letter_alert` does the
+same for dead letters (an incident opens with the first new one and ends when none is left to retry);
+`relay_run_failure_alert` alerts when a relay run has failed for good, after its op retries and any run
+retries.
 
 The check's evaluations and a backlog observation are recorded on every tick, so the check's history
 and the backlog's plots show the lag over time. The sensor cursor remembers what was last announced;
@@ -13,7 +15,17 @@ from dataclasses import asdict, dataclass
 import dagster as dg
 from dagster._utils.error import SerializableErrorInfo
 
-from assets.backlog import BACKLOG_KEY, LAG_SLO_CHECK, backlog_metadata, check_evaluation, read_lag
+from assets.backlog import (
+    BACKLOG_KEY,
+    DEAD_LETTER_CHECK,
+    LAG_SLO_CHECK,
+    backlog_metadata,
+    check_evaluation,
+    dead_letter_evaluation,
+    read_dead_letters,
+    read_lag,
+)
+from outbox_pipeline.lag import DeadLetterBacklog
 from outbox_pipeline.lag_slo import LagVerdict, Severity, evaluate_lag
 from resources.alerts import Alert, AlertResource
 from resources.postgres import PostgresResource
@@ -112,6 +124,64 @@ def build_lag_slo_sensor(
         )
 
     return outbox_lag_slo_sensor
+
+
+def dead_letter_alert(backlog: DeadLetterBacklog, state: AlertState) -> Alert | None:
+    """A new incident when dead letters appear while none was announced; a recovery when none is left.
+    More dead letters during an open incident do not alert again (the check's history shows them)."""
+    partitions = [
+        {"partition": partition_key(t, p), "dead_letters": n, "last_error": e} for t, p, n, e in backlog.worst
+    ]
+    if backlog.open and state.announced == "ok":
+        return Alert(
+            alert=DEAD_LETTER_CHECK,
+            status="firing",
+            severity="ERROR",
+            text=f"{backlog.open} outbox messages dead-lettered (consumers skipped them); newest "
+            f"{backlog.newest_at}. Retry with the retry_dead_letters job once the cause is fixed.",
+            partitions=partitions,
+            details={"dead_letters": backlog.open, "newest_at": backlog.newest_at},
+        )
+    if not backlog.open and state.announced != "ok":
+        return Alert(
+            alert=DEAD_LETTER_CHECK,
+            status="resolved",
+            severity="OK",
+            text=f"no dead letters left to retry (incident since {state.since})",
+        )
+    return None
+
+
+def build_dead_letter_sensor(
+    settings: OrchestrationSettings | None = None,
+    *,
+    name: str = "outbox_dead_letter_alert",
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+) -> dg.SensorDefinition:
+    cfg = settings or OrchestrationSettings.from_env()
+
+    @dg.sensor(
+        name=name,
+        minimum_interval_seconds=cfg.check_interval_s,
+        default_status=default_status,
+        description=f"Evaluates {DEAD_LETTER_CHECK} every {cfg.check_interval_s} s (no run) and alerts once "
+        "when messages are dead-lettered, and once when none is left to retry.",
+    )
+    def outbox_dead_letter_alert(
+        context: dg.SensorEvaluationContext, postgres: PostgresResource, alerts: AlertResource
+    ) -> dg.SensorResult:
+        backlog = read_dead_letters(postgres)
+        state = AlertState.from_cursor(context.cursor)
+        alert = dead_letter_alert(backlog, state)
+        if alert is not None and alerts.send(alert, context.log):
+            state = AlertState("error", alert.at) if alert.status == "firing" else AlertState()
+        return dg.SensorResult(
+            skip_reason=f"{backlog.open} dead letters",
+            cursor=state.to_cursor(),
+            asset_events=[dead_letter_evaluation(backlog)],
+        )
+
+    return outbox_dead_letter_alert
 
 
 def _root_cause(error: SerializableErrorInfo) -> str:

@@ -65,11 +65,30 @@ def fetch_records(
     return list(map(OutboxRecord._make, rows))
 
 
+# Why Kafka did not confirm a record, which decides what the failure costs the record:
+# - "permanent": the record can never be delivered (too large, invalid topic name): dead-letter it now;
+# - "record": Kafka refused this record (an explicit per-record error, a topic that does not exist):
+#   counts toward ``max_attempts``;
+# - "transport": the broker was unreachable, timed out or fenced the producer. Not the record's fault,
+#   so it never counts: a broker maintenance window must not turn into dead letters. The relay backs
+#   off and the lag rises (and alerts) instead.
+FailureKind = Literal["permanent", "record", "transport"]
+
+
 @dataclass(frozen=True, slots=True)
 class DeliveryFailure:
     record: OutboxRecord
     error: str
-    permanent: bool
+    kind: FailureKind
+
+    @property
+    def permanent(self) -> bool:
+        return self.kind == "permanent"
+
+    @property
+    def counts(self) -> bool:
+        """Whether this failure counts toward the record's ``max_attempts``."""
+        return self.kind != "transport"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +199,19 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def give_back(self, claim: Claim, error: str) -> None:
         """End a claim whose batch was not published (for example the producer failed)."""
+
+    def before_publish(self, claim: Claim) -> Claim | None:
+        """Called when a batch read ahead (while the previous one was in Kafka) is about to be published.
+
+        The claim is older than one publish by then: a strategy renews what it holds, drops what it no
+        longer owns, or gives the whole claim back and returns None (an ordered partition whose previous
+        batch stopped at a failure or lost its lease: publishing past it would only add duplicates).
+        """
+        return claim
+
+    def transactional_ids(self) -> frozenset[str] | None:
+        """Kafka transactional ids this worker may still use; None when it uses none (see KafkaPublisher)."""
+        return None
 
     def pending_age_s(self) -> float | None:
         """Age of the oldest row this strategy still has to publish (None when unknown or empty)."""

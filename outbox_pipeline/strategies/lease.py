@@ -167,6 +167,17 @@ class LeaseStrategy(Strategy):
         self._release = sql.SQL(
             "DELETE FROM {leases} l WHERE l.id = ANY(%(ids)b::bigint[]) AND l.locked_by = %(worker)s RETURNING l.id"
         ).format(leases=t.leases)
+        # The ack's first statement: lock the batch's message rows, in id order, before any lease row. A
+        # claim locks a message row (SKIP LOCKED) and then its lease row; an ack that took a lease row
+        # first and then waited for a message row a concurrent claim held was a deadlock (reproduced).
+        self._lock_rows = sql.SQL(
+            "SELECT m.id FROM {messages} m WHERE m.id = ANY(%(ids)b::bigint[]) "
+            "AND m.created_at BETWEEN %(from)s::timestamptz AND %(to)s::timestamptz ORDER BY m.id FOR UPDATE OF m"
+        ).format(messages=t.messages)
+        self._renew = sql.SQL(
+            "UPDATE {leases} l SET expires_at = now() + make_interval(secs => %(lease)s) "
+            "WHERE l.id = ANY(%(ids)b::bigint[]) AND l.locked_by = %(worker)s RETURNING l.id"
+        ).format(leases=t.leases)
         self._swept_at = float("-inf")
         self._reclaim_own_leases()
 
@@ -249,11 +260,31 @@ class LeaseStrategy(Strategy):
         self.conn.execute(sql.SQL("DELETE FROM {} WHERE expires_at <= now()").format(self.table.leases))
         self._swept_at = time.monotonic()
 
+    def before_publish(self, claim: Claim) -> Claim | None:
+        """A batch read ahead waited for the previous publish: renew its leases so they cover this one,
+        and publish only the rows still ours (another worker may have taken an expired lease)."""
+        leased: _Leased = claim.state
+        params = {"ids": leased.ids, "worker": self.config.worker_id, "lease": self.config.lease_s}
+        kept = {row[0] for row in self.conn.execute(self._renew, params)}
+        if len(kept) == len(leased.ids):
+            return claim
+        records = [r for r in claim.records if r.id in kept]
+        if not records:
+            self.give_back(Claim([], state=_Leased(sorted(kept))), "leases lost before publishing")
+            return None
+        return Claim(records, claim.collisions, _Leased(sorted(kept)), claim.transactional_id)
+
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
-        # The second short transaction. Deleting our lease rows first locks them: a worker re-claiming
-        # an expired one waits for this commit and then finds the row gone or sent.
+        # The second short transaction. Message rows first, then our lease rows (see _lock_rows): a
+        # worker re-claiming an expired lease either was skipped past the locked rows or committed
+        # first, and then the lease delete below finds the lease no longer ours.
         leased: _Leased = claim.state
         with self.conn.transaction():
+            if claim.records:
+                created = [r.created_at.decode() for r in claim.records]
+                self.conn.execute(
+                    self._lock_rows, {"ids": [r.id for r in claim.records], "from": min(created), "to": max(created)}
+                )
             owned = {
                 row[0] for row in self.conn.execute(self._release, {"ids": leased.ids, "worker": self.config.worker_id})
             }

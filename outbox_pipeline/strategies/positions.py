@@ -98,6 +98,8 @@ class PositionStrategy(Strategy):
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         self._discovered_at = float("-inf")
         self._chains: dict[tuple[str, int], _Chain] = {}
+        self._checked_tx_at = float("-inf")
+        self._tx_ids: frozenset[str] | None = None
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
@@ -209,11 +211,46 @@ class PositionStrategy(Strategy):
         ).fetchone()
         return PartitionLease(*row) if row else None
 
+    def before_publish(self, claim: Claim) -> Claim | None:
+        """A batch read ahead is published only if the batch before it acked in full while owned: past a
+        failure or a lost lease the position cannot move, so publishing it would only add duplicates
+        (the README's bound is one batch)."""
+        lease: PartitionLease = claim.state
+        chain = self._chains.get((lease.topic, lease.partition))
+        if chain is None or chain.broken:
+            self.give_back(claim, "the batch before it did not ack in full")
+            return None
+        return claim
+
+    def transactional_ids(self) -> frozenset[str] | None:
+        """Ids of the partitions no other worker holds a live lease on; a producer for any other id was
+        (or is about to be) fenced by that worker and only costs threads and connections. At most once
+        per DISCOVERY_INTERVAL_S."""
+        if not self.config.kafka_transactions:
+            return None
+        if time.monotonic() - self._checked_tx_at < DISCOVERY_INTERVAL_S:
+            return self._tx_ids
+        rows = self.conn.execute(
+            sql.SQL(
+                """
+                SELECT o.topic, o.partition FROM {offsets} o
+                WHERE o.locked_by IS NULL OR o.locked_by = %(worker)s OR o.available_after <= now()
+                """
+            ).format(offsets=self.table.offsets),
+            {"worker": self.config.worker_id},
+        ).fetchall()
+        self._tx_ids = frozenset(self._transactional_name(topic, partition) for topic, partition in rows)
+        self._checked_tx_at = time.monotonic()
+        return self._tx_ids
+
+    def _transactional_name(self, topic: str, partition: int) -> str:
+        return f"outbox.{self.table.schema}.{topic}.{partition}"
+
     def _transactional_id(self, lease: PartitionLease) -> str | None:
         if not self.config.kafka_transactions:
             return None
         # One id per virtual partition: a second worker on the same partition fences the first.
-        return f"outbox.{self.table.schema}.{lease.topic}.{lease.partition}"
+        return self._transactional_name(lease.topic, lease.partition)
 
     def _reclaim_own_leases(self) -> None:
         """A restarted worker with the same id takes its partitions back at once."""
@@ -240,7 +277,7 @@ class PositionStrategy(Strategy):
                 advanced, acked, head_attempts = record, acked + 1, 0
                 continue
             failure = failures[record.id]
-            if failure.permanent or head_attempts + 1 >= self.config.max_attempts:
+            if failure.permanent or (failure.counts and head_attempts + 1 >= self.config.max_attempts):
                 # Attempts of an ordered partition are counted on its offsets row (rows never change).
                 dead.append(replace(failure, record=record._replace(attempts=head_attempts)))
                 advanced, head_attempts = record, 0
@@ -255,7 +292,9 @@ class PositionStrategy(Strategy):
         keep_lease = chain is not None and chain.in_flight > 0 and not chain.broken
         with self.conn.transaction():
             self._dead_letter(dead)
-            owned = self._advance(lease, advanced, stopped_at, head_attempts + 1 if stopped_at else 0, keep_lease)
+            # A transport failure leaves the head's attempts as they were (see FailureKind).
+            attempts = head_attempts + stopped_at.counts if stopped_at else 0
+            owned = self._advance(lease, advanced, stopped_at, attempts, keep_lease)
             if not owned:
                 raise psycopg.Rollback()  # undo the dead letters too (the transaction block swallows it)
         if chain is not None:

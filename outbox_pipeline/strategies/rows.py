@@ -142,8 +142,11 @@ def finish(
 def split_failures(
     failures: Sequence[DeliveryFailure], max_attempts: int
 ) -> tuple[list[DeliveryFailure], list[DeliveryFailure]]:
-    """(to retry, to dead-letter): permanent errors and rows out of attempts go to the dead letters."""
-    retry = [f for f in failures if not f.permanent and f.record.attempts + 1 < max_attempts]
+    """(to retry, to dead-letter): permanent errors and rows out of attempts go to the dead letters.
+
+    Transport failures never run out of attempts: the row waits for the broker however long it takes.
+    """
+    retry = [f for f in failures if not f.permanent and (not f.counts or f.record.attempts + 1 < max_attempts)]
     retry_ids = {f.record.id for f in retry}
     return retry, [f for f in failures if f.record.id not in retry_ids]
 
@@ -186,6 +189,10 @@ def schedule_retry(
 ) -> int:
     """attempts + 1 and an exponential backoff with jitter, computed per row by the server.
 
+    A transport failure (see FailureKind) changes neither: the relay itself backs off while the broker
+    takes nothing, and the rows keep their place, so `advisory` still publishes them before the rows
+    behind them once the broker answers.
+
     From clock_timestamp(), not now(): in the locking strategy now() is when the claim's transaction
     began, before a publish that may have waited out the whole message timeout, so a backoff from
     now() would already be over and the failing row would be in every following batch.
@@ -196,18 +203,19 @@ def schedule_retry(
         sql.SQL(
             """
             UPDATE {messages} m
-            SET attempts = m.attempts + 1,
+            SET attempts = m.attempts + f.counts::int,
                 last_error = f.error,
                 locked_by = NULL,
-                available_after = clock_timestamp() + make_interval(
-                    secs => least(%(max)s, %(base)s * power(2, m.attempts)) * (0.5 + random() / 2))
-            FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
+                available_after = clock_timestamp() + CASE WHEN f.counts THEN make_interval(
+                    secs => least(%(max)s, %(base)s * power(2, m.attempts)) * (0.5 + random() / 2)) ELSE '0'::interval END
+            FROM unnest(%(ids)s::bigint[], %(errors)s::text[], %(counts)s::boolean[]) AS f(id, error, counts)
             WHERE m.id = f.id {owner}
             """
         ).format(messages=config.table.messages, owner=_owner_clause(owner)),
         {
             "ids": [f.record.id for f in failures],
             "errors": [f.error for f in failures],
+            "counts": [f.counts for f in failures],
             "max": config.backoff_max_s,
             "base": config.backoff_base_s,
             "owner": owner,

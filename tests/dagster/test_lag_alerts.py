@@ -12,10 +12,15 @@ import psycopg
 import pytest
 
 from assets import outbox_backlog, outbox_lag_slo, relayed_outbox
-from outbox_pipeline import OutboxTable
+from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.lag_slo import LagThresholds
 from outbox_pipeline.localstack import free_port
-from outbox_pipeline.orchestration.alert_sensors import build_lag_slo_sensor, build_relay_failure_sensor
+from outbox_pipeline.operations import retry_dead_letters
+from outbox_pipeline.orchestration.alert_sensors import (
+    build_dead_letter_sensor,
+    build_lag_slo_sensor,
+    build_relay_failure_sensor,
+)
 from outbox_pipeline.orchestration.jobs import build_relay_partition_job, relay_partition_job
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
@@ -203,3 +208,38 @@ def test_a_failed_relay_run_the_instance_will_retry_does_not_alert(
     _run_failure_tick(instance, run)
 
     assert receiver.received == []
+
+
+def test_dead_letters_alert_the_webhook_once_per_incident_and_once_when_all_are_retried(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    receiver: Receiver,
+    new_topic: Callable[..., str],
+) -> None:
+    """An oversize message is dead-lettered by a real relay: the check fails, the webhook hears about it
+    once (not again for the next one of the same incident), and once more when every dead letter is retried."""
+    topic = new_topic("dg", partitions=1)
+    sensor = build_dead_letter_sensor(OrchestrationSettings())
+
+    def poison() -> None:
+        enqueue_many(db, [Message(topic, {"blob": "x" * 20_000}, key="k")], table=table)
+        drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", producer={"message.max.bytes": 10_000})
+
+    cursor = _tick(sensor, instance, dagster_resources, None).cursor
+    poison()
+    first = _tick(sensor, instance, dagster_resources, cursor)
+    poison()
+    second = _tick(sensor, instance, dagster_resources, first.cursor)
+    assert (_evaluation(first).passed, _evaluation(second).metadata["dead_letters"].value) == (False, 2)
+    retry_dead_letters(db, table)
+    recovered = _tick(sensor, instance, dagster_resources, second.cursor)
+    assert _evaluation(recovered).passed
+
+    assert [(a["alert"], a["status"]) for a in receiver.received] == [
+        ("outbox_dead_letters", "firing"),
+        ("outbox_dead_letters", "resolved"),
+    ]
+    assert "1 outbox messages dead-lettered" in str(receiver.received[0]["text"])

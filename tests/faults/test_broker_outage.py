@@ -120,7 +120,13 @@ def _failed_publishes(events: list[Event], start: float, end: float) -> int:
     return failed
 
 
-@pytest.mark.parametrize("outage", ["freeze", "cut"])
+# A long outage: every lane fails the same rows several times over, more often than max_attempts allows.
+# Failures of the transport never count toward it, so nothing may be dead-lettered (issue 13, case 1).
+LONG_OUTAGE_S = 12.0
+LONG_OUTAGE_MAX_ATTEMPTS = 3
+
+
+@pytest.mark.parametrize("outage", ["freeze", "cut", "freeze-long"])
 def test_broker_outage_backs_off_acks_nothing_then_resumes_and_loses_nothing(
     outage: str,
     dsn: str,
@@ -129,11 +135,14 @@ def test_broker_outage_backs_off_acks_nothing_then_resumes_and_loses_nothing(
     workers: Callable[..., WorkerProcess],
     proxied_broker: ProxiedBroker,
 ) -> None:
-    scenario = {"freeze": "broker-frozen", "cut": "broker-unreachable"}[outage]
+    scenario = {"freeze": "broker-frozen", "cut": "broker-unreachable", "freeze-long": "broker-frozen-long"}[outage]
     start_outage, end_outage = {
         "freeze": (proxied_broker.broker.freeze, proxied_broker.broker.thaw),
+        "freeze-long": (proxied_broker.broker.freeze, proxied_broker.broker.thaw),
         "cut": (proxied_broker.proxy.cut, proxied_broker.proxy.restore),
     }[outage]
+    outage_s = LONG_OUTAGE_S if outage == "freeze-long" else OUTAGE_S
+    limits = {"max_attempts": LONG_OUTAGE_MAX_ATTEMPTS} if outage == "freeze-long" else {}
     lanes: list[Lane] = []
     for strategy in STRATEGIES:
         # `locking` keeps a transaction open while it publishes (up to message.timeout.ms during the outage);
@@ -150,7 +159,7 @@ def test_broker_outage_backs_off_acks_nothing_then_resumes_and_loses_nothing(
             bootstrap=proxied_broker.bootstrap,
             strategy=strategy,
             batch_size=BATCH,
-            config={"backoff_base_s": 0.2, "backoff_max_s": 1.0},
+            config={"backoff_base_s": 0.2, "backoff_max_s": 1.0, **limits},
             producer=FAST_FAILING_PRODUCER,
             settings=RELAY_SETTINGS,
         )
@@ -169,7 +178,7 @@ def test_broker_outage_backs_off_acks_nothing_then_resumes_and_loses_nothing(
             lane.during = write(lane.dsn, lane.table, lane.topic, MESSAGES, serialized=lane.strategy == "serialized")
             lane.committed += lane.during
         violations: dict[str, str] = {}
-        while time.monotonic() - t0 < OUTAGE_S:
+        while time.monotonic() - t0 < outage_s:
             for lane in lanes:
                 if lane.strategy not in violations and (problem := lane.acked_during_outage()):
                     violations[lane.strategy] = problem
@@ -217,6 +226,10 @@ def test_broker_outage_backs_off_acks_nothing_then_resumes_and_loses_nothing(
         )
         checks = {
             "acked during the outage": violations.get(lane.strategy),
+            f"failed fewer than {LONG_OUTAGE_MAX_ATTEMPTS} publishes (max_attempts was not exhausted)": (
+                outage == "freeze-long" and failed_publishes[lane.strategy] < LONG_OUTAGE_MAX_ATTEMPTS
+            )
+            or None,
             "claimed no batch during the outage (the outage was not exercised)": counts["batch"] == 0 or None,
             "spun during the outage": (counts["batch"] > batch_bound or counts["claim-begin"] > claim_bound) or None,
             "phantom": result.phantom and f"{len(result.phantom)} messages",
