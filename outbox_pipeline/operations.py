@@ -259,11 +259,11 @@ def retry_dead_letters(
 
     One statement, so one transaction: the dead letter gets ``retried_at`` and its message is
     inserted again with the same ``message_id``, ``attempts`` 0, ``created_at`` now (a partition
-    exists for today) and a new ``transaction_id`` (a position strategy reads it past its position).
-    It keeps its id when the original row is gone (row strategies move dead rows out). Position
-    strategies leave the original row in place: the copy then gets a fresh id, so the table keeps
-    one row per id and ``serialized``, which reads ``id > position``, reaches it. The serialized
-    writers' lock is taken so that fresh id is commit-ordered like any serialized write.
+    exists for today), a new ``transaction_id`` and always a new id, so position strategies read it past
+    their position: ``serialized`` reads ``id > position``, and a copy that kept its old id once the
+    original row was gone (its day archived and dropped) sat behind the position and was never published
+    (issue 13). Consumers deduplicate by ``message_id``. The serialized writers' lock is taken so that
+    the new id is commit-ordered like any serialized write.
     Without ``ids`` or ``topic`` every pending dead letter is retried.
     """
     seq = table.ident("outbox_messages_id_seq")
@@ -281,9 +281,7 @@ def retry_dead_letters(
                               d.priority
                 )
                 INSERT INTO {messages} (id, message_id, topic, key, type, payload, headers, partition, priority)
-                SELECT CASE WHEN EXISTS (SELECT 1 FROM {messages} x WHERE x.id = p.id)
-                            THEN nextval({seq}::regclass) ELSE p.id END,
-                       p.message_id, p.topic, p.key, p.type, p.payload, p.headers, p.partition, p.priority
+                SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.headers, p.partition, p.priority
                 FROM picked p
                 ORDER BY p.id
                 """

@@ -279,7 +279,7 @@ def test_retry_dead_letters_puts_the_row_back_and_it_is_delivered(
     kafka: KafkaProbe,
     new_topic: Callable[..., str],
 ) -> None:
-    """locking moves dead rows out (the retry keeps the id); serialized keeps them (the retry gets a new id)."""
+    """The retried copy is published after what went out meanwhile (it gets a new id and transaction id)."""
     topic = new_topic()
     serialized = strategy == "serialized"
     with db.transaction():
@@ -296,6 +296,32 @@ def test_retry_dead_letters_puts_the_row_back_and_it_is_delivered(
     assert drain(dsn, table, kafka.bootstrap_servers, strategy).published == 1
     arrived = message_ids(kafka.consume(topic, expect=3))
     assert arrived == [m for _, m, _ in small] + [str(big.message_id)]
+
+
+@pytest.mark.parametrize("strategy", ORDERED)
+def test_a_dead_letter_retried_after_its_day_was_dropped_is_delivered(
+    strategy: str,
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    """The original row is gone (its daily partition was archived and dropped), so a copy that kept the
+    old id would sit behind the position and never be read; the copy takes a new id, after the position."""
+    topic = new_topic()
+    with db.transaction():
+        [big] = enqueue_many(db, [Message(topic, {"pad": "x" * 5000}, key="k")], table=table, serialized=True)
+    _write(db, table, topic, 2, serialized=True)
+    assert drain(dsn, table, kafka.bootstrap_servers, strategy, producer={"message.max.bytes": 2000}).dead_lettered == 1
+    db.execute(sql.SQL("DELETE FROM {} WHERE topic = %s").format(table.messages), [topic])  # the day was dropped
+
+    assert retry_dead_letters(db, table, ids=[big.id]) == 1
+
+    assert drain(dsn, table, kafka.bootstrap_servers, strategy).published == 1
+    assert str(big.message_id) in message_ids(kafka.consume(topic, expect=3))
+    [(copy_id,)] = db.execute(sql.SQL("SELECT id FROM {} WHERE topic = %s").format(table.messages), [topic]).fetchall()
+    assert copy_id != big.id
 
 
 def test_retry_dead_letters_retries_each_dead_letter_once(
