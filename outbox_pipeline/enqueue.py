@@ -22,7 +22,7 @@ from psycopg import sql
 from .config import OutboxTable
 from .errors import InvalidMessageError
 from .partitioning import key_hash
-from .schema import DEFAULT_TOPIC_ROW
+from .schema import DEFAULT_TOPIC_ROW, NOTIFY_SETTING
 
 # Headers the relay sets on every Kafka record; a user header of the same name would be ambiguous.
 RESERVED_HEADERS = frozenset({"message_id", "type", "outbox_id", "created_at"})
@@ -81,15 +81,18 @@ def enqueue(
     priority: int = 0,
     partition: int | None = None,
     serialized: bool = False,
+    notify: bool = True,
     table: OutboxTable | None = None,
 ) -> Enqueued:
     """Store one message in the caller's current transaction; it is relayed once that commits.
 
     ``serialized=True`` takes the transaction-scoped lock the ``serialized`` strategy relies on (ids in
     commit order): it is held until the caller commits, so keep the enqueue at the end of the transaction.
+    ``notify=False`` inserts without waking the relay (the rest of the transaction too): needed before
+    ``PREPARE TRANSACTION``, which PostgreSQL refuses after a NOTIFY; the relay's poll finds the rows.
     """
     message = Message(topic, payload, key, headers, type, priority, partition)
-    return enqueue_many(conn, [message], serialized=serialized, table=table)[0]
+    return enqueue_many(conn, [message], serialized=serialized, notify=notify, table=table)[0]
 
 
 def enqueue_many(
@@ -97,9 +100,13 @@ def enqueue_many(
     messages: Iterable[Message],
     *,
     serialized: bool = False,
+    notify: bool = True,
     table: OutboxTable | None = None,
 ) -> list[Enqueued]:
-    """Store many messages with one statement: all of them or, on any bad message, none."""
+    """Store many messages with one statement: all of them or, on any bad message, none.
+
+    ``notify=False``: no wake-up for the relay, for two-phase commit (see ``enqueue``).
+    """
     table = table or OutboxTable.from_env()
     rows = [_validate(m, table.max_message_bytes, i) for i, m in enumerate(messages)]
     if not rows:
@@ -116,6 +123,9 @@ def enqueue_many(
         [r.hash for r in rows],
     )
     with conn.cursor() as cur:
+        if not notify:
+            # Transaction-local, like SET LOCAL: the caller's later inserts skip the NOTIFY as well.
+            cur.execute("SELECT set_config(%s, 'off', true)", (NOTIFY_SETTING,))
         if serialized:
             # Its own statement, before the INSERT draws ids from the sequence: from here to commit no
             # other serialized writer can draw an id, so ids become visible in commit order. Pipelined,

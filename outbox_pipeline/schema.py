@@ -196,10 +196,39 @@ def _m003_lease_table(conn: psycopg.Connection, t: OutboxTable) -> None:
     )
 
 
+# The setting a writer's transaction sets to 'off' to insert without a NOTIFY (see _m004).
+NOTIFY_SETTING = "outbox.notify"
+
+
+def _m004_notify_opt_out(conn: psycopg.Connection, t: OutboxTable) -> None:
+    # PostgreSQL refuses PREPARE TRANSACTION after NOTIFY ("cannot PREPARE a transaction that has
+    # executed LISTEN, UNLISTEN, or NOTIFY"), so an XA/2PC writer could not use the outbox at all. Such
+    # a writer runs ``SET LOCAL outbox.notify = off`` (``enqueue(..., notify=False)`` does it): its rows
+    # send no wake-up and the relay finds them by polling (at most ``max_poll_interval_s`` later).
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF coalesce(current_setting({setting}, true), '') <> 'off' THEN
+                    PERFORM pg_notify({channel}, '');
+                END IF;
+                RETURN NULL;
+            END $$
+            """
+        ).format(
+            function=t.ident("outbox_notify"),
+            setting=sql.Literal(NOTIFY_SETTING),
+            channel=sql.Literal(notify_channel(t)),
+        )
+    )
+
+
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
     Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
     Migration(3, "lease table for strategy lease", _m003_lease_table),
+    Migration(4, "writers may opt out of the NOTIFY (two-phase commit)", _m004_notify_opt_out),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

@@ -41,6 +41,8 @@ _DEFAULT_SETTINGS: Mapping[str, str] = MappingProxyType(
     {
         "max_connections": "200",
         "shared_buffers": "256MB",
+        # Two-phase commit (XA) writers: PREPARE TRANSACTION needs slots; 0, the server's default, refuses it.
+        "max_prepared_transactions": "20",
         "logging_collector": "off",
         # No Unix socket: socket paths hit length limits and permission problems under root/tmp dirs.
         "unix_socket_directories": "",
