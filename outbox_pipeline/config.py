@@ -30,14 +30,24 @@ DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
 # PostgreSQL truncates identifiers longer than NAMEDATALEN - 1 bytes; refuse them instead.
 _MAX_IDENTIFIER_BYTES = 63
 
-# librdkafka property names whose values are secrets: never logged, printed or stored as metadata.
-SECRET_KAFKA_PROPERTIES = frozenset(
+# A setting is secret when its name says so: librdkafka properties and libpq keywords alike
+# (sasl.password, sasl.oauthbearer.config, sasl.oauthbearer.client.secret, ssl.key.pem, ssl.keystore.password,
+# sasl.kerberos.keytab, sslpassword, a JAAS config, ...). A pattern, not a list: a property added later
+# is hidden by default. SHOWN_ANYWAY names the settings that match but hold no secret.
+SECRET_NAME = re.compile(r"pass|secret|token|credential|jaas|keytab|oauthbearer\.config|pem|private|(^|[._])key($|[._])")
+SHOWN_ANYWAY = frozenset(
     {
-        "sasl.password",
-        "sasl.oauthbearer.client.secret",
-        "ssl.key.password",
-        "ssl.keystore.password",
-        "ssl.key.pem",
+        "ssl.key.location",  # a path, not the key
+        "ssl.keystore.location",
+        "ssl.certificate.location",
+        "ssl.ca.location",
+        "sslkey",  # libpq: path of the client key file
+        "sslcert",
+        "sslrootcert",
+        "sasl.kerberos.service.name",
+        "sasl.kerberos.principal",
+        "sasl.oauthbearer.token.endpoint.url",
+        "passfile",  # libpq: path of the password file
     }
 )
 REDACTED = "***"
@@ -114,16 +124,21 @@ def pg_dsn_from_env(env: Mapping[str, str] | None = None) -> str:
     return dsn
 
 
+def is_secret(name: str) -> bool:
+    """Whether a setting's value must never be shown (see SECRET_NAME)."""
+    name = name.lower()
+    return name not in SHOWN_ANYWAY and SECRET_NAME.search(name) is not None
+
+
 def redact_dsn(dsn: str) -> str:
-    """The DSN with its password replaced, safe for logs, errors and metadata."""
+    """The DSN with every secret-like keyword (password, sslpassword, ...) replaced: for logs, errors and metadata."""
     try:
         params = conninfo_to_dict(dsn)
     except Exception:
         # An unparsable DSN may still hold a secret: show nothing of it.
         return "<unparsable DSN>"
-    if params.get("password"):
-        params["password"] = REDACTED
-    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
+    shown = {k: (REDACTED if v and is_secret(k) else v) for k, v in params.items() if v is not None}
+    return make_conninfo("", **shown)
 
 
 def kafka_config_from_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -140,8 +155,5 @@ def kafka_config_from_env(env: Mapping[str, str] | None = None) -> dict[str, str
 
 
 def redact_kafka_config(config: Mapping[str, object]) -> dict[str, object]:
-    """The config with secret properties (and anything named like a secret) replaced."""
-    return {
-        key: (REDACTED if key in SECRET_KAFKA_PROPERTIES or re.search(r"password|secret", key) else value)
-        for key, value in config.items()
-    }
+    """The config with every secret-like property replaced (see SECRET_NAME)."""
+    return {key: (REDACTED if is_secret(key) else value) for key, value in config.items()}

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import dagster as dg
 import psycopg
+import pytest
 from psycopg import sql
 
 from assets import outbox_backlog
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.config import kafka_config_from_env, redact_dsn, redact_kafka_config
+from outbox_pipeline.config import REDACTED, kafka_config_from_env, redact_dsn, redact_kafka_config
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres, free_port
 from outbox_pipeline.schema import init_db
 from resources import PostgresResource
@@ -41,6 +42,46 @@ def test_redacted_forms_hide_passwords_and_secret_properties() -> None:
     )
     assert config["sasl.password"] == KAFKA_SECRET
     assert KAFKA_SECRET not in str(redact_kafka_config(config))
+
+
+# Every librdkafka property that can hold a secret (CONFIGURATION.md), and libpq's secret keywords.
+SECRET_KAFKA_PROPERTIES = [
+    "sasl.password",
+    "sasl.oauthbearer.config",
+    "sasl.oauthbearer.client.secret",
+    "sasl.jaas.config",
+    "sasl.kerberos.keytab",
+    "ssl.key.password",
+    "ssl.key.pem",
+    "ssl_key",
+    "ssl.keystore.password",
+    "ssl.certificate.pem",
+    "ssl.ca.pem",
+    "ssl.engine.callback.data.passphrase",
+    "custom.credentials",
+    "sasl.oauthbearer.assertion.private.key.passphrase",
+    "sasl.oauthbearer.assertion.private.key.pem",
+]
+SHOWN_KAFKA_PROPERTIES = ["bootstrap.servers", "sasl.username", "sasl.mechanism", "security.protocol", "ssl.key.location"]
+
+
+@pytest.mark.parametrize("name", SECRET_KAFKA_PROPERTIES)
+def test_every_secret_like_kafka_property_is_redacted(name: str) -> None:
+    assert redact_kafka_config({name: KAFKA_SECRET, "bootstrap.servers": "h:9092"}) == {
+        name: REDACTED,
+        "bootstrap.servers": "h:9092",
+    }
+
+
+@pytest.mark.parametrize("name", SHOWN_KAFKA_PROPERTIES)
+def test_kafka_properties_that_hold_no_secret_are_shown(name: str) -> None:
+    assert redact_kafka_config({name: "value"}) == {name: "value"}
+
+
+@pytest.mark.parametrize("keyword", ["password", "sslpassword"])
+def test_every_secret_libpq_keyword_is_redacted(keyword: str) -> None:
+    shown = redact_dsn(f"host=h user=u dbname=d {keyword}={DB_SECRET} sslkey=/k.pem")
+    assert DB_SECRET not in shown and "sslkey=/k.pem" in shown and "user=u" in shown
 
 
 def test_the_relay_command_never_prints_the_database_password_or_kafka_secrets(
