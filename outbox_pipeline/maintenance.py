@@ -60,12 +60,25 @@ ARCHIVE_COLUMNS: Sequence[tuple[str, str]] = (
     ("last_error", "m.last_error"),
     ("sent_at", "m.sent_at"),
 )
-# The checksum: the sum over rows of the first 32 bits of md5('|'-joined text of these archive columns,
-# NULLs skipped). The archive's reader computes the same from the archived text (see the Spark room).
-CHECKSUM_COLUMNS = ("id", "message_id", "topic", "key", "payload", "headers", "transaction_id")
+# The checksum: the sum over rows of the first 32 bits of md5 of every archive column's text, '|'-joined,
+# NULL as \N. Timestamps enter as epoch microseconds, the one text form PostgreSQL and Spark agree on. The
+# archive's reader computes the same from the archived values (see the Spark room). Every column counts:
+# an archive that lost an error message or a timestamp must not verify.
+CHECKSUM_COLUMNS: tuple[str, ...] = tuple(name for name, _ in ARCHIVE_COLUMNS)
+TIMESTAMP_COLUMNS = frozenset({"created_at", "available_after", "sent_at"})
+NULL_TEXT = "\\N"
+
+
+def _checksum_text(name: str, expr: str) -> str:
+    if name in TIMESTAMP_COLUMNS:
+        expr = f"(extract(epoch FROM {expr}) * 1000000)::bigint"
+    return f"coalesce(({expr})::text, '{NULL_TEXT}')"
+
+
 _CHECKSUM_SQL = (
-    "coalesce(sum(('x' || substr(md5(concat_ws('|', m.id::text, m.message_id::text, m.topic, m.key, "
-    "m.payload::text, m.headers::text, m.transaction_id::text)), 1, 8))::bit(32)::bigint), 0)::bigint"
+    "coalesce(sum(('x' || substr(md5(concat_ws('|', "
+    + ", ".join(_checksum_text(name, expr) for name, expr in ARCHIVE_COLUMNS)
+    + ")), 1, 8))::bit(32)::bigint), 0)::bigint"
 )
 
 
@@ -125,7 +138,13 @@ def day_partitions(conn: psycopg.Connection, table: OutboxTable) -> list[DayPart
 
 
 def expired(partitions: Sequence[DayPartition], today: dt.date, retention_days: int) -> list[DayPartition]:
-    """Partitions whose whole day is older than the retention window."""
+    """Partitions whose whole day is older than the retention window.
+
+    At least one day: with 0, today's writers (a transaction that began before midnight, or a clock a
+    little behind) land in a day already dropped, and their rows in DEFAULT, to be archived twice.
+    """
+    if retention_days < 1:
+        raise ValueError(f"retention_days must be at least 1, not {retention_days}")
     cutoff = today - dt.timedelta(days=retention_days)
     return [p for p in partitions if p.day < cutoff]
 
@@ -150,47 +169,68 @@ def default_rows_by_day(conn: psycopg.Connection, table: OutboxTable) -> dict[dt
     return {day: int(n) for day, n in rows}
 
 
-def move_default_rows(conn: psycopg.Connection, table: OutboxTable, *, lock_timeout: str = "5s") -> dict[dt.date, int]:
-    """Give each day found in DEFAULT its own partition, with its rows; returns rows moved per day.
+@dataclass(frozen=True)
+class Rescue:
+    """What ``move_default_rows`` did: rows moved per day, and the days it could not move (why)."""
 
-    Per day, one transaction: create the day's table, move its rows out of DEFAULT into it, attach it.
-    Rows keep every column (id, transaction_id), so positions and ids mean what they meant; readers see
-    the rows in DEFAULT until the commit and in the new partition after it, never both or neither.
+    moved: dict[dt.date, int]
+    failed: dict[dt.date, str]
+
+
+def move_default_rows(conn: psycopg.Connection, table: OutboxTable, *, lock_timeout: str = "5s") -> Rescue:
+    """Give each day found in DEFAULT its own partition, with its rows.
+
+    Per day, one transaction: stop writers (the parent table in SHARE ROW EXCLUSIVE mode: a row committed
+    into DEFAULT between the move and the ATTACH made the ATTACH fail, for ever under steady writes),
+    create the day's table, move its rows out of DEFAULT into it, attach it. Writers wait for the few
+    milliseconds that takes. Rows keep every column (id, transaction_id), so positions and ids mean what
+    they meant; readers see the rows in DEFAULT until the commit and in the new partition after it, never
+    both or neither. A day that fails (a lock not granted within ``lock_timeout``: a long transaction is
+    writing) is reported and left in DEFAULT for the next run; the other days go on.
     """
     moved: dict[dt.date, int] = {}
+    failed: dict[dt.date, str] = {}
     for day in default_rows_by_day(conn, table):
-        name = partition_name(day)
-        start = dt.datetime.combine(day, dt.time(), dt.UTC)
-        end = start + dt.timedelta(days=1)
-        part = table.ident(name)
-        with conn.transaction():
-            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
-            conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (MIGRATION_LOCK_CLASS, table.schema))
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE {part} (LIKE {messages} INCLUDING DEFAULTS INCLUDING CONSTRAINTS) WITH ({storage})"
-                ).format(part=part, messages=table.messages, storage=sql.SQL(PARTITION_STORAGE))
-            )
-            cur = conn.execute(
-                sql.SQL(
-                    """
-                    WITH rescued AS (
-                        DELETE FROM {default} d
-                        WHERE d.created_at >= %(start)s AND d.created_at < %(end)s
-                        RETURNING d.*
-                    )
-                    INSERT INTO {part} SELECT * FROM rescued
-                    """
-                ).format(default=table.ident(DEFAULT_PARTITION), part=part),
-                {"start": start, "end": end},
-            )
-            moved[day] = cur.rowcount
-            conn.execute(
-                sql.SQL("ALTER TABLE {messages} ATTACH PARTITION {part} FOR VALUES FROM ({start}) TO ({end})").format(
-                    messages=table.messages, part=part, start=sql.Literal(start), end=sql.Literal(end)
+        try:
+            moved[day] = _move_day(conn, table, day, lock_timeout)
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.CheckViolation) as exc:
+            failed[day] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+    return Rescue(moved, failed)
+
+
+def _move_day(conn: psycopg.Connection, table: OutboxTable, day: dt.date, lock_timeout: str) -> int:
+    name = partition_name(day)
+    start = dt.datetime.combine(day, dt.time(), dt.UTC)
+    end = start + dt.timedelta(days=1)
+    part = table.ident(name)
+    with conn.transaction():
+        conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
+        conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (MIGRATION_LOCK_CLASS, table.schema))
+        conn.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(table.messages))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {part} (LIKE {messages} INCLUDING DEFAULTS INCLUDING CONSTRAINTS) WITH ({storage})"
+            ).format(part=part, messages=table.messages, storage=sql.SQL(PARTITION_STORAGE))
+        )
+        cur = conn.execute(
+            sql.SQL(
+                """
+                WITH rescued AS (
+                    DELETE FROM {default} d
+                    WHERE d.created_at >= %(start)s AND d.created_at < %(end)s
+                    RETURNING d.*
                 )
+                INSERT INTO {part} SELECT * FROM rescued
+                """
+            ).format(default=table.ident(DEFAULT_PARTITION), part=part),
+            {"start": start, "end": end},
+        )
+        conn.execute(
+            sql.SQL("ALTER TABLE {messages} ATTACH PARTITION {part} FOR VALUES FROM ({start}) TO ({end})").format(
+                messages=table.messages, part=part, start=sql.Literal(start), end=sql.Literal(end)
             )
-    return moved
+        )
+        return cur.rowcount
 
 
 # -- relayed? --------------------------------------------------------------------------------------

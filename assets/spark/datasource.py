@@ -14,7 +14,9 @@ Executors need network access to PostgreSQL and Kafka and a Python that imports 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -23,7 +25,7 @@ from typing import Any
 
 import psycopg
 import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.datasource import (
     DataSource,
@@ -46,7 +48,14 @@ from outbox_pipeline.drain import (
     publish_range,
     release_drain,
 )
-from outbox_pipeline.maintenance import ARCHIVE_COLUMNS, CHECKSUM_COLUMNS, Fingerprint, fetch_archive_rows
+from outbox_pipeline.maintenance import (
+    ARCHIVE_COLUMNS,
+    CHECKSUM_COLUMNS,
+    NULL_TEXT,
+    TIMESTAMP_COLUMNS,
+    Fingerprint,
+    fetch_archive_rows,
+)
 from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.strategies.base import OutboxRecord
 
@@ -291,11 +300,25 @@ class ArchiveReader(DataSourceReader):
                 )
 
 
-def archive_uri(root: str, schema: str, partition_name: str) -> str:
-    """Where a day partition's archive goes: ``root/schema/partition``; a plain path means local disk."""
+def archive_uri(root: str, schema: str, partition_name: str, attempt: str) -> str:
+    """Where one archive of a day partition goes: ``root/<schema>/<partition>/<attempt>``.
+
+    Never the same place twice: a day can be archived again (a late row for a dropped day lands in
+    DEFAULT, the day is re-created and archived once more), and that archive must not replace the first.
+    ``attempt`` is unique per archive (the maintenance run's time and id). Names are made path-safe: a
+    schema is any PostgreSQL identifier ("a/../b" included), so anything but ``[A-Za-z0-9_-]`` becomes
+    ``_`` and a short hash of the original name keeps two such names apart. A plain path means local disk.
+    """
     if "://" not in root:
         root = Path(root).expanduser().resolve().as_uri()
-    return f"{root.rstrip('/')}/{schema}/{partition_name}"
+    return f"{root.rstrip('/')}/{path_safe(schema)}/{path_safe(partition_name)}/{path_safe(attempt)}"
+
+
+def path_safe(name: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
+    if safe == name and name not in {"", ".", ".."}:
+        return name
+    return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def archive_partition(
@@ -307,8 +330,9 @@ def archive_partition(
     slices: Sequence[tuple[int, int]],
     uri: str,
 ) -> Fingerprint:
-    """Write the partition's rows as Parquet at ``uri`` (replacing an earlier attempt) and return the
-    fingerprint of what was written, read back from the files, to compare with PostgreSQL's."""
+    """Write the partition's rows as Parquet at ``uri`` (which must not exist: an archive is never
+    replaced) and return the fingerprint of what was written, read back from the files, to compare
+    with PostgreSQL's."""
     spark.dataSource.register(OutboxArchiveSource)
     frame = (
         spark.read.format(OutboxArchiveSource.name())
@@ -318,13 +342,19 @@ def archive_partition(
         .option("slices", json.dumps([list(s) for s in slices]))
         .load()
     )
-    frame.write.mode("overwrite").parquet(uri)
+    frame.write.mode("errorifexists").parquet(uri)
     return parquet_fingerprint(spark.read.parquet(uri))
 
 
 def parquet_fingerprint(frame: DataFrame) -> Fingerprint:
-    """Row count and checksum of archived rows, computed as ``maintenance.fingerprint`` does in SQL."""
-    joined = F.concat_ws("|", *[F.col(c).cast("string") for c in CHECKSUM_COLUMNS])
+    """Row count and checksum of archived rows, computed as ``maintenance.fingerprint`` does in SQL:
+    every column, timestamps as epoch microseconds, NULL as ``\\N``."""
+
+    def text(name: str) -> Column:
+        column = F.unix_micros(F.col(name)) if name in TIMESTAMP_COLUMNS else F.col(name)
+        return F.coalesce(column.cast("string"), F.lit(NULL_TEXT))
+
+    joined = F.concat_ws("|", *[text(c) for c in CHECKSUM_COLUMNS])
     row_hash = F.conv(F.substring(F.md5(joined), 1, 8), 16, 10).cast("bigint")
     result: Any = frame.agg(F.count(F.lit(1)).alias("rows"), F.coalesce(F.sum(row_hash), F.lit(0)).alias("sum")).first()
     return Fingerprint(int(result["rows"]), int(result["sum"]))

@@ -85,13 +85,23 @@ def outbox_partition_maintenance(
     today = (
         dt.date.fromisoformat(context.partition_key) if context.has_partition_key else dt.datetime.now(dt.UTC).date()
     )
+    if config.retention_days < 1:
+        raise dg.Failure(
+            description=f"retention_days must be at least 1 (got {config.retention_days}): with 0, rows still "
+            "being written for today would land in a day already dropped"
+        )
     root = config.archive_uri or default_archive_root()
+    # Unique per run, so an archive is never written where an earlier one is (see archive_uri).
+    attempt = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{context.run_id[:8]}"
     archived: dict[str, dict[str, object]] = {}
     dropped: list[DropResult] = []
     skipped: dict[str, str] = {}
     with postgres.connect() as conn:
-        moved = move_default_rows(conn, table, lock_timeout=config.lock_timeout)
+        # First: the days ahead must exist whatever happens after, or more rows spill into DEFAULT.
         created = create_ahead(conn, table, today=today, days_ahead=config.days_ahead, lock_timeout=config.lock_timeout)
+        rescue = move_default_rows(conn, table, lock_timeout=config.lock_timeout)
+        for day, reason in rescue.failed.items():
+            skipped[f"DEFAULT rows of {day.isoformat()}"] = f"not moved this run: {reason}"
         candidates = expired(day_partitions(conn, table), today, config.retention_days)
         for candidate in candidates:
             check = check_relayed(conn, table, candidate.name, config.strategy)
@@ -101,7 +111,7 @@ def outbox_partition_maintenance(
             slices = id_slices(conn, table, candidate.name, config.archive_slices)
             written = Fingerprint(0, 0)
             if slices:  # an empty day has nothing to archive
-                uri = archive_uri(root, table.schema, candidate.name)
+                uri = archive_uri(root, table.schema, candidate.name, attempt)
                 written = archive_partition(
                     spark.session,
                     dsn=postgres.dsn,
@@ -131,8 +141,8 @@ def outbox_partition_maintenance(
             "day": today.isoformat(),
             "partitions_created": len(created),
             "created": dg.MetadataValue.json(created),
-            "default_rows_moved": sum(moved.values()),
-            "default_rows_by_day": dg.MetadataValue.json({d.isoformat(): n for d, n in moved.items()}),
+            "default_rows_moved": sum(rescue.moved.values()),
+            "default_rows_by_day": dg.MetadataValue.json({d.isoformat(): n for d, n in rescue.moved.items()}),
             "partitions_archived": len(archived),
             "archived": dg.MetadataValue.json(archived),
             "partitions_dropped": len(dropped),

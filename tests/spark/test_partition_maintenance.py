@@ -127,13 +127,61 @@ def test_an_old_fully_relayed_partition_is_archived_to_parquet_verified_and_drop
     result = _maintain(spark_resources, tmp_path)
 
     assert not _exists(db, table, old)
-    archived = pq.read_table(tmp_path / table.schema / old)
+    metadata = _metadata(result)
+    archived = pq.read_table(_local(metadata["archived"][old]["uri"]))
     assert archived.num_rows == 400
     assert sorted(archived.column("message_id").to_pylist()) == sorted(written)
-    metadata = _metadata(result)
     assert metadata["dropped"][old] == 400
     assert metadata["archived"][old]["rows"] == 400
     assert metadata["bytes_freed"] > 0
+
+
+def _local(uri: str) -> Path:
+    assert uri.startswith("file://"), uri
+    return Path(uri.removeprefix("file://"))
+
+
+@pytest.mark.spark
+def test_a_day_archived_again_after_a_late_row_keeps_both_archives_and_both_verify(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    spark_resources: dict[str, object],
+    tmp_path: Path,
+) -> None:
+    """A late row for a dropped day (a long transaction's created_at) lands in DEFAULT; the next run moves it
+    into a re-created day partition and archives that day again: the first archive must survive."""
+    topic = new_topic()
+    first_rows = _old_rows(db, table, topic, 20)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    old = partition_name(OLD_DAY)
+    first = _metadata(_maintain(spark_resources, tmp_path))["archived"][old]
+    assert not _exists(db, table, old)
+
+    late = db.execute(
+        sql.SQL(
+            "INSERT INTO {} (topic, key, payload, partition, created_at) VALUES (%s, 'k', '{{}}', 0, %s) "
+            "RETURNING message_id::text"
+        ).format(table.messages),
+        (topic, dt.datetime.combine(OLD_DAY, dt.time(23, 59), dt.UTC)),
+    ).fetchone()
+    assert late is not None
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    second = _metadata(_maintain(spark_resources, tmp_path))["archived"][old]
+
+    assert first["uri"] != second["uri"]
+    assert sorted(pq.read_table(_local(first["uri"])).column("message_id").to_pylist()) == sorted(first_rows)
+    assert pq.read_table(_local(second["uri"])).column("message_id").to_pylist() == [late[0]]
+    assert (first["rows"], second["rows"]) == (20, 1)  # each verified against PostgreSQL before its drop
+    assert not _exists(db, table, old)
+
+
+def test_a_retention_below_one_day_fails_the_run_with_the_reason(
+    spark_resources: dict[str, object], tmp_path: Path
+) -> None:
+    with pytest.raises(dg.Failure, match="retention_days must be at least 1"):
+        _maintain(spark_resources, tmp_path, retention_days=0)
 
 
 @pytest.mark.spark
