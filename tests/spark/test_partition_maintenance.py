@@ -4,6 +4,7 @@ and its daily schedule. The run's day is fixed, so which days count as old does 
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 from psycopg import sql
 
 from assets.spark import outbox_partition_maintenance, spark_assets, spark_jobs, spark_schedules
+from assets.spark.datasource import archive_uri
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.operations import rewind_partition
 from outbox_pipeline.schema import ensure_partitions, partition_name
@@ -250,3 +252,11 @@ def test_the_schedule_maintains_each_day_shortly_after_it_begins() -> None:
     assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
     assert request.partition_key == "2026-06-15"
     assert defs.resolve_job_def("bulk_drain_job") is not None
+
+
+@pytest.mark.parametrize("schema", ["a/../b", "..", "x y", "ütf"])
+def test_a_schema_name_goes_into_the_archive_path_as_one_safe_segment(schema: str) -> None:
+    uri = archive_uri("/archive", schema, "outbox_messages_p20260501", "20260615T001500Z-abcd1234")
+    segments = uri.removeprefix("file:///archive/").split("/")
+    assert len(segments) == 3 and all(re.fullmatch(r"[A-Za-z0-9_-]+", s) for s in segments), uri
+    assert archive_uri("/archive", schema + "!", "p", "a") != archive_uri("/archive", schema + "?", "p", "a")
