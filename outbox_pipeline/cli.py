@@ -31,7 +31,8 @@ from . import operations, schema
 from .config import REDACTED, OutboxTable, kafka_config_from_env, pg_dsn_from_env, redact_dsn, redact_kafka_config
 from .enqueue import enqueue
 from .errors import ConfigurationError, OutboxError
-from .lag import PartitionLag, partition_lag
+from .lag import PartitionLag, describe_holders, holders, partition_lag
+from .liveness import holders_alive, liveness_from_env
 from .publisher import KafkaPublisher
 from .relay import Relay, RelaySettings
 from .strategies import STRATEGY_NAMES, strategy_class
@@ -147,6 +148,9 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
 # How often each relay worker logs its cumulative metrics.
 METRICS_INTERVAL_S = 5.0
+# `outbox relay --until-empty` stopped by --max-seconds with rows still pending (1: a worker crashed,
+# 2: a usage or configuration error).
+EXIT_NOT_EMPTY = 3
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,8 @@ class WorkerResult:
     elapsed_s: float
     summary: str
     error: str | None = None
+    # --until-empty stopped with rows pending: why (lag.explain_pending)
+    remaining: tuple[str, ...] = ()
 
 
 def _relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
@@ -236,6 +242,7 @@ def _relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
             stats.elapsed_s,
             stats.summary(),
             error,
+            tuple(stats.remaining),
         )
     )
     if error is not None:
@@ -306,6 +313,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         listen=not args.no_listen,
         until_empty=args.until_empty,
         max_seconds=args.max_seconds,
+        liveness=liveness_from_env(),
     )
     specs = [
         WorkerSpec(
@@ -380,6 +388,12 @@ def _print_summary(processes: Sequence[BaseProcess], collected: Mapping[int, Wor
         f"workers={len(processes)} crashed={crashed}",
         flush=True,
     )
+    remaining = [line for r in done for line in r.remaining]
+    if remaining and not crashed:
+        print(f"not empty after --max-seconds: {len(remaining)} reason(s)", flush=True)
+        for line in dict.fromkeys(remaining):  # workers of one relay see the same pending rows
+            print(f"  {line}", flush=True)
+        return EXIT_NOT_EMPTY
     return 1 if crashed else 0
 
 
@@ -402,15 +416,20 @@ def cmd_lag(args: argparse.Namespace) -> int:
         raise OutboxError("--cap must be >= 1")
     with _connect(args) as conn:
         lags = partition_lag(conn, _table(args), args.strategy, cap=args.cap)
+        alive = holders_alive(conn, _table(args), holders(lags))
     if args.json:
-        print(json.dumps([dataclasses.asdict(lag) for lag in lags]))
+        print(json.dumps([{**dataclasses.asdict(lag), "holders": _holders_json(lag, alive)} for lag in lags]))
     else:
-        print(_lag_table(lags, args.cap))
+        print(_lag_table(lags, args.cap, alive))
     return 0
 
 
-def _lag_table(lags: Sequence[PartitionLag], cap: int | None) -> str:
-    header = ("topic", "partition", "pending", "oldest_s", "position", "leased_by", "attempts", "backoff", "last_error")
+def _holders_json(lag: PartitionLag, alive: Mapping[str, bool | None]) -> dict[str, bool | None]:
+    return {h: alive.get(h) for h in (lag.leased_by or "").split(",") if h}
+
+
+def _lag_table(lags: Sequence[PartitionLag], cap: int | None, alive: Mapping[str, bool | None]) -> str:
+    header = ("topic", "partition", "pending", "oldest_s", "position", "held_by", "until", "attempts", "backoff", "last_error")
     rows = [
         (
             lag.topic,
@@ -418,7 +437,8 @@ def _lag_table(lags: Sequence[PartitionLag], cap: int | None) -> str:
             f"{lag.pending}+" if cap is not None and lag.pending >= cap else str(lag.pending),
             f"{lag.oldest_pending_age_s:.1f}" if lag.oldest_pending_age_s is not None else "-",
             lag.position or "-",
-            lag.leased_by or "-",
+            describe_holders(lag.leased_by, alive) if lag.leased_by else "-",
+            lag.until or "-",
             str(lag.attempts),
             "yes" if lag.in_backoff else "no",
             (lag.last_error or "-").replace("\n", " ")[:60],
@@ -597,7 +617,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES)
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--batch-size", type=int, default=RelaySettings.batch_size)
-    p.add_argument("--until-empty", action="store_true", help="stop when nothing is claimable")
+    p.add_argument(
+        "--until-empty",
+        action="store_true",
+        help="stop when nothing is pending: waits for rows leased by other workers or backing off; if "
+        f"--max-seconds ends it first, exits {EXIT_NOT_EMPTY} and prints why rows are still pending",
+    )
     p.add_argument("--max-seconds", type=float, help="stop after this long")
     p.add_argument("--mode", choices=("delete", "mark-sent"), default="delete", help="row strategies: after delivery")
     p.add_argument(

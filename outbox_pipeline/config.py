@@ -105,6 +105,10 @@ class OutboxTable:
         return self.ident("outbox_dead_letters")
 
     @cached_property
+    def workers(self) -> sql.Identifier:
+        return self.ident("outbox_workers")
+
+    @cached_property
     def topics(self) -> sql.Identifier:
         return self.ident("outbox_topics")
 

@@ -9,12 +9,15 @@ state on the row (``sent_at IS NULL``); position strategies (partitioned, serial
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
+from .liveness import holders_alive
 from .strategies import strategy_class
 from .strategies.positions import PositionStrategy, partition_pairs
 
@@ -36,6 +39,8 @@ class PartitionLag:
     last_error: str | None = None
     # Backing off after a failure (not leased, not available yet).
     in_backoff: bool = False
+    # When the lease or the backoff ends (HH:MM:SS UTC), if one is running.
+    until: str | None = None
 
 
 # Row strategies. Per pair, the pending rows oldest first (the (topic, partition, id) index), at most
@@ -44,7 +49,8 @@ class PartitionLag:
 _ROW_LAG = """
     WITH RECURSIVE {pairs}
     SELECT p.topic, p.partition, w.pending, w.age, NULL::text,
-           w.leased_by, w.attempts, w.last_error, w.in_backoff
+           w.leased_by, w.attempts, w.last_error, w.in_backoff,
+           to_char(w.until AT TIME ZONE 'UTC', 'HH24:MI:SS')
     FROM pairs p
     CROSS JOIN LATERAL (
         SELECT count(*) AS pending,
@@ -54,10 +60,12 @@ _ROW_LAG = """
                (array_agg(r.last_error ORDER BY r.attempts DESC, r.id)
                    FILTER (WHERE r.last_error IS NOT NULL))[1] AS last_error,
                coalesce(bool_or(r.locked_by IS NULL AND r.attempts > 0 AND r.available_after > now()), false)
-                   AS in_backoff
+                   AS in_backoff,
+               max(greatest(r.lease_until, nullif(greatest(r.available_after, now()), now()))) AS until
         FROM (
             SELECT m.id, m.created_at, m.locked_by, m.available_after, m.attempts, m.last_error,
-                   (SELECT l.locked_by FROM {leases} l WHERE l.id = m.id AND l.expires_at > now()) AS leased_by
+                   (SELECT l.locked_by FROM {leases} l WHERE l.id = m.id AND l.expires_at > now()) AS leased_by,
+                   (SELECT l.expires_at FROM {leases} l WHERE l.id = m.id AND l.expires_at > now()) AS lease_until
             FROM {messages} m
             WHERE m.topic = p.topic AND m.partition = p.partition AND m.sent_at IS NULL
             ORDER BY m.id
@@ -86,7 +94,8 @@ _POSITION_LAG = """
            o.last_processed_transaction_id::text AS xid_text, o.last_processed_id,
            CASE WHEN o.available_after > now() THEN o.locked_by END,
            o.attempts, o.last_error,
-           (o.locked_by IS NULL AND o.available_after > now())
+           (o.locked_by IS NULL AND o.available_after > now()),
+           CASE WHEN o.available_after > now() THEN to_char(o.available_after AT TIME ZONE 'UTC', 'HH24:MI:SS') END
     FROM positions o
     CROSS JOIN LATERAL (
         SELECT count(*) AS pending, extract(epoch FROM now() - min(r.created_at))::float8 AS age
@@ -136,8 +145,8 @@ def partition_lag(
         )
         rows = conn.execute(query, params).fetchall()
         return [
-            PartitionLag(topic, part, int(n), age, None, leased, int(attempts), error, bool(backoff))
-            for topic, part, n, age, _, leased, attempts, error, backoff in rows
+            PartitionLag(topic, part, int(n), age, None, leased, int(attempts), error, bool(backoff), until)
+            for topic, part, n, age, _, leased, attempts, error, backoff, until in rows
         ]
     with_xid = "last_processed_transaction_id" in cls.work_condition
     query = sql.SQL(_POSITION_LAG).format(
@@ -159,8 +168,50 @@ def partition_lag(
             int(attempts),
             error,
             bool(backoff),
+            until,
         )
-        for topic, part, n, age, xid, last_id, leased, attempts, error, backoff in rows
+        for topic, part, n, age, xid, last_id, leased, attempts, error, backoff, until in rows
+    ]
+
+
+def holders(lags: Sequence[PartitionLag]) -> set[str]:
+    return {h for lag in lags for h in (lag.leased_by or "").split(",") if h}
+
+
+def describe_holders(leased_by: str, alive: Mapping[str, bool | None]) -> str:
+    """``host-1 (alive), host-2 (dead)``: each holder with what its session says (see liveness)."""
+    state = {True: "alive", False: "dead", None: "liveness unknown"}
+    return ", ".join(f"{h} ({state[alive.get(h)]})" for h in leased_by.split(",") if h)
+
+
+def explain_pending(
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    strategy: str,
+    scope: Collection[tuple[str, int]] | None = None,
+) -> list[str]:
+    """One line per reason rows are still pending, for an operator: what ``--until-empty`` prints when it
+    stops early, e.g. "659 rows pending in serialized t-a:2, t-b:1, leased by host-123 (alive) until 12:00:03"."""
+    lags = [
+        lag
+        for lag in partition_lag(conn, table, strategy)
+        if lag.pending and (scope is None or (lag.topic, lag.partition) in scope)
+    ]
+    alive = holders_alive(conn, table, holders(lags))
+    groups: dict[str, list[PartitionLag]] = defaultdict(list)
+    for lag in lags:
+        until = f" until {lag.until} UTC" if lag.until else ""
+        if lag.leased_by:
+            reason = f"leased by {describe_holders(lag.leased_by, alive)}{until}"
+        elif lag.in_backoff:
+            reason = f"backing off{until} after: {(lag.last_error or '-').splitlines()[0][:120]}"
+        else:
+            reason = "claimable (a worker will take them)"
+        groups[reason].append(lag)
+    return [
+        f"{sum(lag.pending for lag in group)} rows pending in {strategy} "
+        f"{', '.join(f'{lag.topic}:{lag.partition}' for lag in group)}, {reason}"
+        for reason, group in groups.items()
     ]
 
 

@@ -142,7 +142,7 @@ def relay_partition(
     table = config.table
     scoped = replace(config, partitions=frozenset({(topic, partition)}))
     before = lag_of(conn, table, strategy, topic, partition)
-    relay = Relay(dsn, strategy_class(strategy), scoped, publisher, replace(settings, until_empty=True), stop)
+    relay = Relay(dsn, strategy_class(strategy), scoped, publisher, replace(settings, until_idle=True), stop)
     stats = relay.run()
     after = lag_of(conn, table, strategy, topic, partition)
     return PartitionRunReport(

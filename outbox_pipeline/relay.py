@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
+from .lag import explain_pending, partition_lag
+from .liveness import Liveness, WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .schema import notify_channel, require_current
 from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
@@ -36,10 +38,18 @@ class RelaySettings:
     error_backoff_base_s: float = 0.5
     error_backoff_max_s: float = 30.0
     listen: bool = True
+    # Stop once nothing is pending: waits (bounded by max_seconds) for rows leased by others or backing off,
+    # and fills RelayStats.remaining when it stops with rows still pending.
     until_empty: bool = False
+    # Stop at the first claim that finds nothing (a Dagster partition run's "caught up").
+    until_idle: bool = False
     max_seconds: float | None = None
     # Read the next batch while Kafka confirms the previous one (see Relay.run).
     pipeline: bool = True
+    # Heartbeat and reap of dead workers (liveness.py) at most this often; also the longest idle wait.
+    upkeep_interval_s: float = 1.0
+    # "session": this worker's leases end when its session does; "expiry": only when they expire.
+    liveness: Liveness = "session"
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,8 @@ class RelayStats:
     oldest_age_s: float | None = None
     started: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0
+    # until_empty stopped (max_seconds) with rows still pending: one line per reason (lag.explain_pending).
+    remaining: list[str] = field(default_factory=list)
 
     def add(self, batch: BatchMetrics) -> None:
         self.batches += 1
@@ -138,7 +150,9 @@ class Relay:
         self.stats = RelayStats()
         self._connections: list[psycopg.Connection] = []
         self._strategies: list[Strategy] = []
-        self._listen_conn: psycopg.Connection | None = None
+        self._control: psycopg.Connection | None = None
+        self._presence: WorkerPresence | None = None
+        self._upkeep_at = float("-inf")
         self._turn = 0
 
     # -- connections -------------------------------------------------------------------------
@@ -153,25 +167,54 @@ class Relay:
             wanted = 1
             if self.settings.pipeline and getattr(self.strategy_factory, "pipelining", "shared") == "own-connection":
                 wanted = 2  # one open transaction per batch in flight
+            self._connect_control()
             for _ in range(wanted):
-                conn = psycopg.connect(self.dsn, autocommit=True)
+                conn = psycopg.connect(self.dsn, autocommit=True, application_name=self._application_name)
                 self._connections.append(conn)
-                if len(self._connections) == 1:
-                    require_current(conn, self.strategy_config.table)
                 self._strategies.append(self.strategy_factory(conn, self.strategy_config))
         return self._strategies
 
-    def _disconnect(self) -> None:
-        for held in (*self._strategies, *self._connections, self._listen_conn):
+    def _connect_control(self) -> WorkerPresence:
+        """The control connection: this worker's liveness lock and registration, and its LISTEN."""
+        if self._presence is None:
+            conn = psycopg.connect(self.dsn, autocommit=True, application_name=self._application_name)
+            self._control = conn
+            require_current(conn, self.strategy_config.table)
+            presence = WorkerPresence(
+                conn, self.strategy_config.table, self.strategy_config.worker_id, self.settings.liveness
+            )
+            presence.register()
+            if self.settings.listen:
+                channel = notify_channel(self.strategy_config.table)
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            self._presence = presence
+        return self._presence
+
+    @property
+    def _application_name(self) -> str:
+        return f"outbox {self.strategy_config.worker_id}"[:63]
+
+    def _upkeep(self) -> bool:
+        """Heartbeat and reap at most every upkeep_interval_s; True when dead workers' work was freed."""
+        if time.monotonic() - self._upkeep_at < self.settings.upkeep_interval_s:
+            return False
+        self._upkeep_at = time.monotonic()
+        reaped = self._connect_control().upkeep()
+        return bool(reaped.partitions or reaped.rows)
+
+    def _disconnect(self, *, deregister: bool = False) -> None:
+        if deregister and self._presence is not None:
+            self._presence.deregister()
+        for held in (*self._strategies, *self._connections, self._control):
             try:
                 if held is not None:
                     held.close()
             except Exception:  # the connection is already broken; closing is best effort
                 pass
-        self._strategies, self._connections, self._listen_conn = [], [], None
+        self._strategies, self._connections, self._control, self._presence = [], [], None, None
 
     def close(self) -> None:
-        self._disconnect()
+        self._disconnect(deregister=True)
         self.publisher.close()
 
     # -- one cycle, unpipelined --------------------------------------------------------------
@@ -246,7 +289,8 @@ class Relay:
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> RelayStats:
-        """Relay until stopped, until nothing is claimable (``until_empty``) or ``max_seconds``.
+        """Relay until stopped, until nothing is pending (``until_empty``) or claimable (``until_idle``), or
+        ``max_seconds``.
 
         Pipelined: while Kafka confirms batch N, the worker reads batch N+1 from PostgreSQL; once N is
         confirmed and acked, N+1 goes to Kafka. At most one batch is in the producer (published, not
@@ -259,6 +303,8 @@ class Relay:
         try:
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 try:
+                    if self._upkeep():
+                        idle_wait = self.settings.poll_interval_s
                     strategies = self._instances()
                     strategy = strategies[self._turn % len(strategies)]
                     claim = self._claim(strategy, in_flight) if self.settings.pipeline or in_flight is None else None
@@ -299,39 +345,52 @@ class Relay:
                     self._disconnect()
                     self.stop.wait(self._error_backoff(failures))
                     continue
-                if self.settings.until_empty:
+                if self.settings.until_idle:
                     break
-                self._wait_for_work(idle_wait)
+                if self.settings.until_empty and not self._pending():
+                    break
+                self._wait_for_work(min(idle_wait, self.settings.upkeep_interval_s))
                 idle_wait = min(idle_wait * 2, self.settings.max_poll_interval_s)
             if in_flight is not None:
                 self._ack(in_flight, self._finish(in_flight))  # stopping: confirm what is out there
+            if self.settings.until_empty and not self.stop.is_set():
+                self.stats.remaining = self._explain_pending()
         finally:
             self.close()
         return self.stats
+
+    def _pending(self) -> bool:
+        """Whether any row is still pending in this worker's scope (leased by others, backing off...)."""
+        scope = self.strategy_config.partitions
+        lags = partition_lag(self.strategy.conn, self.strategy_config.table, self.strategy.name, cap=1)
+        return any(lag.pending and (scope is None or (lag.topic, lag.partition) in scope) for lag in lags)
+
+    def _explain_pending(self) -> list[str]:
+        return explain_pending(
+            self.strategy.conn, self.strategy_config.table, self.strategy.name, self.strategy_config.partitions
+        )
 
     def _error_backoff(self, failures: int) -> float:
         ceiling = min(self.settings.error_backoff_max_s, self.settings.error_backoff_base_s * 2 ** (failures - 1))
         return random.uniform(ceiling / 2, ceiling)
 
     def _wait_for_work(self, timeout_s: float) -> None:
+        """Wake at the first NOTIFY (a commit that inserted rows) or after the timeout."""
         if not self.settings.listen:
             self.stop.wait(timeout_s)
             return
         try:
-            if self._listen_conn is None:
-                listener = psycopg.connect(self.dsn, autocommit=True)
-                channel = notify_channel(self.strategy_config.table)
-                listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-                self._listen_conn = listener
+            control = self._control
+            if control is None:
+                self._connect_control()
                 return  # rows committed before LISTEN sent no wake-up: look once more before waiting
-            # Wake at the first NOTIFY (a commit that inserted rows) or after the timeout, waiting in
-            # short slices so a stop request is seen promptly.
+            # Short slices, so a stop request is seen promptly.
             deadline = time.monotonic() + timeout_s
             while not self.stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
-                if any(True for _ in self._listen_conn.notifies(timeout=min(remaining, 0.5), stop_after=1)):
+                if any(True for _ in control.notifies(timeout=min(remaining, 0.5), stop_after=1)):
                     return
         except psycopg.OperationalError:
-            self._listen_conn = None
+            self._disconnect()
             self.stop.wait(timeout_s)
 
 

@@ -224,11 +224,32 @@ def _m004_notify_opt_out(conn: psycopg.Connection, t: OutboxTable) -> None:
     )
 
 
+def _m005_worker_registry(conn: psycopg.Connection, t: OutboxTable) -> None:
+    # Running relay workers (see liveness.py): a session-bound worker that no session holds the lock of is
+    # dead, and every worker's upkeep frees what it held at once instead of after lease_s.
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE TABLE {workers} (
+                worker_id        text        PRIMARY KEY,
+                kind             text        NOT NULL,
+                liveness         text        NOT NULL CHECK (liveness IN ('session', 'expiry')),
+                backend_pid      integer,
+                application_name text,
+                registered_at    timestamptz NOT NULL DEFAULT now(),
+                heartbeat_at     timestamptz NOT NULL DEFAULT now()
+            )
+            """
+        ).format(workers=t.workers)
+    )
+
+
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
     Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
     Migration(3, "lease table for strategy lease", _m003_lease_table),
     Migration(4, "writers may opt out of the NOTIFY (two-phase commit)", _m004_notify_opt_out),
+    Migration(5, "registry of running workers (crash failover)", _m005_worker_registry),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 
