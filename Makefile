@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: dev test install clean
+.PHONY: dev test install clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,16 @@ install: $(STAMP)
 dev: $(STAMP)
 	$(BIN)/outbox dev
 
-test: $(STAMP)
+# PgBouncer (for the transaction-pooling test) from Debian's packages, where this user may install them;
+# without it those tests are skipped with the reason.
+tools:
+	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get install -y -qq pgbouncer >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq pgbouncer >/dev/null 2>&1)); } || \
+	  echo "pgbouncer not installed: tests/test_pgbouncer.py will be skipped"
+
+test: $(STAMP) tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -111,7 +111,7 @@ class WorkerPresence:
                     self.worker_id,
                 )
                 self.liveness = "expiry"
-            elif not self.holds_lock():
+            elif not (self.holds_lock() and self.holds_lock()):  # two more transactions, two more chances
                 log.warning(
                     "worker %s: the connection does not keep its session lock between transactions (a "
                     "transaction-pooling PgBouncer?): its leases will end by expiry only",

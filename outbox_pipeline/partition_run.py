@@ -77,7 +77,8 @@ class PartitionRunReport:
         Rows merely written during the run are not a failure.
         """
         after = self.lag_after
-        if after is None or after.pending == 0 or after.attempts == 0 or not after.last_error:
+        # attempts may be 0: a transport failure (broker down) never counts toward them, but it fails a run
+        if after is None or after.pending == 0 or not after.last_error:
             return None
         if self.errors == 0 and self.retried == 0 and not after.in_backoff:
             return None  # an error recorded by someone else, earlier, and no longer holding the partition back

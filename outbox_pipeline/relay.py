@@ -324,6 +324,8 @@ class Relay:
                                 self._turn += 1
                         elif claim is not None:
                             strategy.give_back(claim, "Kafka accepted nothing of the previous batch")
+                        if kafka_down and self.settings.until_idle:
+                            break  # a run that cannot progress ends; its orchestrator retries it
                         if kafka_down:
                             # The broker is down or unreachable. Back off, don't spin.
                             failures += 1
