@@ -84,6 +84,7 @@ class RelayStats:
     dead_lettered: int = 0
     retried: int = 0
     errors: int = 0
+    idle_waits: int = 0  # times it found nothing to claim and waited for a NOTIFY or a poll
     oldest_age_s: float | None = None
     started: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0
@@ -351,6 +352,7 @@ class Relay:
                     break
                 if self.settings.until_empty and not self._pending():
                     break
+                self.stats.idle_waits += 1
                 self._wait_for_work(min(idle_wait, self.settings.upkeep_interval_s))
                 idle_wait = min(idle_wait * 2, self.settings.max_poll_interval_s)
             if in_flight is not None:

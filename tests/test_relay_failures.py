@@ -3,6 +3,7 @@ What arrived in Kafka and what remains in PostgreSQL are compared with what was 
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -198,18 +199,18 @@ def test_an_idle_relay_is_woken_by_notify_not_by_polling(
     topic = new_topic()
     set_topic_partitions(db, table, topic, 1)
     stop = threading.Event()
-    # A poll interval far beyond the test's deadline: only a NOTIFY can make the relay look again.
+    # Poll and upkeep intervals far beyond the test's deadline: only a NOTIFY can make the relay look again.
     relay = make_relay(
         dsn, table, kafka.bootstrap_servers, strategy, stop=stop, until_empty=False, max_seconds=120, listen=True
     )
-    relay.settings = type(relay.settings)(
-        batch_size=10, poll_interval_s=3600, max_poll_interval_s=3600, listen=True, until_empty=False, max_seconds=120
+    relay.settings = dataclasses.replace(
+        relay.settings, poll_interval_s=3600, max_poll_interval_s=3600, upkeep_interval_s=3600
     )
     worker = threading.Thread(target=relay.run)
     worker.start()
     try:
         deadline = time.monotonic() + 30
-        while relay._listen_conn is None:  # the relay went idle and listens
+        while relay.stats.idle_waits == 0:  # the relay found nothing and waits
             assert time.monotonic() < deadline
             time.sleep(0.05)
         written = _write(db, table, strategy, [Message(topic, {"n": 1}, key="k")])
