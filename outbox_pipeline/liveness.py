@@ -90,14 +90,17 @@ def liveness_from_env(env: Mapping[str, str] | None = None) -> Liveness:
 class WorkerPresence:
     """A worker's registration and session lock, on a connection of its own (the control connection)."""
 
-    def __init__(self, conn: psycopg.Connection, table: OutboxTable, worker_id: str, liveness: Liveness) -> None:
+    def __init__(
+        self, conn: psycopg.Connection, table: OutboxTable, worker_id: str, liveness: Liveness, kind: str = "relay"
+    ) -> None:
         self.conn = conn
+        self.kind = kind  # "relay" serves every partition (strategies/sharing.py deals partitions among them)
         self.table = table
         self.worker_id = worker_id
         self.liveness: Liveness = liveness
         self._key = {"class": WORKER_LOCK_CLASS, "worker": worker_id}
 
-    def register(self, kind: str = "relay") -> Liveness:
+    def register(self) -> Liveness:
         """Take the session lock (unless expiry), check it is really ours, then register; returns the
         liveness in force. The lock comes first: a registered session-bound worker without it is dead."""
         if self.liveness == "session":
@@ -128,7 +131,7 @@ class WorkerPresence:
                     registered_at = now(), heartbeat_at = now()
                 """
             ).format(workers=self.table.workers),
-            {**self._key, "kind": kind, "liveness": self.liveness},
+            {**self._key, "kind": self.kind, "liveness": self.liveness},
         )
         return self.liveness
 

@@ -24,6 +24,7 @@ from .liveness import Liveness, WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .schema import notify_channel, require_current
 from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
+from .strategies.sharing import UNSCOPED_KIND
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +182,13 @@ class Relay:
             conn = psycopg.connect(self.dsn, autocommit=True, application_name=self._application_name)
             self._control = conn
             require_current(conn, self.strategy_config.table)
+            scoped = self.strategy_config.partitions is not None
             presence = WorkerPresence(
-                conn, self.strategy_config.table, self.strategy_config.worker_id, self.settings.liveness
+                conn,
+                self.strategy_config.table,
+                self.strategy_config.worker_id,
+                self.settings.liveness,
+                kind="relay-scoped" if scoped else UNSCOPED_KIND,
             )
             presence.register()
             if self.settings.listen:

@@ -38,6 +38,7 @@ from .base import (
     fetch_records,
     scope_condition,
 )
+from .sharing import IS_HOME, Dealer, Home
 
 # New (topic, partition) pairs get an offsets row at most this often while busy.
 DISCOVERY_INTERVAL_S = 5.0
@@ -100,6 +101,7 @@ class PositionStrategy(Strategy):
         self._chains: dict[tuple[str, int], _Chain] = {}
         self._checked_tx_at = float("-inf")
         self._tx_ids: frozenset[str] | None = None
+        self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
@@ -154,6 +156,11 @@ class PositionStrategy(Strategy):
         params = {"topic": lease.topic, "partition": lease.partition, "xid": lease.xid, "id": lease.last_id}
         return fetch_records(self.conn, query, {**params, "limit": limit})
 
+    @property
+    def home(self) -> Home:
+        """The partitions this worker serves first (see sharing.py), as last dealt."""
+        return self._dealer.home
+
     def discover_partitions(self) -> int:
         """Create offsets rows for (topic, partition) pairs that have rows but no position yet.
 
@@ -176,10 +183,11 @@ class PositionStrategy(Strategy):
         # The talk's "longest unchecked partition first", restricted to partitions that have work (one
         # index probe per partition), so an empty partition costs no lease round trips and "nothing
         # claimed" really means "nothing to publish". SKIP LOCKED keeps two workers off one partition.
-        # The probe is a scalar subquery ordered like the read: with 10M relayed rows behind the
+        # The probe is a LIMIT 1 subquery ordered like the read: with 10M relayed rows behind the
         # positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
         # bitmap scan of every pending entry of the partition (25,000 in `outbox bench --retained`);
         # in index order, with LIMIT 1, it stops at the first.
+        # Home partitions first, then others whose oldest pending row waited STEAL_AFTER_S (sharing.py).
         row = self.conn.execute(
             sql.SQL(
                 """
@@ -188,11 +196,14 @@ class PositionStrategy(Strategy):
                     updated_at = now()
                 FROM (
                     SELECT o.topic, o.partition FROM {offsets} o
+                    CROSS JOIN LATERAL (
+                        SELECT m.created_at FROM {messages} m
+                        WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+                        ORDER BY {order} LIMIT 1
+                    ) oldest
                     WHERE o.available_after <= now() {scope}
-                      AND (SELECT true FROM {messages} m
-                           WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
-                           ORDER BY {order} LIMIT 1)
-                    ORDER BY o.available_after
+                      AND ({home} OR oldest.created_at <= now() - make_interval(secs => %(steal_after)s))
+                    ORDER BY {home} DESC, o.available_after
                     LIMIT 1
                     FOR UPDATE OF o SKIP LOCKED
                 ) free
@@ -206,8 +217,9 @@ class PositionStrategy(Strategy):
                 work=sql.SQL(self.work_condition),
                 order=sql.SQL(self.read_order),
                 scope=scope_condition(self.config, "o"),
+                home=IS_HOME,
             ),
-            {"lease": self.config.lease_s, "worker": self.config.worker_id},
+            {"lease": self.config.lease_s, "worker": self.config.worker_id, **self._dealer.current().params()},
         ).fetchone()
         return PartitionLease(*row) if row else None
 

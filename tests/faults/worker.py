@@ -8,7 +8,8 @@ With ``stop_after_publish`` it freezes itself (SIGSTOP) once that many batches a
 before their ack: a worker hung past its lease, resumed by the test with SIGCONT. (The relay pipelines: by
 then it may have claimed its next batch, and it publishes that one before acking the confirmed one.)
 
-Steps: claim-begin, claim N (N records, 0: nothing), produce N, delivered OK FAILED, ack-begin,
+Steps: claim-begin, claim N [P] (N records, 0: nothing; P: the first record's partition), home P... (the
+partitions dealt to it, when that changes), produce N, delivered OK FAILED, ack-begin,
 acked ACKED LOST RETRIED DEAD (the AckResult), give-back, frozen, thawed, start, end.
 """
 
@@ -83,7 +84,14 @@ def instrumented(cls: type[Strategy], events: Events) -> type[Strategy]:
         def claim(self, *args: Any, **kwargs: Any) -> Claim | None:
             events("claim-begin")
             result = super().claim(*args, **kwargs)
-            events("claim", len(result.records) if result is not None else 0)
+            home = getattr(self, "home", None)  # position strategies: the partitions dealt to this worker
+            if home is not None and not home.everywhere and home.partitions != getattr(self, "_logged_home", None):
+                self._logged_home = home.partitions
+                events("home", *home.partitions)
+            if result is None or not result.records:
+                events("claim", 0)
+            else:  # and the Kafka partition of its first record (all of one partition for position strategies)
+                events("claim", len(result.records), result.records[0].partition)
             return result
 
         def ack(self, claimed: Claim, outcome: PublishOutcome, *args: Any, **kwargs: Any) -> AckResult:
