@@ -115,4 +115,5 @@ def _metadata(report: PartitionRunReport) -> dict[str, dg.MetadataValue]:
         "elapsed_s": dg.MetadataValue.float(round(report.elapsed_s, 3)),
         "worker_id": dg.MetadataValue.text(report.worker_id),
         "last_error": dg.MetadataValue.text((after.last_error if after else None) or "-"),
+        "pending_reasons": dg.MetadataValue.text("\n".join(report.pending_reasons) or "-"),
     }

@@ -429,7 +429,18 @@ def _holders_json(lag: PartitionLag, alive: Mapping[str, bool | None]) -> dict[s
 
 
 def _lag_table(lags: Sequence[PartitionLag], cap: int | None, alive: Mapping[str, bool | None]) -> str:
-    header = ("topic", "partition", "pending", "oldest_s", "position", "held_by", "until", "attempts", "backoff", "last_error")
+    header = (
+        "topic",
+        "partition",
+        "pending",
+        "oldest_s",
+        "position",
+        "held_by",
+        "until",
+        "attempts",
+        "backoff",
+        "last_error",
+    )
     rows = [
         (
             lag.topic,

@@ -34,7 +34,9 @@ _MAX_IDENTIFIER_BYTES = 63
 # (sasl.password, sasl.oauthbearer.config, sasl.oauthbearer.client.secret, ssl.key.pem, ssl.keystore.password,
 # sasl.kerberos.keytab, sslpassword, a JAAS config, ...). A pattern, not a list: a property added later
 # is hidden by default. SHOWN_ANYWAY names the settings that match but hold no secret.
-SECRET_NAME = re.compile(r"pass|secret|token|credential|jaas|keytab|oauthbearer\.config|pem|private|(^|[._])key($|[._])")
+SECRET_NAME = re.compile(
+    r"pass|secret|token|credential|jaas|keytab|oauthbearer\.config|pem|private|(^|[._])key($|[._])"
+)
 SHOWN_ANYWAY = frozenset(
     {
         "ssl.key.location",  # a path, not the key

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -163,6 +164,19 @@ class WorkerPresence:
                 self.conn.execute("SELECT pg_advisory_unlock(%(class)s, hashtext(%(worker)s))", self._key)
         except psycopg.Error as exc:  # the session ends right after; that releases the lock too
             log.debug("deregistering %s: %s", self.worker_id, exc)
+
+
+@contextmanager
+def present(dsn: str, table: OutboxTable, worker_id: str, *, kind: str, liveness: Liveness) -> Iterator[WorkerPresence]:
+    """Registered, and alive by its session, for the block: what a bulk drain's driver holds while its tasks
+    run, so that if the driver dies its leases are freed by the next upkeep of any relay worker."""
+    with psycopg.connect(dsn, autocommit=True, application_name=f"outbox {worker_id}"[:63]) as conn:
+        presence = WorkerPresence(conn, table, worker_id, liveness, kind=kind)
+        presence.register()
+        try:
+            yield presence
+        finally:
+            presence.deregister()
 
 
 def reap(conn: psycopg.Connection, table: OutboxTable) -> Reaped:

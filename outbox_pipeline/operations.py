@@ -281,7 +281,8 @@ def retry_dead_letters(
                               d.priority
                 )
                 INSERT INTO {messages} (id, message_id, topic, key, type, payload, headers, partition, priority)
-                SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.headers, p.partition, p.priority
+                SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.headers,
+                       p.partition, p.priority
                 FROM picked p
                 ORDER BY p.id
                 """

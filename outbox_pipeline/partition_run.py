@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .lag import PartitionLag, partition_lag
+from .lag import PartitionLag, explain_pending, partition_lag
 from .publisher import KafkaPublisher
 from .relay import Relay, RelaySettings
 from .strategies import strategy_class
@@ -42,6 +42,9 @@ class PartitionRunReport:
     elapsed_s: float
     lag_before: PartitionLag | None
     lag_after: PartitionLag | None
+    # Why rows are still pending after the run, one line per reason (lag.explain_pending), as
+    # ``outbox relay --until-empty`` prints them: leased by whom (alive or dead) until when, backing off...
+    pending_reasons: tuple[str, ...] = ()
 
     @property
     def msg_per_s(self) -> float:
@@ -146,6 +149,7 @@ def relay_partition(
     relay = Relay(dsn, strategy_class(strategy), scoped, publisher, replace(settings, until_idle=True), stop)
     stats = relay.run()
     after = lag_of(conn, table, strategy, topic, partition)
+    reasons = tuple(explain_pending(conn, table, strategy, scoped.partitions)) if after and after.pending else ()
     return PartitionRunReport(
         topic=topic,
         partition=partition,
@@ -161,4 +165,5 @@ def relay_partition(
         elapsed_s=stats.elapsed_s,
         lag_before=before,
         lag_after=after,
+        pending_reasons=reasons,
     )

@@ -204,7 +204,9 @@ class KafkaPublisher:
         if unsettled:
             # Outcome unknown: claim nothing was delivered (at worst a duplicate, never a loss).
             log.warning("%d messages unsettled after %.0f s", unsettled, self._timeout_s)
-            failures = [DeliveryFailure(r, "no delivery report before the timeout", "transport") for r in pending.records]
+            failures = [
+                DeliveryFailure(r, "no delivery report before the timeout", "transport") for r in pending.records
+            ]
             return PublishOutcome([], failures, time.monotonic() - pending.started)
         if self._fatal:
             # A fatal error ends an idempotent producer, and so does a fenced id or epoch: after an

@@ -91,7 +91,7 @@ CHANGES = {
     "key": "key = 'other'",
     "type": "type = 'changed'",
     "payload": "payload = '{{\"n\": -1}}'",  # braces doubled: these go through sql.SQL.format
-    "headers": "headers = '{{\"h\": \"v\"}}'",
+    "headers": 'headers = \'{{"h": "v"}}\'',
     "partition": "partition = 1",
     "priority": "priority = 5",
     "transaction_id": "transaction_id = '1'::xid8",
@@ -116,7 +116,9 @@ def test_the_archive_fingerprint_changes_when_any_column_changes(
     default = table.ident(DEFAULT_PARTITION)
     db.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT IF EXISTS outbox_messages_topic_valid").format(table.messages))
     before = fingerprint(db, table, DEFAULT_PARTITION)
-    db.execute(sql.SQL("UPDATE {} SET " + CHANGES[column] + " WHERE id = (SELECT min(id) FROM {})").format(default, default))
+    db.execute(
+        sql.SQL("UPDATE {} SET " + CHANGES[column] + " WHERE id = (SELECT min(id) FROM {})").format(default, default)
+    )
     after = fingerprint(db, table, DEFAULT_PARTITION)
     assert after.rows == before.rows and after.checksum != before.checksum, f"a change of {column} went unnoticed"
 

@@ -15,10 +15,10 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.schema import set_topic_partitions
-from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.relay import Relay, RelaySettings
+from outbox_pipeline.schema import set_topic_partitions
+from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import Claim, PublishOutcome, StrategyConfig
 
 from .kafka_helpers import KafkaProbe
@@ -294,7 +294,12 @@ def test_canary_the_local_broker_shows_aborted_transactions_to_read_committed_co
 
 @pytest.mark.parametrize("strategy", ORDERED)
 def test_a_batch_read_ahead_is_not_published_when_the_batch_before_it_lost_the_lease(
-    strategy: str, dsn: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+    strategy: str,
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
 ) -> None:
     """While batch N is in Kafka the relay reads N+1. Another worker takes the partition meanwhile: N's ack
     advances nothing, and N+1 must go back unpublished (duplicates stay bounded by one batch)."""
@@ -311,9 +316,9 @@ def test_a_batch_read_ahead_is_not_published_when_the_batch_before_it_lost_the_l
             StolenAfterReadAhead.claims += 1
             if StolenAfterReadAhead.claims == 2:  # N+1 read: now another worker takes the partition
                 db.execute(
-                    sql.SQL(
-                        "UPDATE {} SET locked_by = 'thief', available_after = now() + interval '1 hour'"
-                    ).format(table.offsets)
+                    sql.SQL("UPDATE {} SET locked_by = 'thief', available_after = now() + interval '1 hour'").format(
+                        table.offsets
+                    )
                 )
             return claim
 
@@ -392,6 +397,8 @@ def _until(what: str, condition: Callable[[], bool], deadline_s: float = 30.0) -
 
 
 def _partition_of(db: psycopg.Connection, table: OutboxTable, key: str) -> int:
-    row = db.execute(sql.SQL("SELECT partition FROM {} WHERE key = %s LIMIT 1").format(table.messages), [key]).fetchone()
+    row = db.execute(
+        sql.SQL("SELECT partition FROM {} WHERE key = %s LIMIT 1").format(table.messages), [key]
+    ).fetchone()
     assert row is not None, f"no row with key {key}"
     return int(row[0])

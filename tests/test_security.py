@@ -62,7 +62,13 @@ SECRET_KAFKA_PROPERTIES = [
     "sasl.oauthbearer.assertion.private.key.passphrase",
     "sasl.oauthbearer.assertion.private.key.pem",
 ]
-SHOWN_KAFKA_PROPERTIES = ["bootstrap.servers", "sasl.username", "sasl.mechanism", "security.protocol", "ssl.key.location"]
+SHOWN_KAFKA_PROPERTIES = [
+    "bootstrap.servers",
+    "sasl.username",
+    "sasl.mechanism",
+    "security.protocol",
+    "ssl.key.location",
+]
 
 
 @pytest.mark.parametrize("name", SECRET_KAFKA_PROPERTIES)

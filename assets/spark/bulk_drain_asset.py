@@ -23,6 +23,7 @@ from outbox_pipeline.drain import (
     plan_drain,
     release_drain,
 )
+from outbox_pipeline.liveness import liveness_from_env, present
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
@@ -67,43 +68,45 @@ def bulk_drain(
 ) -> dg.MaterializeResult:
     table = postgres.table
     owner = drain_owner(context.run.run_id)
-    with postgres.connect() as conn:
-        _release_finished_drains(context, conn, table)
-        if config.min_pending and not backlog_at_least(conn, table, config.strategy, config.min_pending):
-            context.log.info("fewer than %d rows pending: nothing to do", config.min_pending)
-            return dg.MaterializeResult(metadata={"rows": 0, "partitions": 0, "skipped": "below min_pending"})
-        plan = plan_drain(
-            conn,
-            table,
-            strategy=config.strategy,
-            owner=owner,
-            lease_s=config.lease_s,
-            topics=config.topics or None,
-            max_partitions=config.max_partitions,
-        )
-    if not plan.ranges:
-        context.log.info("no partition with pending rows is free to drain")
-        return dg.MaterializeResult(metadata={"rows": 0, "partitions": 0})
-    context.log.info("draining %d partitions as %s", len(plan.ranges), owner)
-    started = time.monotonic()
-    try:
-        outcome = run_drain(
-            spark.session, plan, dsn=postgres.dsn, kafka_config=kafka.producer_config(), page_rows=config.page_rows
-        )
-    except DrainFailed as exc:
-        delivered = {d.label: d.rows for d in exc.delivered_before_abort}
-        raise dg.Failure(
-            description=f"{exc}; no position moved, the leases are released (the relay or a rerun publishes "
-            "these partitions again)",
-            metadata={
-                "partitions_planned": len(plan.ranges),
-                "delivered_before_abort": dg.MetadataValue.json(delivered),
-            },
-        ) from exc
-    finally:
-        # Safety net for a failure before Spark's commit or abort ran; releases nothing after a commit.
+    # Registered for as long as this driver runs: if it dies, any relay worker frees its leases in a second.
+    with present(postgres.dsn, table, owner, kind="drain", liveness=liveness_from_env()):
         with postgres.connect() as conn:
-            release_drain(conn, table, owner)
+            _release_finished_drains(context, conn, table)
+            if config.min_pending and not backlog_at_least(conn, table, config.strategy, config.min_pending):
+                context.log.info("fewer than %d rows pending: nothing to do", config.min_pending)
+                return dg.MaterializeResult(metadata={"rows": 0, "partitions": 0, "skipped": "below min_pending"})
+            plan = plan_drain(
+                conn,
+                table,
+                strategy=config.strategy,
+                owner=owner,
+                lease_s=config.lease_s,
+                topics=config.topics or None,
+                max_partitions=config.max_partitions,
+            )
+        if not plan.ranges:
+            context.log.info("no partition with pending rows is free to drain")
+            return dg.MaterializeResult(metadata={"rows": 0, "partitions": 0})
+        context.log.info("draining %d partitions as %s", len(plan.ranges), owner)
+        started = time.monotonic()
+        try:
+            outcome = run_drain(
+                spark.session, plan, dsn=postgres.dsn, kafka_config=kafka.producer_config(), page_rows=config.page_rows
+            )
+        except DrainFailed as exc:
+            delivered = {d.label: d.rows for d in exc.delivered_before_abort}
+            raise dg.Failure(
+                description=f"{exc}; no position moved, the leases are released (the relay or a rerun publishes "
+                "these partitions again)",
+                metadata={
+                    "partitions_planned": len(plan.ranges),
+                    "delivered_before_abort": dg.MetadataValue.json(delivered),
+                },
+            ) from exc
+        finally:
+            # Safety net for a failure before Spark's commit or abort ran; releases nothing after a commit.
+            with postgres.connect() as conn:
+                release_drain(conn, table, owner)
     elapsed = time.monotonic() - started
     rows = sum(d.rows for d in outcome.committed)
     metadata: dict[str, dg.RawMetadataValue] = {

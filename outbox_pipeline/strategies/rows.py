@@ -206,8 +206,10 @@ def schedule_retry(
             SET attempts = m.attempts + f.counts::int,
                 last_error = f.error,
                 locked_by = NULL,
-                available_after = clock_timestamp() + CASE WHEN f.counts THEN make_interval(
-                    secs => least(%(max)s, %(base)s * power(2, m.attempts)) * (0.5 + random() / 2)) ELSE '0'::interval END
+                available_after = clock_timestamp() + CASE
+                    WHEN f.counts THEN make_interval(
+                        secs => least(%(max)s, %(base)s * power(2, m.attempts)) * (0.5 + random() / 2))
+                    ELSE '0'::interval END
             FROM unnest(%(ids)s::bigint[], %(errors)s::text[], %(counts)s::boolean[]) AS f(id, error, counts)
             WHERE m.id = f.id {owner}
             """

@@ -6,14 +6,18 @@ import os
 from collections.abc import Callable, Iterator
 
 import dagster as dg
+import psycopg
 import pytest
 
 from assets import relayed_outbox
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.definitions import build_resources
+from outbox_pipeline.liveness import WorkerPresence
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.orchestration.jobs import build_relay_partition_job
-from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
+from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, partition_key
+from outbox_pipeline.strategies import strategy_class
+from outbox_pipeline.strategies.base import StrategyConfig
 
 from ..kafka_helpers import KafkaProbe
 from ..relay_helpers import message_ids
@@ -75,6 +79,29 @@ def test_a_relay_run_drains_exactly_its_partition_and_records_what_it_did(
     assert metadata["strategy"] == "partitioned" and metadata["duplicates_risked"] == 0
     assert metadata["dead_lettered"] == 0 and float(metadata["msg_per_s"]) > 0  # type: ignore[arg-type]
     assert metadata["oldest_pending_age_after_s"] == 0.0
+
+
+def test_a_run_that_finds_its_partition_leased_by_a_live_worker_leaves_it_and_says_who_holds_it(
+    instance: dg.DagsterInstance,
+    env_for_definitions: None,
+    table: OutboxTable,
+    connect: Callable[[], psycopg.Connection],
+    write_rows: Callable[..., Written],
+) -> None:
+    written = write_rows(200)
+    instance.add_dynamic_partitions(OUTBOX_PARTITIONS_NAME, written.keys)
+    WorkerPresence(connect(), table, "cli-1", "session").register()  # an `outbox relay` worker, alive
+    holder = strategy_class("partitioned")(connect(), StrategyConfig(table=table, worker_id="cli-1"))
+    claim = holder.claim(10)
+    assert claim is not None
+    key = partition_key(claim.state.topic, claim.state.partition)
+
+    result = relay_job_from_env().execute_in_process(partition_key=key, instance=instance)
+
+    assert result.success
+    metadata = _materialization(result)
+    assert metadata["rows_published"] == 0 and metadata["lag_after"] == len(written.by_key[key])
+    assert "leased by cli-1 (alive)" in str(metadata["pending_reasons"])
 
 
 def test_a_run_retries_while_the_broker_is_down_then_fails_and_its_rerun_succeeds_once_it_is_back(

@@ -70,8 +70,17 @@ def test_killed_relays_restarted_under_new_ids_deliver_everything_and_until_empt
         for topic in topics:
             set_topic_partitions(db, table, topic, 4)
     writers = [
-        Writer(dsn, table, topics[n % 2], serialized=strategy == "serialized", name=f"w{n}", keys=16, total=1500,
-               rollback_every=7, pause_s=0.01)  # ~4 s of writes: the relay is busy when the kill comes
+        Writer(
+            dsn,
+            table,
+            topics[n % 2],
+            serialized=strategy == "serialized",
+            name=f"w{n}",
+            keys=16,
+            total=1500,
+            rollback_every=7,
+            pause_s=0.01,
+        )  # ~4 s of writes: the relay is busy when the kill comes
         for n in range(4)
     ]
     for writer in writers:

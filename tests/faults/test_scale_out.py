@@ -87,9 +87,9 @@ def _held(db: psycopg.Connection, table: OutboxTable, strategy: str, live: set[s
     held: dict[str, Kill] = {}
     if strategy in {"partitioned", "serialized"}:
         rows = db.execute(
-            sql.SQL("SELECT locked_by, partition FROM {} WHERE locked_by IS NOT NULL AND available_after > now()").format(
-                table.offsets
-            )
+            sql.SQL(
+                "SELECT locked_by, partition FROM {} WHERE locked_by IS NOT NULL AND available_after > now()"
+            ).format(table.offsets)
         ).fetchall()
         for worker, partition in rows:
             held.setdefault(worker, Kill(now, worker)).partitions.add(partition)

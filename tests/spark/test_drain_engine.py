@@ -18,11 +18,12 @@ from outbox_pipeline.drain import (
     plan_drain,
     release_drain,
 )
+from outbox_pipeline.liveness import present
 from outbox_pipeline.operations import release_lease
 from outbox_pipeline.schema import set_topic_partitions
 
 from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import drain
+from ..relay_helpers import drain, message_ids
 from .helpers import positions
 
 
@@ -44,6 +45,25 @@ def test_the_online_relay_does_not_publish_partitions_a_bulk_drain_has_leased(
     release_drain(db, table, owner)
     drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
     assert len(kafka.consume(leased_topic, expect=100)) == 100
+
+
+def test_the_partitions_of_a_drain_whose_driver_died_are_relayed_at_once_not_after_the_lease(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic("orphaned")
+    set_topic_partitions(db, table, topic, 2)
+    load(db.info.dsn, table, 100, topics=(topic,), keys=10)
+    owner = drain_owner("run-killed")
+    with present(db.info.dsn, table, owner, kind="drain", liveness="session") as driver:
+        plan = plan_drain(db, table, strategy="partitioned", owner=owner)  # leased for an hour
+        assert len(plan.ranges) == 2
+        driver.conn.close()  # the driver process dies: its session ends, nothing is deregistered
+
+    stats = drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", max_seconds=30)
+
+    assert len(set(message_ids(kafka.consume(topic, expect=100)))) == 100
+    assert stats.remaining == []
+    assert all(p.locked_by != owner for p in positions(db, table).values())
 
 
 def test_a_drain_plan_freezes_each_partitions_end_at_its_last_committed_row(
