@@ -28,8 +28,6 @@ from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
 
-from .datasource import DrainFailed, run_drain
-
 ENV_BULK_DRAIN_THRESHOLD = "OUTBOX_BULK_DRAIN_THRESHOLD"
 DEFAULT_BULK_DRAIN_THRESHOLD = 1_000_000
 
@@ -66,6 +64,9 @@ def bulk_drain(
     kafka: KafkaResource,
     spark: SparkResource,
 ) -> dg.MaterializeResult:
+    # pyspark only here, in a Spark run: loading the code location and every other run stay without it.
+    from .datasource import DrainFailed, run_drain
+
     table = postgres.table
     owner = drain_owner(context.run.run_id)
     # Registered for as long as this driver runs: if it dies, any relay worker frees its leases in a second.

@@ -29,8 +29,6 @@ from outbox_pipeline.schema import DEFAULT_DAYS_AHEAD
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
 
-from .datasource import archive_partition, archive_uri
-
 ENV_ARCHIVE_URI = "OUTBOX_ARCHIVE_URI"
 DEFAULT_RETENTION_DAYS = 7
 
@@ -81,6 +79,9 @@ def outbox_partition_maintenance(
     postgres: PostgresResource,
     spark: SparkResource,
 ) -> dg.MaterializeResult:
+    # pyspark only here, in a Spark run: loading the code location and every other run stay without it.
+    from .datasource import archive_partition, archive_uri
+
     table = postgres.table
     today = (
         dt.date.fromisoformat(context.partition_key) if context.has_partition_key else dt.datetime.now(dt.UTC).date()
