@@ -323,7 +323,8 @@ def test_a_batch_read_ahead_is_not_published_when_the_batch_before_it_lost_the_l
             return claim
 
     publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers})
-    settings = RelaySettings(batch_size=10, until_empty=True, max_seconds=30, listen=False, poll_interval_s=0.05)
+    # until_idle: the thief's rows stay pending for an hour; until_empty would wait for them
+    settings = RelaySettings(batch_size=10, until_idle=True, max_seconds=30, listen=False, poll_interval_s=0.05)
     stats = Relay(dsn, StolenAfterReadAhead, StrategyConfig(table=table), publisher, settings).run()
     arrived = message_ids(kafka.consume(topic, expect=10, deadline_s=5))
     assert len(arrived) == 10, f"{len(arrived)} messages published; only batch N (10) may be"

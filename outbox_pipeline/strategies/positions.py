@@ -177,6 +177,8 @@ class PositionStrategy(Strategy):
             ).format(pairs=partition_pairs(self.table), offsets=self.table.offsets)
         )
         self._discovered_at = time.monotonic()
+        if cur.rowcount:
+            self._dealer.invalidate()  # a new partition is nobody's home until the next deal
         return cur.rowcount
 
     def _lease_partition(self) -> PartitionLease | None:

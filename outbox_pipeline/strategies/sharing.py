@@ -85,6 +85,10 @@ class Dealer:
         self.home = Home()
         self._dealt_at = float("-inf")
 
+    def invalidate(self) -> None:
+        """Deal again at the next look: new partitions were discovered (a home dealt before them is stale)."""
+        self._dealt_at = float("-inf")
+
     def current(self) -> Home:
         if time.monotonic() - self._dealt_at >= DEAL_INTERVAL_S:
             self.home = self._deal()

@@ -38,8 +38,9 @@ def test_the_online_relay_does_not_publish_partitions_a_bulk_drain_has_leased(
     plan = plan_drain(db, table, strategy="partitioned", owner=owner, topics=[leased_topic])
     assert {(r.topic, r.partition) for r in plan.ranges} == {(leased_topic, 0), (leased_topic, 1)}
 
-    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    stats = drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", max_seconds=3)
     assert kafka.consume(leased_topic, idle_s=1.0) == []
+    assert any(f"leased by {owner}" in line for line in stats.remaining), stats.remaining
     assert len(kafka.consume(free_topic, expect=100)) == 100
 
     release_drain(db, table, owner)
