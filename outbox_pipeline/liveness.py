@@ -212,3 +212,31 @@ def holders_alive(conn: psycopg.Connection, table: OutboxTable, holders: Collect
         {"class": WORKER_LOCK_CLASS, "names": sorted(holders)},
     ).fetchall()
     return {name: (held if liveness == "session" else None) for name, liveness, held in rows}
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    worker_id: str
+    kind: str  # "relay": serves every partition (dealt among them); "relay-scoped", "drain": their own scope
+    liveness: Liveness
+
+
+def live_workers(conn: psycopg.Connection, table: OutboxTable, lease_s: float) -> list[LiveWorker]:
+    """Registered workers that are alive now: their session holds their lock (session liveness) or their
+    heartbeat is younger than ``lease_s`` (expiry). A dead worker not yet reaped is not listed."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            SELECT w.worker_id, w.kind, w.liveness FROM {workers} w
+            WHERE CASE w.liveness
+                WHEN 'session' THEN EXISTS (
+                    SELECT 1 FROM pg_locks l
+                    WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %(class)s::oid
+                      AND l.objid = hashtext(w.worker_id)::oid AND l.objsubid = 2)
+                ELSE w.heartbeat_at > now() - make_interval(secs => %(lease)s) END
+            ORDER BY w.worker_id
+            """
+        ).format(workers=table.workers),
+        {"class": WORKER_LOCK_CLASS, "lease": lease_s},
+    ).fetchall()
+    return [LiveWorker(worker_id, kind, liveness) for worker_id, kind, liveness in rows]

@@ -29,6 +29,8 @@ from .strategies.sharing import UNSCOPED_KIND
 log = logging.getLogger(__name__)
 
 StrategyFactory = Callable[[psycopg.Connection, StrategyConfig], Strategy]
+# Called with every batch's outcome after its ack (in the relay's thread): per-partition accounting.
+OutcomeObserver = Callable[[PublishOutcome], None]
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,10 @@ class Relay:
         publisher: KafkaPublisher,
         settings: RelaySettings = RelaySettings(),
         stop: threading.Event | None = None,
+        observer: OutcomeObserver | None = None,
     ) -> None:
         self.dsn = dsn
+        self.observer = observer
         self.strategy_factory = strategy_factory
         self.strategy_config = strategy_config
         self.publisher = publisher
@@ -280,6 +284,8 @@ class Relay:
             elapsed_s=time.monotonic() - batch.started,
         )
         self.stats.add(metrics)
+        if self.observer is not None:
+            self.observer(outcome)
         if outcome.failed:
             log.warning(
                 "%s: %d of %d not delivered (first: %s); retried %d, dead-lettered %d",

@@ -96,10 +96,14 @@ class Dealer:
         return self.home
 
     def _deal(self) -> Home:
-        query = sql.SQL(_DEAL).format(workers=self.table.workers, offsets=self.table.offsets)
-        params = {"kind": UNSCOPED_KIND, "lease": self.lease_s, "worker": self.worker_id}
-        rows = self.conn.execute(query, params).fetchall()
-        if not rows:  # not a registered unscoped worker: no preference
-            return Home()
-        dealt = [(topic, partition) for topic, partition in rows if topic is not None]
-        return Home([topic for topic, _ in dealt], [partition for _, partition in dealt])
+        return deal(self.conn, self.table, self.worker_id, self.lease_s)
+
+
+def deal(conn: psycopg.Connection, table: OutboxTable, worker_id: str, lease_s: float) -> Home:
+    """The partitions dealt to ``worker_id`` now; an unregistered worker has no preference (Home())."""
+    query = sql.SQL(_DEAL).format(workers=table.workers, offsets=table.offsets)
+    rows = conn.execute(query, {"kind": UNSCOPED_KIND, "lease": lease_s, "worker": worker_id}).fetchall()
+    if not rows:
+        return Home()
+    dealt = [(topic, partition) for topic, partition in rows if topic is not None]
+    return Home([topic for topic, _ in dealt], [partition for _, partition in dealt])

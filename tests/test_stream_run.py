@@ -1,0 +1,103 @@
+"""A long-lived relay worker (what a Dagster relay run drives) reports each partition's progress at intervals."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+import psycopg
+from psycopg import sql
+
+from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.relay import RelaySettings
+from outbox_pipeline.schema import set_topic_partitions
+from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.stream_run import StreamReport, StreamRun
+
+from .kafka_helpers import KafkaProbe
+from .relay_helpers import message_ids
+
+
+def _stream(dsn: str, table: OutboxTable, kafka: KafkaProbe, worker: str, window_s: float) -> StreamRun:
+    return StreamRun(
+        dsn,
+        "partitioned",
+        StrategyConfig(table=table, worker_id=worker),
+        KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 10_000}),
+        RelaySettings(batch_size=100, max_seconds=window_s),
+        report_every_s=0.5,
+    )
+
+
+def _partitions(db: psycopg.Connection, table: OutboxTable) -> Counter[tuple[str, int]]:
+    query = sql.SQL("SELECT topic, partition FROM {}").format(table.messages)
+    return Counter((topic, partition) for topic, partition in db.execute(query))
+
+
+def test_a_stream_run_relays_rows_written_while_it_runs_and_reports_every_partition_each_interval(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=4)
+    set_topic_partitions(db, table, topic, 4)
+    enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(200)], table=table)
+    written = _partitions(db, table)
+    run = _stream(db.info.dsn, table, kafka, "stream-a", window_s=3.0)
+
+    reports: list[StreamReport] = []
+    for report in run.reports():
+        if not reports:  # rows committed while the run waits for work: woken by NOTIFY
+            enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(200, 300)], table=table)
+        reports.append(report)
+
+    arrived = message_ids(kafka.consume(topic, idle_s=2.0))
+    assert len(set(arrived)) == 300
+    assert reports[-1].final and not any(r.final for r in reports[:-1])
+    assert len(reports) >= 5  # a 3 s window reported every 0.5 s
+    published = Counter[tuple[str, int]]()
+    for report in reports:
+        published.update({(p.topic, p.partition): p.published for p in report.partitions})
+    assert sum(published.values()) == 300 == sum(r.published for r in reports)
+    assert set(published) == set(written)
+    # The only live worker is dealt every partition: each appears in every interval's report.
+    assert all({(p.topic, p.partition) for p in r.partitions} == set(written) for r in reports[1:])
+    assert all(p.home and p.lag is not None and p.lag.pending == 0 for p in reports[-1].partitions)
+
+
+def test_two_stream_runs_report_disjoint_shares_of_the_partitions(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=4)
+    set_topic_partitions(db, table, topic, 4)
+    enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(100)], table=table)
+    runs = [_stream(db.info.dsn, table, kafka, f"stream-{n}", window_s=3.0) for n in range(2)]
+    reports: dict[int, list[StreamReport]] = {0: [], 1: []}
+    threads = [threading.Thread(target=lambda n=n: reports[n].extend(runs[n].reports())) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    # After both registered (the second second), each reports the 2 partitions dealt to it, never the other's.
+    shares = [{(p.topic, p.partition) for p in reports[n][-2].partitions if p.home} for n in range(2)]
+    assert len(shares[0]) == len(shares[1]) == 2
+    assert not shares[0] & shares[1]
+    assert len(set(message_ids(kafka.consume(topic, idle_s=2.0)))) == 100
+
+
+def test_stopping_a_stream_run_ends_it_with_a_final_report_and_deregisters_the_worker(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=2)
+    set_topic_partitions(db, table, topic, 2)
+    run = _stream(db.info.dsn, table, kafka, "stream-stop", window_s=600.0)
+
+    reports = []
+    for report in run.reports():
+        reports.append(report)
+        run.stop()
+
+    assert reports[-1].final
+    workers = db.execute(sql.SQL("SELECT worker_id FROM {}").format(table.workers)).fetchall()
+    assert workers == []
