@@ -21,6 +21,7 @@ from outbox_pipeline.orchestration.alert_sensors import (
 from outbox_pipeline.orchestration.jobs import relay_partition_job
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
+from outbox_pipeline.orchestration.relay_stream import relay_stream_job
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from resources import AlertResource, KafkaResource, PostgresResource, SparkResource
 
@@ -46,15 +47,16 @@ settings = OrchestrationSettings.from_env()
 defs = dg.Definitions(
     assets=[outbox_backlog, relayed_outbox, *spark_assets],
     asset_checks=[outbox_lag_slo, outbox_dead_letters],
-    jobs=[relay_partition_job, *OPERATOR_JOBS, *spark_jobs],
+    jobs=[relay_stream_job, relay_partition_job, *OPERATOR_JOBS, *spark_jobs],
     schedules=spark_schedules,
     sensors=[
-        # Past OUTBOX_BULK_DRAIN_THRESHOLD pending rows the sensor requests one bulk drain on Spark
-        # instead of per-partition runs.
-        build_outbox_lag_sensor(relay_partition_job, settings=settings, bulk_drain_job=bulk_drain_job),
+        # Keeps live relay_stream runs (long-lived, registered relay workers) covering every partition; past
+        # OUTBOX_BULK_DRAIN_THRESHOLD pending rows it requests one bulk drain on Spark instead.
+        # relay_partition stays for operators: one partition, from its page in the UI.
+        build_outbox_lag_sensor(relay_stream_job, settings=settings, bulk_drain_job=bulk_drain_job),
         build_lag_slo_sensor(settings),
         build_dead_letter_sensor(settings),
-        build_relay_failure_sensor(relay_partition_job),
+        build_relay_failure_sensor(relay_stream_job, relay_partition_job),
     ],
     resources=build_resources(),
 )

@@ -154,6 +154,8 @@ class Relay:
         self.settings = settings
         self.stop = stop or threading.Event()
         self.stats = RelayStats()
+        # Set once this worker is in the registry (dealt partitions, visible to orchestrators).
+        self.registered = threading.Event()
         self._connections: list[psycopg.Connection] = []
         self._strategies: list[Strategy] = []
         self._control: psycopg.Connection | None = None
@@ -195,6 +197,7 @@ class Relay:
                 kind="relay-scoped" if scoped else UNSCOPED_KIND,
             )
             presence.register()
+            self.registered.set()
             if self.settings.listen:
                 channel = notify_channel(self.strategy_config.table)
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))

@@ -1,8 +1,9 @@
 """Dagster room: alerts. `outbox_lag_slo_sensor` evaluates the `outbox_lag_slo` check every tick
 without a run and alerts once per incident (and once on recovery); `outbox_dead_letter_alert` does the
 same for dead letters (an incident opens with the first new one and ends when none is left to retry);
-`relay_run_failure_alert` alerts when a relay run has failed for good, after its op retries and any run
-retries.
+`relay_run_failure_alert` alerts when a relay run (long-lived or per partition) has failed for good,
+after its op retries and any run retries. A broker that is down does not fail a long-lived run (it backs off
+and goes on); the lag alert announces that incident, once.
 
 The check's evaluations and a backlog observation are recorded on every tick, so the check's history
 and the backlog's plots show the lag over time. The sensor cursor remembers what was last announced;
@@ -194,23 +195,22 @@ def _root_cause(error: SerializableErrorInfo) -> str:
 
 
 def build_relay_failure_sensor(
-    relay_job: Job,
-    *,
+    *relay_jobs: Job,
     name: str = "relay_run_failure_alert",
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:
     @dg.run_failure_sensor(
         name=name,
-        monitored_jobs=[relay_job],
+        monitored_jobs=list(relay_jobs),
         default_status=default_status,
-        description=f"Alerts when a {relay_job.name} run fails for good (after its retries).",
+        description=f"Alerts when a {' or '.join(j.name for j in relay_jobs)} run fails for good (after its retries).",
     )
     def relay_run_failure_alert(context: dg.RunFailureSensorContext, alerts: AlertResource) -> None:
         run = context.dagster_run
         if run.tags.get(WILL_RETRY_TAG) == "true":
             context.log.info("run %s failed and will be retried by the instance: no alert yet", run.run_id)
             return
-        partition = run.tags.get(PARTITION_TAG, "-")
+        partition = run.tags.get(PARTITION_TAG, "all partitions dealt to it")
         errors = [event.step_failure_data.error for event in context.get_step_failure_events()]
         errors.append(getattr(context.failure_event.event_specific_data, "error", None))
         reasons = [_root_cause(error) for error in errors if error is not None]

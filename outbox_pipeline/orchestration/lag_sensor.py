@@ -1,30 +1,43 @@
-"""Dagster room: `outbox_lag_sensor`, which launches relay runs where the lag is.
+"""Dagster room: `outbox_lag_sensor`, which keeps the outbox's partitions covered by live relay workers.
 
-Every tick reads every partition's lag in one engine query, registers partitions Dagster has not seen
-(dynamic partitions), and requests one `relay_partition` run per lagging partition that has no run in
-flight, no live lease (another worker relays it) and no delivery backoff. The run key is the
-partition's position plus the run it follows, so a tick never requests the same work twice and a
-partition whose last run ended gets a new one only while it still lags. When the whole backlog passes
-OUTBOX_BULK_DRAIN_THRESHOLD and a bulk drain job is wired in, the sensor requests that instead.
+Relaying is long-lived work: `relay_stream` runs relay for a window as registered workers, and every live
+relay worker (a run, or an `outbox relay` process the registry shows) is dealt its share of the
+partitions, so "covered" means "at least one live relay worker". Every tick reads every partition's lag
+and the registry, registers partitions Dagster has not seen (dynamic partitions), and requests a
+`relay_stream` run only when one is needed:
+
+- no live relay worker and no run starting: one run (the first, or after a crash);
+- the only owners are runs about to end their window: the successor, so the two overlap briefly;
+- partitions lag (OUTBOX_RELAY_TRIGGER_PENDING rows or OUTBOX_RELAY_TRIGGER_AGE_S) while every run is up
+  and fewer than OUTBOX_RELAY_RUNS_MAX are: one more run (more parallelism for a burst).
+
+A run launched but not yet registered counts as an owner for START_GRACE_S, so no tick queues a second run
+for covered partitions; a run whose registered worker died covers nothing at once. The run key is the
+reason plus the latest run it follows, so a tick never requests the same run twice. When the whole backlog
+passes OUTBOX_BULK_DRAIN_THRESHOLD and a bulk drain job is wired in, the sensor requests that instead.
 """
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import dagster as dg
 
 # What define_asset_job returns; not re-exported by dagster, but it is the type sensors accept as a job.
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from assets.relay import RelayRunConfig
 from outbox_pipeline.lag import PartitionLag, partition_lag
+from outbox_pipeline.liveness import live_workers
+from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
 from resources.postgres import PostgresResource
 
 from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, outbox_partitions, partition_key
+from .relay_stream import REGISTERED_TAG, WINDOW_TAG, RelayStreamConfig, stream_worker_id
 from .settings import OrchestrationSettings
 
 PARTITION_TAG = "dagster/partition"
 WILL_RETRY_TAG = "dagster/will_retry"
-# Runs that hold (or are about to hold) their partition.
+# Runs that hold (or are about to hold) their partitions.
 IN_FLIGHT_STATUSES = [
     dg.DagsterRunStatus.QUEUED,
     dg.DagsterRunStatus.NOT_STARTED,
@@ -32,6 +45,12 @@ IN_FLIGHT_STATUSES = [
     dg.DagsterRunStatus.STARTED,
     dg.DagsterRunStatus.CANCELING,
 ]
+# A run launched this recently whose worker has not registered yet is still starting (queued, loading the
+# code location): it counts as an owner. Past it, or once its worker registered and is no longer alive
+# (killed: the code server marks the run failed a little later), it covers nothing.
+START_GRACE_S = 120.0
+# Workers whose heartbeat is this fresh count as alive when their liveness is expiry (behind PgBouncer).
+EXPIRY_LIVENESS_S = 60.0
 
 Job = dg.JobDefinition | UnresolvedAssetJobDefinition
 
@@ -52,10 +71,39 @@ def _runs(
     return instance.get_runs(filters=filters, limit=limit)
 
 
-def relay_run_key(lag: PartitionLag, previous_run_id: str | None) -> str:
-    """Where the partition stands (position, or pending rows for row strategies) and the run it follows."""
-    where = lag.position.replace(" ", ",") if lag.position else f"pending={lag.pending}"
-    return f"{partition_key(lag.topic, lag.partition)}@{where}/after:{previous_run_id or 'none'}"
+@dataclass(frozen=True)
+class Coverage:
+    """Who relays the outbox now, as one tick sees it."""
+
+    owners: tuple[str, ...]  # live relay workers: runs and external processes
+    starting: tuple[str, ...]  # run ids launched and not registered yet (within START_GRACE_S)
+    ending: tuple[str, ...]  # run ids whose window ends within the handover
+    runs: int  # in-flight relay runs that are not ending
+
+    @property
+    def covered(self) -> bool:
+        return len(self.owners) - len(self.ending) + len(self.starting) > 0
+
+
+def coverage(
+    instance: dg.DagsterInstance, job_name: str, owners: Sequence[str], cfg: OrchestrationSettings, now: float
+) -> Coverage:
+    starting: list[str] = []
+    ending: list[str] = []
+    active = 0
+    for record in instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=IN_FLIGHT_STATUSES)):
+        run = record.dagster_run
+        began = record.start_time or record.create_timestamp.timestamp()
+        window_s = float(run.tags.get(WINDOW_TAG) or cfg.relay_window_s)
+        if stream_worker_id(run) in owners:
+            if began + window_s - now < cfg.handover_s:
+                ending.append(run.run_id)
+            else:
+                active += 1
+        elif run.tags.get(REGISTERED_TAG) != "true" and now - record.create_timestamp.timestamp() < START_GRACE_S:
+            starting.append(run.run_id)
+            active += 1
+    return Coverage(tuple(owners), tuple(starting), tuple(ending), active)
 
 
 def build_outbox_lag_sensor(
@@ -66,7 +114,7 @@ def build_outbox_lag_sensor(
     name: str = "outbox_lag_sensor",
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:
-    """The lag sensor for ``relay_job`` (a job over `relayed_outbox`); ``bulk_drain_job`` is optional."""
+    """The lag sensor for ``relay_job`` (a `relay_stream` job); ``bulk_drain_job`` is optional."""
     cfg = settings or OrchestrationSettings.from_env()
     jobs: list[Job] = [relay_job] if bulk_drain_job is None else [relay_job, bulk_drain_job]
 
@@ -75,15 +123,19 @@ def build_outbox_lag_sensor(
         jobs=jobs,
         minimum_interval_seconds=cfg.sensor_interval_s,
         default_status=default_status,
-        description=f"Reads per-partition lag ({cfg.strategy}) every {cfg.sensor_interval_s} s, registers new "
-        f"partitions and launches {relay_job.name} where a partition lags (>= {cfg.trigger_pending} rows or "
-        f"oldest >= {cfg.trigger_age_s:g} s) and no run is in flight.",
+        description=f"Every {cfg.sensor_interval_s} s: reads per-partition lag ({cfg.strategy}) and the live relay "
+        f"workers, registers new partitions, and launches a {relay_job.name} run where no live worker covers the "
+        f"outbox, before a run's window ends, or while partitions lag (>= {cfg.trigger_pending} rows or oldest "
+        f">= {cfg.trigger_age_s:g} s) with fewer than {cfg.relay_runs_max} runs.",
     )
     def outbox_lag_sensor(
         context: dg.SensorEvaluationContext, postgres: PostgresResource
     ) -> dg.SensorResult | dg.SkipReason:
         with postgres.connect() as conn:
             lags = partition_lag(conn, postgres.table, cfg.strategy, cap=cfg.lag_cap)
+            owners = [
+                w.worker_id for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND
+            ]
         by_key: dict[str, PartitionLag] = {}
         for lag in lags:
             key = partition_key(lag.topic, lag.partition)
@@ -94,7 +146,7 @@ def build_outbox_lag_sensor(
         known = set(context.instance.get_dynamic_partitions(OUTBOX_PARTITIONS_NAME))
         new_keys = sorted(set(by_key) - known)
         adds = [outbox_partitions.build_add_request(new_keys)] if new_keys else []
-        total = sum(lag.pending for lag in by_key.values())
+        total = sum(lag.pending for lag in lags)
 
         if bulk_drain_job is not None:
             bulk_running = bool(_runs(context.instance, bulk_drain_job.name, in_flight=True))
@@ -109,38 +161,38 @@ def build_outbox_lag_sensor(
                 )
                 return dg.SensorResult(run_requests=[bulk], dynamic_partitions_requests=adds)
 
-        busy = {run.tags.get(PARTITION_TAG) for run in _runs(context.instance, relay_job.name, in_flight=True)}
-        requests: list[dg.RunRequest] = []
-        waiting: list[str] = []
-        for key, lag in sorted(by_key.items()):
-            if not cfg.is_lagging(lag.pending, lag.oldest_pending_age_s):
-                continue
-            if key in busy or lag.leased_by or lag.in_backoff:
-                waiting.append(key)  # in flight, relayed by a live worker, or backing off after a failure
-                continue
-            previous = _runs(context.instance, relay_job.name, partition=key, limit=1)
-            if previous and previous[0].tags.get(WILL_RETRY_TAG) == "true":
-                waiting.append(key)  # the instance's run retries will relaunch it
-                continue
-            requests.append(
-                dg.RunRequest(
-                    job_name=relay_job.name,
-                    partition_key=key,
-                    run_key=relay_run_key(lag, previous[0].run_id if previous else None),
-                    run_config=dg.RunConfig(ops={"relayed_outbox": RelayRunConfig(strategy=cfg.strategy)}),
-                    tags={
-                        "outbox/pending": str(lag.pending),
-                        "outbox/oldest_pending_age_s": f"{lag.oldest_pending_age_s or 0:.1f}",
-                        "outbox/position": lag.position or "-",
-                    },
-                )
-            )
-        if requests:
-            context.log.info("relay runs for %s", ", ".join(r.partition_key or "" for r in requests))
-            return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=adds)
-        lagging = sum(1 for lag in by_key.values() if lag.pending)
-        note = f"; waiting on {', '.join(waiting[:5])}{' ...' if len(waiting) > 5 else ''}" if waiting else ""
-        return _skip(f"{total} pending rows in {lagging}/{len(by_key)} partitions, none needs a new run{note}", adds)
+        cover = coverage(context.instance, relay_job.name, owners, cfg, time.time())
+        lagging = sorted(
+            key
+            for key, lag in by_key.items()
+            if cfg.is_lagging(lag.pending, lag.oldest_pending_age_s) and not lag.in_backoff
+        )
+        if not cover.covered:
+            why = "successor" if cover.ending else "uncovered"
+        elif lagging and not cover.starting and cover.runs < cfg.relay_runs_max:
+            why = "lagging"
+        else:
+            state = f"{len(cover.owners)} live relay worker(s), {len(cover.starting)} run(s) starting"
+            note = f"; lagging: {', '.join(lagging[:5])}{' ...' if len(lagging) > 5 else ''}" if lagging else ""
+            return _skip(f"{total} pending rows in {len(by_key)} partitions; {state}{note}", adds)
+        previous = _runs(context.instance, relay_job.name, limit=1)
+        request = dg.RunRequest(
+            job_name=relay_job.name,
+            run_key=f"relay-stream/{why}/after:{previous[0].run_id if previous else 'none'}",
+            run_config=dg.RunConfig(
+                ops={"relay_outbox_stream": RelayStreamConfig(strategy=cfg.strategy, window_s=cfg.relay_window_s)}
+            ),
+            tags={
+                WINDOW_TAG: f"{cfg.relay_window_s:g}",
+                "outbox/reason": why,
+                "outbox/pending": str(total),
+                "outbox/lagging_partitions": str(len(lagging)),
+            },
+        )
+        context.log.info(
+            "relay run (%s): %d live relay worker(s), %d lagging partition(s)", why, len(cover.owners), len(lagging)
+        )
+        return dg.SensorResult(run_requests=[request], dynamic_partitions_requests=adds)
 
     return outbox_lag_sensor
 

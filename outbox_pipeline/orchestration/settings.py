@@ -19,6 +19,9 @@ ENV_TRIGGER_PENDING = "OUTBOX_RELAY_TRIGGER_PENDING"
 ENV_TRIGGER_AGE_S = "OUTBOX_RELAY_TRIGGER_AGE_S"
 ENV_RELAY_MAX_SECONDS = "OUTBOX_RELAY_MAX_SECONDS"
 ENV_BULK_DRAIN_THRESHOLD = "OUTBOX_BULK_DRAIN_THRESHOLD"
+ENV_RELAY_WINDOW_S = "OUTBOX_RELAY_WINDOW_S"
+ENV_RELAY_REPORT_INTERVAL_S = "OUTBOX_RELAY_REPORT_INTERVAL_S"
+ENV_RELAY_RUNS_MAX = "OUTBOX_RELAY_RUNS_MAX"
 
 
 @dataclass(frozen=True)
@@ -28,12 +31,20 @@ class OrchestrationSettings:
     # Seconds between lag sensor ticks, and between lag SLO evaluations.
     sensor_interval_s: int = 5
     check_interval_s: int = 15
-    # A partition is lagging (gets a relay run) once it has this many pending rows, or once its oldest
-    # pending row is this old: batching small trickles into fewer runs.
-    trigger_pending: int = 100
+    # A partition is lagging once it has this many pending rows, or once its oldest pending row is this
+    # old: the live relay runs are not keeping up, and the sensor adds one (up to relay_runs_max).
+    trigger_pending: int = 1000
     trigger_age_s: float = 10.0
-    # A relay run's time budget: it stops when caught up or after this long.
+    # A per-partition run's time budget (relay_partition, launched from the UI): it stops when caught up or
+    # after this long.
     relay_max_seconds: float = 60.0
+    # A long-lived relay run (relay_stream) relays for this window, then ends; the sensor launches its
+    # successor before the window ends, so there is no gap. Each run costs seconds of CPU to start.
+    relay_window_s: float = 600.0
+    # How often a relay run records each of its partitions' progress (a materialization per partition).
+    report_interval_s: float = 60.0
+    # The most relay runs at once (bursts, partitions that cannot keep up); one suffices in steady state.
+    relay_runs_max: int = 4
     # Total pending rows from which the lag sensor asks for the bulk drain job instead (when wired).
     bulk_drain_threshold: int = 1_000_000
     thresholds: LagThresholds = field(default_factory=LagThresholds)
@@ -45,6 +56,18 @@ class OrchestrationSettings:
             raise ConfigurationError("sensor intervals must be >= 1 s")
         if self.trigger_pending < 1 or self.trigger_age_s < 0 or self.relay_max_seconds <= 0:
             raise ConfigurationError(f"invalid relay trigger or budget: {self}")
+        if self.relay_window_s < 10 * self.sensor_interval_s or self.report_interval_s <= 0:
+            raise ConfigurationError(
+                f"{ENV_RELAY_WINDOW_S} must be at least ten sensor intervals and {ENV_RELAY_REPORT_INTERVAL_S} > 0"
+            )
+        if self.relay_runs_max < 1:
+            raise ConfigurationError(f"{ENV_RELAY_RUNS_MAX} must be >= 1")
+
+    @property
+    def handover_s(self) -> float:
+        """A run this close to its window's end no longer counts as an owner: its successor starts now
+        (three sensor ticks plus a run's start-up), so the two overlap rather than leave a gap."""
+        return 3 * self.sensor_interval_s + 30.0
 
     @property
     def lag_cap(self) -> int:
@@ -74,5 +97,8 @@ class OrchestrationSettings:
             trigger_age_s=get(ENV_TRIGGER_AGE_S, d.trigger_age_s, float),
             relay_max_seconds=get(ENV_RELAY_MAX_SECONDS, d.relay_max_seconds, float),
             bulk_drain_threshold=int(get(ENV_BULK_DRAIN_THRESHOLD, d.bulk_drain_threshold, int)),
+            relay_window_s=get(ENV_RELAY_WINDOW_S, d.relay_window_s, float),
+            report_interval_s=get(ENV_RELAY_REPORT_INTERVAL_S, d.report_interval_s, float),
+            relay_runs_max=int(get(ENV_RELAY_RUNS_MAX, d.relay_runs_max, int)),
             thresholds=LagThresholds.from_env(env),
         )

@@ -1,7 +1,8 @@
 """End to end: `dagster dev` (the project's workspace.yaml and dagster.yaml) against the real PostgreSQL and
-broker. Its lag sensor must register the outbox's partitions and launch relay runs that succeed, each in
-its own partition's history, read back through GraphQL as the UI reads it; a headless Chromium screenshot
-of one partition's runs page is kept as a test artifact."""
+broker. Its lag sensor must register the outbox's partitions and keep one long-lived relay run that relays
+them all and records each partition's history (materializations at intervals), with no queued backlog,
+read back through GraphQL as the UI reads it; a headless Chromium screenshot of one partition's page is
+kept as a test artifact. Stopping `dagster dev` stops the run cleanly (its worker deregisters)."""
 
 import json
 import os
@@ -110,6 +111,9 @@ class DagsterDev:
 class Stack:
     dev: DagsterDev
     written: Written
+    dsn: str
+    table: OutboxTable
+    started: float  # time.monotonic() when dagster dev was started
 
 
 @pytest.fixture(scope="module")
@@ -136,58 +140,54 @@ def stack(tmp_path_factory: pytest.TempPathFactory, pg_server: LocalPostgres, br
         "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers,
         "OUTBOX_LAG_SENSOR_INTERVAL_S": "2",
         "OUTBOX_LAG_CHECK_INTERVAL_S": "2",
-        "OUTBOX_RELAY_TRIGGER_AGE_S": "0",
+        "OUTBOX_RELAY_REPORT_INTERVAL_S": "10",
         "OUTBOX_ARCHIVE_URI": str(tmp_path_factory.mktemp("archive")),
     }
     env.pop("OUTBOX_ALERT_WEBHOOK_URL", None)
     dev = DagsterDev(home, env)
     try:
-        yield Stack(dev, written)
+        yield Stack(dev, written, pg_server.dsn, table, time.monotonic())
     finally:
         dev.stop()  # before the outbox schema is dropped
         with psycopg.connect(pg_server.dsn, autocommit=True) as db:
             db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
 
 
-def _every_partition_relayed(stack: Stack) -> None:
+def _history_of_every_partition(stack: Stack, minimum: int = 2) -> None:
     try:
         stack.dev.wait_for(
-            "a successful relay run in every lagging partition's history",
-            lambda: all(_successful_runs(stack.dev, key) for key in stack.written.keys),
-            deadline_s=150,
+            f"{minimum} materializations in every partition's history",
+            lambda: all(len(_history(stack.dev, key)) >= minimum for key in stack.written.keys),
+            deadline_s=180,
         )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nrelay runs: {_relay_runs(stack.dev)}") from None
 
 
 def _relay_runs(dev: DagsterDev) -> list[tuple[str, str]]:
-    """(partition, status) of every relay run, to explain a timeout."""
+    """(job, status) of every relay run, to explain a failure."""
     data = dev.graphql(
         """
-        { runsOrError(filter: {pipelineName: "relay_partition"}) {
-            ... on Runs { results { status tags { key value } } }
-        } }
+        { runsOrError(filter: {pipelineName: "relay_stream"}) { ... on Runs { results { jobName status } } } }
         """
     )
-    return [
-        (next((t["value"] for t in run["tags"] if t["key"] == "dagster/partition"), "-"), run["status"])
-        for run in data["runsOrError"]["results"]
-    ]
+    return [(run["jobName"], run["status"]) for run in data["runsOrError"]["results"]]
 
 
-def _successful_runs(dev: DagsterDev, key: str) -> list[str]:
+def _history(dev: DagsterDev, key: str) -> list[dict[str, Any]]:
+    """The partition's materializations, newest first, as its page in the Catalog shows them."""
     data = dev.graphql(
         """
         query ($key: String!) {
-          runsOrError(filter: {pipelineName: "relay_partition", statuses: [SUCCESS],
-                               tags: [{key: "dagster/partition", value: $key}]}) {
-            ... on Runs { results { runId } }
+          assetNodeOrError(assetKey: {path: ["relayed_outbox"]}) {
+            ... on AssetNode { assetMaterializations(partitions: [$key], limit: 100) {
+                runId metadataEntries { label ... on IntMetadataEntry { intValue } } } }
           }
         }
         """,
         {"key": key},
     )
-    return [run["runId"] for run in data["runsOrError"]["results"]]
+    return list(data["assetNodeOrError"]["assetMaterializations"])
 
 
 def _materialized_partitions(dev: DagsterDev) -> set[str]:
@@ -201,12 +201,26 @@ def _materialized_partitions(dev: DagsterDev) -> set[str]:
     return set(data["assetNodeOrError"]["assetPartitionStatuses"]["materializedPartitions"])
 
 
-def test_dagster_dev_relays_every_lagging_partition_in_runs_of_its_own(stack: Stack, kafka: KafkaProbe) -> None:
-    _every_partition_relayed(stack)
+def test_dagster_dev_keeps_one_long_lived_run_that_records_every_partitions_history_without_a_queue(
+    stack: Stack, kafka: KafkaProbe
+) -> None:
+    _history_of_every_partition(stack, minimum=2)
+    stack.dev.wait_for("a minute of dagster dev", lambda: time.monotonic() - stack.started >= 60, 60)
 
     assert _materialized_partitions(stack.dev) >= set(stack.written.keys)
     arrived = message_ids(kafka.consume(stack.written.topic, expect=90))
     assert set(arrived) == {m for ids in stack.written.by_key.values() for m in ids}
+    assert _relay_runs(stack.dev) == [("relay_stream", "STARTED")]  # one run for every partition, none queued
+    published = {
+        key: sum(
+            e.get("intValue") or 0
+            for m in _history(stack.dev, key)
+            for e in m["metadataEntries"]
+            if e["label"] == "rows_published"
+        )
+        for key in stack.written.keys
+    }
+    assert published == {key: len(ids) for key, ids in stack.written.by_key.items()}
 
 
 def _lag_check_history(dev: DagsterDev) -> list[tuple[str, str]]:
@@ -227,14 +241,14 @@ def test_the_lag_check_history_fills_with_passing_evaluations_made_without_runs(
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium): no screenshot")
-def test_a_partitions_runs_page_is_captured_by_headless_chromium(stack: Stack) -> None:
-    _every_partition_relayed(stack)
+def test_a_partitions_page_is_captured_by_headless_chromium(stack: Stack) -> None:
+    _history_of_every_partition(stack, minimum=2)
     key = stack.written.keys[0]
     stack.dev.graphql("mutation { setNuxSeen }")  # the first-run dialog would cover the page
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / "dagster-partition-runs.png"  # one file, replaced by each run
+    path = ARTIFACTS / "dagster-partition-history.png"  # one file, replaced by each run
     path.unlink(missing_ok=True)
-    query = urllib.parse.urlencode({"q[0]": f"tag:dagster/partition={key}"})
+    query = urllib.parse.urlencode({"view": "partitions", "partition": key})
 
     subprocess.run(
         [
@@ -247,7 +261,7 @@ def test_a_partitions_runs_page_is_captured_by_headless_chromium(stack: Stack) -
             "--window-size=1600,900",
             "--virtual-time-budget=15000",
             f"--screenshot={path}",
-            f"{stack.dev.url}/runs?{query}",
+            f"{stack.dev.url}/assets/relayed_outbox?{query}",
         ],
         check=True,
         capture_output=True,
@@ -255,7 +269,7 @@ def test_a_partitions_runs_page_is_captured_by_headless_chromium(stack: Stack) -
     )
 
     assert path.stat().st_size > 10_000
-    print(f"screenshot of partition {key}'s runs page: {path}")
+    print(f"screenshot of partition {key}'s page: {path}")
 
 
 def _launch(dev: DagsterDev, job: str, tags: dict[str, str] | None = None) -> str:
@@ -317,3 +331,15 @@ def test_the_spark_jobs_launched_as_from_the_ui_succeed_and_the_maintenance_sche
     )
     schedule = data["scheduleOrError"]
     assert (schedule["cronSchedule"], schedule["scheduleState"]["status"]) == ("15 0 * * *", "RUNNING")
+
+
+def test_stopping_dagster_dev_stops_the_relay_run_cleanly(stack: Stack) -> None:
+    """Last in this module: it stops the stack. A clean stop deregisters the run's worker; a killed one would
+    stay registered (no other worker is left to reap it)."""
+    _history_of_every_partition(stack, minimum=1)
+
+    stack.dev.stop()
+
+    with psycopg.connect(stack.dsn, autocommit=True) as db:
+        workers = db.execute(sql.SQL("SELECT worker_id FROM {}").format(stack.table.workers)).fetchall()
+    assert workers == []

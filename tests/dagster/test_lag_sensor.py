@@ -1,17 +1,20 @@
-"""`outbox_lag_sensor` against real lag in PostgreSQL: which partitions it registers, which runs it asks for."""
+"""`outbox_lag_sensor` against real lag and a real worker registry in PostgreSQL: which partitions it
+registers, and when it asks for a long-lived `relay_stream` run (one live owner covers every partition)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import dagster as dg
 import psycopg
 
-from assets import relayed_outbox
 from assets.spark import bulk_drain_job
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.orchestration.jobs import relay_partition_job
+from outbox_pipeline.liveness import present
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
+from outbox_pipeline.orchestration.relay_stream import REGISTERED_TAG, relay_stream_job, stream_worker_id
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
 
 from ..kafka_helpers import KafkaProbe
 from ..relay_helpers import drain
@@ -22,12 +25,9 @@ EAGER = OrchestrationSettings(trigger_pending=1, trigger_age_s=0.0)
 
 
 def _tick(
-    sensor: dg.SensorDefinition,
-    instance: dg.DagsterInstance,
-    resources: dict[str, dg.ConfigurableResource],
-    cursor: str | None = None,
+    sensor: dg.SensorDefinition, instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource]
 ) -> dg.SensorResult | dg.SkipReason:
-    with dg.build_sensor_context(instance=instance, resources=resources, cursor=cursor) as context:
+    with dg.build_sensor_context(instance=instance, resources=resources) as context:
         result = sensor(context)
     assert isinstance(result, dg.SensorResult | dg.SkipReason), result
     return result
@@ -39,61 +39,136 @@ def _added(result: dg.SensorResult | dg.SkipReason) -> list[str]:
     return sorted(key for request in result.dynamic_partitions_requests or [] for key in request.partition_keys or [])
 
 
-def _requested(result: dg.SensorResult | dg.SkipReason) -> dict[str, dg.RunRequest]:
+def _requested(result: dg.SensorResult | dg.SkipReason) -> list[dg.RunRequest]:
+    return [] if isinstance(result, dg.SkipReason) else list(result.run_requests or [])
+
+
+def _skip_message(result: dg.SensorResult | dg.SkipReason) -> str:
     if isinstance(result, dg.SkipReason):
-        return {}
-    return {request.partition_key or "": request for request in result.run_requests or []}
+        return result.skip_message or ""
+    return result.skip_reason.skip_message if result.skip_reason else ""
 
 
-def test_the_sensor_registers_new_partitions_and_requests_one_relay_run_per_lagging_partition(
+@contextmanager
+def _live_worker(db: psycopg.Connection, table: OutboxTable, worker_id: str) -> Iterator[None]:
+    """A registered relay worker alive by its session, as an `outbox relay` process or a run holds it."""
+    with present(db.info.dsn, table, worker_id, kind=UNSCOPED_KIND, liveness="session"):
+        yield
+
+
+def _stream_run(instance: dg.DagsterInstance, status: dg.DagsterRunStatus, **tags: str) -> dg.DagsterRun:
+    return instance.create_run_for_job(relay_stream_job, tags=tags, status=status)
+
+
+def test_an_uncovered_outbox_gets_one_relay_stream_run_and_its_partitions_registered(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
 ) -> None:
     written = write_rows(200)
-    sensor = build_outbox_lag_sensor(relay_partition_job, settings=EAGER)
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=EAGER)
 
     result = _tick(sensor, instance, dagster_resources)
 
     assert _added(result) == written.keys
-    requested = _requested(result)
-    assert sorted(requested) == written.keys
-    assert {request.job_name for request in requested.values()} == {"relay_partition"}
-    assert all(request.tags["outbox/pending"] == str(len(written.by_key[k])) for k, request in requested.items())
+    [request] = _requested(result)
+    assert request.job_name == "relay_stream" and request.tags["outbox/reason"] == "uncovered"
+    # The same state asks for the same run key: the daemon launches it once.
+    assert [r.run_key for r in _requested(_tick(sensor, instance, dagster_resources))] == [request.run_key]
 
 
-def test_a_partition_with_a_run_in_flight_gets_no_new_run(
+def test_a_live_external_relay_worker_covers_the_outbox_so_no_run_is_requested(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    write_rows(40)
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
+
+    with _live_worker(db, table, "cli-relay-1"):
+        covered = _tick(sensor, instance, dagster_resources)
+    uncovered = _tick(sensor, instance, dagster_resources)
+
+    assert _requested(covered) == [] and "1 live relay worker" in _skip_message(covered)
+    assert [r.tags["outbox/reason"] for r in _requested(uncovered)] == ["uncovered"]
+
+
+def test_a_run_still_starting_covers_the_outbox_so_no_second_run_is_queued(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
 ) -> None:
-    written = write_rows(200)
-    busy, *others = written.keys
-    instance.add_dynamic_partitions(OUTBOX_PARTITIONS_NAME, written.keys)
-    defs = dg.Definitions(assets=[relayed_outbox], jobs=[relay_partition_job], resources=dagster_resources)
-    job = defs.resolve_job_def("relay_partition")
-    instance.create_run_for_job(job, tags={"dagster/partition": busy}, status=dg.DagsterRunStatus.STARTED)
-    sensor = build_outbox_lag_sensor(relay_partition_job, settings=EAGER)
+    write_rows(200)
+    _stream_run(instance, dg.DagsterRunStatus.STARTING)  # launched, loading the code location
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=EAGER)
 
     result = _tick(sensor, instance, dagster_resources)
 
-    assert sorted(_requested(result)) == others
-    assert _added(result) == []  # all known already
+    assert _requested(result) == [] and "1 run(s) starting" in _skip_message(result)
 
 
-def test_repeated_ticks_over_the_same_lag_ask_for_the_same_run_keys(
+def test_a_run_whose_registered_worker_died_covers_nothing_and_gets_a_successor(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
 ) -> None:
-    write_rows(100)
-    sensor = build_outbox_lag_sensor(relay_partition_job, settings=EAGER)
+    write_rows(40)
+    # Started, registered once, and its worker is not alive (kill -9): the code server has not marked it yet.
+    _stream_run(instance, dg.DagsterRunStatus.STARTED, **{REGISTERED_TAG: "true"})
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
 
-    first = {k: r.run_key for k, r in _requested(_tick(sensor, instance, dagster_resources)).items()}
-    second = {k: r.run_key for k, r in _requested(_tick(sensor, instance, dagster_resources)).items()}
+    result = _tick(sensor, instance, dagster_resources)
 
-    # The daemon launches at most one run per run key: a tick never duplicates work already requested.
-    assert first == second and len(set(first.values())) == len(first)
+    assert [r.tags["outbox/reason"] for r in _requested(result)] == ["uncovered"]
+
+
+def test_a_run_near_the_end_of_its_window_gets_its_successor_before_it_ends(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    write_rows(40)
+    settings = OrchestrationSettings()
+    # A window shorter than the handover: from its start the run is about to end.
+    ending = _stream_run(instance, dg.DagsterRunStatus.STARTED, **{"outbox/window_s": "30", REGISTERED_TAG: "true"})
+    long = _stream_run(instance, dg.DagsterRunStatus.STARTED, **{"outbox/window_s": "600", REGISTERED_TAG: "true"})
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=settings)
+
+    with _live_worker(db, table, stream_worker_id(ending)):
+        alone = _tick(sensor, instance, dagster_resources)
+        with _live_worker(db, table, stream_worker_id(long)):
+            with_other = _tick(sensor, instance, dagster_resources)
+
+    assert [r.tags["outbox/reason"] for r in _requested(alone)] == ["successor"]
+    assert _requested(with_other) == []
+
+
+def test_lagging_partitions_get_one_more_run_up_to_the_maximum(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    write_rows(200)
+    runs = [_stream_run(instance, dg.DagsterRunStatus.STARTED, **{REGISTERED_TAG: "true"}) for _ in range(2)]
+    below = build_outbox_lag_sensor(
+        relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, relay_runs_max=3)
+    )
+    at_max = build_outbox_lag_sensor(
+        relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, relay_runs_max=2)
+    )
+
+    with _live_worker(db, table, stream_worker_id(runs[0])), _live_worker(db, table, stream_worker_id(runs[1])):
+        more = _tick(below, instance, dagster_resources)
+        enough = _tick(at_max, instance, dagster_resources)
+
+    assert [r.tags["outbox/reason"] for r in _requested(more)] == ["lagging"]
+    assert _requested(enough) == [] and "lagging:" in _skip_message(enough)
 
 
 def test_an_idle_outbox_is_a_skip_with_a_reason(
@@ -107,9 +182,10 @@ def test_an_idle_outbox_is_a_skip_with_a_reason(
     written = write_rows(40)
     drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
     instance.add_dynamic_partitions(OUTBOX_PARTITIONS_NAME, written.keys)
-    sensor = build_outbox_lag_sensor(relay_partition_job, settings=EAGER)
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=EAGER)
 
-    result = _tick(sensor, instance, dagster_resources)
+    with _live_worker(db, table, "cli-relay-1"):
+        result = _tick(sensor, instance, dagster_resources)
 
     assert isinstance(result, dg.SkipReason)
     assert "0 pending rows" in (result.skip_message or "")
@@ -122,7 +198,7 @@ def test_a_backlog_above_the_bulk_threshold_asks_for_the_bulk_drain_job_instead(
 ) -> None:
     write_rows(120)
     settings = OrchestrationSettings(trigger_pending=1, trigger_age_s=0.0, bulk_drain_threshold=100)
-    sensor = build_outbox_lag_sensor(relay_partition_job, settings=settings, bulk_drain_job=bulk_drain_job)
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=settings, bulk_drain_job=bulk_drain_job)
 
     result = _tick(sensor, instance, dagster_resources)
 

@@ -1,0 +1,165 @@
+"""Dagster room: `relay_stream`, the long-lived relay run the lag sensor keeps alive.
+
+A run is a process with the code location loaded (seconds of CPU), so one run relays for a window
+(OUTBOX_RELAY_WINDOW_S, minutes) as a registered relay worker: it is dealt its share of the outbox
+partitions with every other live worker (other runs, `outbox relay` processes), wakes on NOTIFY, and
+takes over a dead worker's partitions within a second. Every OUTBOX_RELAY_REPORT_INTERVAL_S it records a
+materialization of `relayed_outbox` for each partition it was dealt or published to, so each partition's
+page keeps its history minute by minute. It ends at the window's end, when terminated from the UI, or
+when the process that launched it (the code server of `dagster dev`) goes away, each time after the batch
+in flight is confirmed and acked.
+"""
+
+import os
+import threading
+
+import dagster as dg
+from pydantic import Field
+
+from outbox_pipeline.relay import RelaySettings
+from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.stream_run import PartitionProgress, StreamReport, StreamRun
+from resources.kafka import KafkaResource
+from resources.postgres import PostgresResource
+
+from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, partition_key
+from .settings import OrchestrationSettings
+
+RELAY_STREAM_JOB_NAME = "relay_stream"
+RELAYED_OUTBOX = dg.AssetKey("relayed_outbox")
+# Tags the sensor reads: the window a run was launched with (its successor starts before it ends), and
+# that its worker registered (from then on, a run whose worker is not alive covers nothing).
+WINDOW_TAG = "outbox/window_s"
+REGISTERED_TAG = "outbox/registered"
+# How often the run checks that the process which launched it is still there.
+ORPHAN_CHECK_S = 1.0
+
+
+def stream_worker_id(run: dg.DagsterRun) -> str:
+    """The relay worker id of a run: a rerun (from failure, from the UI) shares the root run id, so it
+    takes back the same id; the sensor finds a run's worker in the registry by it."""
+    return f"dagster-{run.root_run_id or run.run_id}"
+
+
+class RelayStreamConfig(dg.Config):
+    """How a long-lived relay run works; empty fields take the deployment's settings (environment)."""
+
+    strategy: str | None = Field(default=None, description="relay strategy; empty: OUTBOX_RELAY_STRATEGY")
+    window_s: float | None = Field(default=None, description="seconds to relay; empty: OUTBOX_RELAY_WINDOW_S")
+    report_interval_s: float | None = Field(
+        default=None,
+        description="seconds between per-partition materializations; empty: OUTBOX_RELAY_REPORT_INTERVAL_S",
+    )
+    batch_size: int = Field(default=1000, description="rows per batch")
+    lease_s: float = Field(default=60.0, description="partition/row lease; the fallback when liveness is expiry")
+    kafka_transactions: bool = Field(default=False, description="partitioned/serialized: a Kafka transaction per batch")
+
+
+@dg.op(description="Relay the outbox for a window as one registered worker, recording each partition's progress.")
+def relay_outbox_stream(
+    context: dg.OpExecutionContext, config: RelayStreamConfig, postgres: PostgresResource, kafka: KafkaResource
+) -> None:
+    settings = OrchestrationSettings.from_env()
+    strategy = config.strategy or settings.strategy
+    window_s = config.window_s or settings.relay_window_s
+    worker_id = stream_worker_id(context.run)
+    run = StreamRun(
+        postgres.dsn,
+        strategy,
+        StrategyConfig(
+            table=postgres.table,
+            worker_id=worker_id,
+            lease_s=config.lease_s,
+            kafka_transactions=config.kafka_transactions,
+        ),
+        kafka.publisher(),
+        RelaySettings(batch_size=config.batch_size, max_seconds=window_s, listen=True),
+        report_every_s=config.report_interval_s or settings.report_interval_s,
+    )
+    context.log.info("%s relays the outbox (%s) for %.0f s", worker_id, strategy, window_s)
+    done = threading.Event()
+    watchdog = threading.Thread(target=_watch, args=(context, run, done, os.getppid()), daemon=True)
+    watchdog.start()
+    published = 0
+    try:
+        for report in run.reports():
+            published += report.published
+            _record(context, report, worker_id)
+    finally:
+        done.set()
+    context.log.info("%s stopped after publishing %d rows", worker_id, published)
+
+
+def _watch(context: dg.OpExecutionContext, run: StreamRun, done: threading.Event, parent: int) -> None:
+    """Tags the run once its worker is registered, and stops it when orphaned: `dagster dev` stopping ends
+    its code server, and a run it launched must not relay on unseen."""
+    tagged = False
+    while not done.wait(ORPHAN_CHECK_S):
+        if not tagged and run.relay.registered.is_set():
+            context.instance.add_run_tags(context.run_id, {REGISTERED_TAG: "true"})
+            tagged = True
+        if os.getppid() != parent:
+            context.log.warning("the process that launched this run is gone: stopping")
+            run.stop()
+            return
+
+
+def _record(context: dg.OpExecutionContext, report: StreamReport, worker_id: str) -> None:
+    keys = {partition_key(p.topic, p.partition): p for p in report.partitions}
+    keys = {key: p for key, p in keys.items() if is_valid_key(key)}
+    known = set(context.instance.get_dynamic_partitions(OUTBOX_PARTITIONS_NAME))
+    if missing := sorted(set(keys) - known):
+        context.instance.add_dynamic_partitions(OUTBOX_PARTITIONS_NAME, missing)
+    for key, progress in keys.items():
+        context.log_event(
+            dg.AssetMaterialization(
+                asset_key=RELAYED_OUTBOX, partition=key, metadata=_metadata(progress, report, worker_id)
+            )
+        )
+    failing = [key for key, p in keys.items() if p.failed]
+    summary = (
+        f"{report.published} published in {report.interval_s:.0f} s over {len(keys)} partitions; "
+        f"duplicates risked {report.duplicates_risked}, dead-lettered {report.dead_lettered}, "
+        f"database errors {report.errors}"
+    )
+    if failing:
+        context.log.warning("%s; deliveries failing in %s", summary, ", ".join(failing))
+    else:
+        context.log.info(summary)
+
+
+def _metadata(p: PartitionProgress, report: StreamReport, worker_id: str) -> dict[str, dg.MetadataValue]:
+    lag = p.lag
+    return {
+        "rows_published": dg.MetadataValue.int(p.published),
+        "msg_per_s": dg.MetadataValue.float(round(p.msg_per_s, 1)),
+        "lag": dg.MetadataValue.int(lag.pending if lag else 0),
+        "oldest_pending_age_s": dg.MetadataValue.float(round((lag.oldest_pending_age_s if lag else None) or 0.0, 3)),
+        "failed_deliveries": dg.MetadataValue.int(p.failed),
+        "last_error": dg.MetadataValue.text((lag.last_error if lag else None) or "-"),
+        "position": dg.MetadataValue.text((lag.position if lag else None) or "-"),
+        "interval_s": dg.MetadataValue.float(round(p.interval_s, 1)),
+        "dealt_to_this_run": dg.MetadataValue.bool(p.home),
+        # The run's interval totals (its batches span partitions for row strategies).
+        "run_duplicates_risked": dg.MetadataValue.int(report.duplicates_risked),
+        "run_dead_lettered": dg.MetadataValue.int(report.dead_lettered),
+        "run_errors": dg.MetadataValue.int(report.errors),
+        "worker_id": dg.MetadataValue.text(worker_id),
+    }
+
+
+def build_relay_stream_job(name: str = RELAY_STREAM_JOB_NAME) -> dg.JobDefinition:
+    @dg.job(
+        name=name,
+        executor_def=dg.in_process_executor,
+        description="Relay the outbox for a window (minutes) as one registered worker; the lag sensor keeps one "
+        "live and adds more while partitions lag.",
+        tags={"outbox/kind": "relay-stream"},
+    )
+    def relay_stream() -> None:
+        relay_outbox_stream()
+
+    return relay_stream
+
+
+relay_stream_job = build_relay_stream_job()

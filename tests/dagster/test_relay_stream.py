@@ -1,0 +1,153 @@
+"""`relay_stream`: one long-lived run relays every partition, records each partition's history at intervals,
+and survives kill -9 (its partitions relayed again, nothing lost) and a rerun from failure (it resumes)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import dagster as dg
+import psycopg
+import pytest
+
+from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.lag import partition_lag
+from outbox_pipeline.liveness import live_workers
+from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
+from outbox_pipeline.orchestration.relay_stream import RELAYED_OUTBOX, relay_stream_job, stream_worker_id
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.schema import set_topic_partitions
+
+from ..kafka_helpers import KafkaProbe
+from ..relay_helpers import message_ids, order_by_key
+from .conftest import Written
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _materializations(instance: dg.DagsterInstance, key: str) -> list[dg.EventLogRecord]:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=RELAYED_OUTBOX, asset_partitions=[key]), limit=1000
+    )
+    return list(records.records)
+
+
+def test_one_run_relays_every_partition_and_records_a_materialization_per_partition_per_interval(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+) -> None:
+    written = write_rows(200, partitions=4)
+    config = {"ops": {"relay_outbox_stream": {"config": {"window_s": 4.0, "report_interval_s": 1.0}}}}
+    kafka = dagster_resources["kafka"]
+
+    result = relay_stream_job.execute_in_process(run_config=config, instance=instance, resources=dagster_resources)
+
+    assert result.success
+    arrived = message_ids(KafkaProbe(kafka.bootstrap_servers).consume(written.topic, idle_s=2.0))  # type: ignore[attr-defined]
+    assert sorted(arrived) == sorted(m for ids in written.by_key.values() for m in ids)
+    for key, ids in written.by_key.items():
+        history = _materializations(instance, key)
+        assert len(history) >= 3, f"{key}: {len(history)} materializations in a 4 s window reported every 1 s"
+        published = sum(r.asset_materialization.metadata["rows_published"].value for r in history)  # type: ignore[union-attr]
+        assert published == len(ids)
+        assert all(r.run_id == result.run_id for r in history)
+
+
+def _pending(db: psycopg.Connection, table: OutboxTable) -> int:
+    return sum(lag.pending for lag in partition_lag(db, table, "partitioned"))
+
+
+@pytest.fixture
+def dagster_home(tmp_path: Path) -> Iterator[Path]:
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    yield home
+
+
+def _start_run(dagster_home: Path, dsn: str, table: OutboxTable, bootstrap: str, *args: str) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(dagster_home),
+        "OUTBOX_PG_DSN": dsn,
+        "OUTBOX_SCHEMA": table.schema,
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+    }
+    return subprocess.Popen([sys.executable, "-m", "tests.dagster.stream_run_process", *args], cwd=ROOT, env=env)
+
+
+def test_a_killed_run_is_replaced_and_its_rerun_from_failure_resumes_with_nothing_lost(
+    dagster_home: Path,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    topic = new_topic("stream", partitions=4)
+    set_topic_partitions(db, table, topic, 4)
+    stop = threading.Event()
+    written: list[str] = []
+
+    def write() -> None:  # a steady writer, 20 keys, through the kill and the rerun
+        with psycopg.connect(db.info.dsn, autocommit=True) as conn:
+            n = 0
+            while not stop.wait(0.02):
+                [row] = enqueue_many(conn, [Message(topic, {"n": n}, key=f"k{n % 20}")], table=table)
+                written.append(str(row.message_id))
+                n += 1
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    first = _start_run(dagster_home, db.info.dsn, table, kafka.bootstrap_servers, "600", "1")
+    try:
+        with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+            for _ in range(600):  # until the run has recorded a partition's progress (60 s at most)
+                if instance.fetch_materializations(RELAYED_OUTBOX, limit=1).records:
+                    break
+                stop.wait(0.1)
+            [killed] = instance.get_runs(dg.RunsFilter(job_name="relay_stream"))
+            assert stream_worker_id(killed) in [w.worker_id for w in live_workers(db, table, 60)]
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            instance.report_run_failed(instance.get_run_by_id(killed.run_id))  # what the code server does
+
+            # Its worker is gone at once: the sensor asks for a run, though the killed one was registered.
+            sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
+            with dg.build_sensor_context(instance=instance, resources=dagster_resources) as context:
+                result = sensor(context)
+            assert isinstance(result, dg.SensorResult)
+            assert [r.tags["outbox/reason"] for r in result.run_requests or []] == ["uncovered"]
+
+            rerun = _start_run(dagster_home, db.info.dsn, table, kafka.bootstrap_servers, "600", "1", killed.run_id)
+            for _ in range(600):
+                if stream_worker_id(killed) in [w.worker_id for w in live_workers(db, table, 60)]:
+                    break  # the rerun took back the killed run's worker id (its root run id)
+                stop.wait(0.1)
+            stop.set()
+            writer.join()
+            records = kafka.consume(topic, idle_s=1.0)
+            for _ in range(60):  # until everything written arrived (duplicates aside), 2 minutes at most
+                if set(message_ids(records)) >= set(written):
+                    break
+                records = kafka.consume(topic, idle_s=1.0)
+            rerun.send_signal(signal.SIGTERM)
+            rerun.wait(60)
+            [child] = [
+                r for r in instance.get_runs(dg.RunsFilter(job_name="relay_stream")) if r.run_id != killed.run_id
+            ]
+            assert child.root_run_id == killed.run_id
+    finally:
+        stop.set()
+        first.kill()
+
+    assert len(written) > 100
+    missing = set(written) - set(message_ids(records))
+    assert not missing, f"{len(missing)} of {len(written)} never arrived; pending {_pending(db, table)}"
+    for key, numbers in order_by_key(records).items():
+        firsts = list(dict.fromkeys(numbers))
+        assert firsts == sorted(firsts), f"key {key!r} out of order"
