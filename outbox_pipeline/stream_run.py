@@ -130,18 +130,27 @@ class StreamRun:
             observer=self._tally.observe,
         )
         self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
         self._dealt: set[Pair] = set(config.partitions or ())
 
     def stop(self) -> None:
         """End after the batch in flight is confirmed and acked (the relay deregisters on its way out)."""
         self.relay.stop.set()
 
+    def close(self) -> None:
+        """Stop and wait for the relay to finish (bounded). Call it in a ``finally``: an exception raised
+        while the caller handles a report leaves the generator suspended, not finished, and a daemon
+        thread dies with the process without deregistering."""
+        self.stop()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=STOP_TIMEOUT_S)
+
     def reports(self) -> Iterator[StreamReport]:
         """Run the relay and yield a report every ``report_every_s`` and a final one when it stops.
 
         An exception raised into the caller while it waits here stops the relay cleanly and propagates.
         """
-        thread = threading.Thread(target=self._run, name=f"relay {self.config.worker_id}", daemon=True)
+        thread = self._thread = threading.Thread(target=self._run, name=f"relay {self.config.worker_id}", daemon=True)
         last = time.monotonic()
         totals = _Totals()
         thread.start()
@@ -159,9 +168,7 @@ class StreamRun:
                     if final:
                         return
         finally:
-            if thread.is_alive():
-                self.stop()
-                thread.join(timeout=STOP_TIMEOUT_S)
+            self.close()
 
     def _run(self) -> None:
         try:

@@ -101,3 +101,23 @@ def test_stopping_a_stream_run_ends_it_with_a_final_report_and_deregisters_the_w
     assert reports[-1].final
     workers = db.execute(sql.SQL("SELECT worker_id FROM {}").format(table.workers)).fetchall()
     assert workers == []
+
+
+def test_an_exception_in_the_caller_between_reports_still_stops_the_worker_on_close(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe
+) -> None:
+    run = _stream(db.info.dsn, table, kafka, "stream-interrupted", window_s=600.0)
+
+    class Interrupted(Exception):
+        pass
+
+    try:
+        for _ in run.reports():
+            raise Interrupted  # an orchestrator's interrupt while the caller records a report
+    except Interrupted:
+        pass
+    finally:
+        run.close()
+
+    assert run.relay.stop.is_set()
+    assert db.execute(sql.SQL("SELECT worker_id FROM {}").format(table.workers)).fetchall() == []

@@ -94,9 +94,9 @@ class _Child:
         # heartbeat timeout): stop what is left of the process group, then make sure it is gone.
         if _group_members(self.process.pid):
             _signal_group(self.process.pid, signal.SIGTERM)
-            if not _wait_group_gone(self.process.pid, self.grace_s):
+            if not wait_group_gone(self.process.pid, self.grace_s):
                 _signal_group(self.process.pid, signal.SIGKILL)
-                _wait_group_gone(self.process.pid, self.grace_s)
+                wait_group_gone(self.process.pid, self.grace_s)
         self.pid_file.unlink(missing_ok=True)
 
 
@@ -114,7 +114,7 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while _group_members(pgid):
         if time.monotonic() > deadline:

@@ -86,6 +86,7 @@ def relay_outbox_stream(
             published += report.published
             _record(context, report, worker_id)
     finally:
+        run.close()  # after the batch in flight is acked: the worker deregisters, nobody waits for it
         done.set()
     context.log.info("%s stopped after publishing %d rows", worker_id, published)
 

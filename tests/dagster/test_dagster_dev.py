@@ -26,6 +26,7 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres, free_port
+from outbox_pipeline.localstack.dev import wait_group_gone
 from outbox_pipeline.schema import init_db, set_topic_partitions
 
 from ..kafka_helpers import KafkaProbe
@@ -101,6 +102,8 @@ class DagsterDev:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        # Runs got the SIGINT too and stop after the batch in flight; give them the time a terminal would.
+        wait_group_gone(self.process.pid, 30.0)
         try:
             os.killpg(self.process.pid, signal.SIGKILL)  # whatever of the group outlived its leader
         except ProcessLookupError:
