@@ -24,7 +24,15 @@ from outbox_pipeline.strategies import STRATEGY_NAMES, strategy_class
 from .kafka_helpers import KafkaProbe
 from .relay_helpers import make_relay, message_ids, order_by_key
 
-FAST_FAILING_PRODUCER = {"message.timeout.ms": 1000, "request.timeout.ms": 500, "retry.backoff.ms": 100}
+# Fails a batch within 1 s of a frozen broker and reconnects within 0.5 s of its return (the default
+# reconnect backoff grows to 10 s, which only makes the test wait).
+FAST_FAILING_PRODUCER = {
+    "message.timeout.ms": 1000,
+    "request.timeout.ms": 500,
+    "retry.backoff.ms": 100,
+    "reconnect.backoff.ms": 100,
+    "reconnect.backoff.max.ms": 500,
+}
 
 
 def _failed_publishes(db: psycopg.Connection, table: OutboxTable, strategy: str) -> str | None:

@@ -363,11 +363,15 @@ class WorkerProcess:
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM: the relay finishes its batch and the worker writes its stats (once its handler is in place,
         which is before it logs `start`)."""
+        self.request_stop()
+        return self.wait(timeout_s)
+
+    def request_stop(self) -> None:
+        """SIGTERM without waiting for the exit, so that many workers stop at once (then ``wait``)."""
         if self.alive():
             self.wait_for("its start", lambda ev: sum(1 for e in ev if e.step == "start") >= self.runs)
             os.kill(self.pid, signal.SIGCONT)
             os.kill(self.pid, signal.SIGTERM)
-        return self.wait(timeout_s)
 
     def wait(self, timeout_s: float) -> int:
         assert self.proc is not None
