@@ -19,14 +19,20 @@ install: $(STAMP)
 dev: $(STAMP)
 	$(BIN)/outbox dev
 
-# PgBouncer (for the transaction-pooling test) from Debian's packages, where this user may install them;
-# without it those tests are skipped with the reason.
+# PgBouncer (for the transaction-pooling test) and Chromium (for the headless screenshot of a partition's page
+# in the `dagster dev` test) from Debian's packages, where this user may install them; without them those
+# tests are skipped with the reason.
 tools:
 	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    (apt-get install -y -qq pgbouncer >/dev/null 2>&1 || \
 	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq pgbouncer >/dev/null 2>&1)); } || \
 	  echo "pgbouncer not installed: tests/test_pgbouncer.py will be skipped"
+	@command -v chromium >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)); } || \
+	  echo "chromium not installed: the dagster dev screenshot test will be skipped"
 
 test: $(STAMP) tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
