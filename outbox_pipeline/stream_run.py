@@ -131,6 +131,10 @@ class StreamRun:
         )
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
+        # Set when the relay thread has finished (deregistered). Waited on instead of Thread.join: a join
+        # interrupted by a signal handler's exception (Ctrl-C, Dagster's interrupt) marks the thread
+        # stopped while it still runs (CPython 3.11, bpo-45274's fix), and every later join returns at once.
+        self._finished = threading.Event()
         self._dealt: set[Pair] = set(config.partitions or ())
 
     def stop(self) -> None:
@@ -140,10 +144,19 @@ class StreamRun:
     def close(self) -> None:
         """Stop and wait for the relay to finish (bounded). Call it in a ``finally``: an exception raised
         while the caller handles a report leaves the generator suspended, not finished, and a daemon
-        thread dies with the process without deregistering."""
+        thread dies with the process without deregistering. A second interrupt while it waits (an
+        orchestrator's terminate after a Ctrl-C) does not cut the wait short; it is raised afterwards."""
         self.stop()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(timeout=STOP_TIMEOUT_S)
+        interrupted = None
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while self._thread is not None and (remaining := deadline - time.monotonic()) > 0:
+            try:
+                if self._finished.wait(timeout=remaining):
+                    break
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the worker has stopped
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
     def reports(self) -> Iterator[StreamReport]:
         """Run the relay and yield a report every ``report_every_s`` and a final one when it stops.
@@ -157,8 +170,8 @@ class StreamRun:
         try:
             with psycopg.connect(self.dsn, autocommit=True, application_name="outbox stream report") as conn:
                 while True:
-                    thread.join(timeout=max(0.0, last + self.report_every_s - time.monotonic()))
-                    final = not thread.is_alive()
+                    self._finished.wait(timeout=max(0.0, last + self.report_every_s - time.monotonic()))
+                    final = self._finished.is_set()
                     now = time.monotonic()
                     if final and self._failure is not None:
                         raise self._failure
@@ -175,6 +188,8 @@ class StreamRun:
             self.relay.run()
         except BaseException as exc:  # handed to the reporting thread, which raises it
             self._failure = exc
+        finally:
+            self._finished.set()
 
     def _report(
         self, conn: psycopg.Connection, interval_s: float, before: _Totals, now: _Totals, final: bool

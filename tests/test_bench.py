@@ -69,6 +69,19 @@ def test_bench_latency_reports_percentiles_once_every_committed_message_arrived(
     assert _bench_schemas(bench_servers) == []
 
 
+def test_bench_dagster_drives_the_relay_with_one_run_and_compares_it_with_the_cli_relay(
+    bench_servers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--dagster", "--latency", "50", "--seconds", "4", "--runs", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out  # every committed message arrived, in both modes
+    assert re.search(r"^\| dagster \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 1 \| 0 \|$", out, re.MULTILINE), out
+    assert re.search(r"^\| cli \| [\d.]+ \| [\d.]+ \| [\d.]+ \| - \| - \|$", out, re.MULTILINE), out
+    assert re.search(r"dagster: .*dagster runs [\d.]+", out), out  # the run's CPU is counted as its own group
+    assert re.search(r"Dagster-driven / CLI relay: [\d.]+x", out), out
+    assert _bench_schemas(bench_servers) == []
+
+
 def test_bench_load_turns_the_wakeup_trigger_back_on_before_the_drain(dsn: str, broker: LocalBroker) -> None:
     from outbox_pipeline.bench.runner import RunSpec, Servers, prepare
 

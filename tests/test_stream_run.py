@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -71,16 +73,23 @@ def test_two_stream_runs_report_disjoint_shares_of_the_partitions(
     topic = new_topic(partitions=4)
     set_topic_partitions(db, table, topic, 4)
     enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(100)], table=table)
-    runs = [_stream(db.info.dsn, table, kafka, f"stream-{n}", window_s=3.0) for n in range(2)]
+    runs = [_stream(db.info.dsn, table, kafka, f"stream-{n}", window_s=600.0) for n in range(2)]
     reports: dict[int, list[StreamReport]] = {0: [], 1: []}
-    threads = [threading.Thread(target=lambda n=n: reports[n].extend(runs[n].reports())) for n in range(2)]
+
+    def relay(n: int) -> None:
+        for report in runs[n].reports():
+            reports[n].append(report)
+            if len(reports[n]) == 4:  # both stop after their fourth report (2 s), so both run through the third
+                runs[n].stop()
+
+    threads = [threading.Thread(target=relay, args=(n,)) for n in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
 
-    # After both registered (the second second), each reports the 2 partitions dealt to it, never the other's.
-    shares = [{(p.topic, p.partition) for p in reports[n][-2].partitions if p.home} for n in range(2)]
+    # Both registered (from their first second on): each reports the 2 partitions dealt to it, never the other's.
+    shares = [{(p.topic, p.partition) for p in reports[n][2].partitions if p.home} for n in range(2)]
     assert len(shares[0]) == len(shares[1]) == 2
     assert not shares[0] & shares[1]
     assert len(set(message_ids(kafka.consume(topic, idle_s=2.0)))) == 100
@@ -120,4 +129,35 @@ def test_an_exception_in_the_caller_between_reports_still_stops_the_worker_on_cl
         run.close()
 
     assert run.relay.stop.is_set()
+    assert db.execute(sql.SQL("SELECT worker_id FROM {}").format(table.workers)).fetchall() == []
+
+
+def test_an_interrupt_by_signal_while_it_waits_still_ends_with_the_worker_deregistered_on_close(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe
+) -> None:
+    """What Ctrl-C or Dagster's interrupt does: a signal handler raises in the thread waiting for the next
+    report. (A Thread.join interrupted that way marks the thread stopped while it still runs: closing must
+    not trust it, or the process exits with the worker still registered.)"""
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    run = _stream(db.info.dsn, table, kafka, "stream-signalled", window_s=600.0)
+    raised = 0
+    try:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()  # while it waits for a report
+        try:
+            for _ in run.reports():
+                pass
+        except Interrupted:
+            raised += 1
+        run.close()  # at once: the relay thread needs a moment to see the stop and deregister
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+    assert raised == 1
     assert db.execute(sql.SQL("SELECT worker_id FROM {}").format(table.workers)).fetchall() == []

@@ -2,6 +2,7 @@
 
     outbox bench --strategy partitioned --workers 2 --baseline --runs 3
     outbox bench --matrix --messages 1000000
+    outbox bench --dagster --latency 20 --seconds 60 --runs 2
 
 Results go to stdout as they come and as a table at the end; README quotes medians of such runs.
 """
@@ -12,14 +13,16 @@ import argparse
 import os
 import platform
 import signal
+import statistics
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 from ..strategies import STRATEGY_NAMES
 from . import latency, retained
+from .orchestrated import DagsterRelay
 from .runner import Comparison, RunSpec, Servers, compare, run_once
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
@@ -77,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--latency", type=float, metavar="RATE", help="commit -> consumer latency at RATE msg/s")
     parser.add_argument("--seconds", type=float, default=20.0, help="--latency: how long to write")
+    parser.add_argument(
+        "--dagster",
+        action="store_true",
+        help="--latency: the relay driven by `dagster dev` (its lag sensor and long-lived relay run), interleaved "
+        "with the CLI relay at the same rate (--runs pairs); CPU per process group, runs launched and queued",
+    )
     parser.add_argument("--pending", type=int, default=50_000, help="--retained: unsent rows behind the history")
 
 
@@ -141,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
     with servers(args.embedded) as found:
+        if args.latency is not None and args.dagster:
+            return _orchestrated(found, args.strategy, args.latency, args.seconds, args.runs)
         if args.latency is not None:
             report = latency.measure(
                 found, strategy=args.strategy, workers=args.workers, rate=args.latency, seconds=args.seconds
@@ -161,6 +172,36 @@ def run(args: argparse.Namespace) -> int:
             return 0
         results = [run_once(found, base) for _ in range(args.runs)]
         return 0 if all(r.published >= base.messages and r.verified is not False for r in results) else 1
+
+
+def _orchestrated(found: Servers, strategy: str, rate: float, seconds: float, runs: int) -> int:
+    """Dagster-driven and CLI relay at the same rate, interleaved; medians and the CPU ratio."""
+    reports: dict[str, list[latency.LatencyReport]] = {"dagster": [], "cli": []}
+    for n in range(runs):
+        for relay in (DagsterRelay(strategy), latency.CliRelay(strategy, 1, seconds + 60)):
+            print(f"\n== run {n + 1}/{runs}: {relay.name}", flush=True)
+            report = latency.measure(found, strategy=strategy, rate=rate, seconds=seconds, relay=relay)
+            print(report.render(), flush=True)
+            reports[relay.name].append(report)
+
+    def median(name: str, value: Callable[[latency.LatencyReport], float]) -> float:
+        return statistics.median(value(r) for r in reports[name])
+
+    print(f"\n{strategy} at {rate:,.0f} msg/s for {seconds:.0f} s, medians of {runs} interleaved pair(s):")
+    print("| relay | p50 ms | p99 ms | machine cores | runs launched | runs queued |")
+    print("|---|---|---|---|---|---|")
+    for name in ("dagster", "cli"):
+        launched = f"{median(name, lambda r: r.runs_launched or 0):g}" if name == "dagster" else "-"
+        queued = f"{median(name, lambda r: r.runs_queued or 0):g}" if name == "dagster" else "-"
+        print(
+            f"| {name} | {median(name, lambda r: r.p50_ms):.1f} | {median(name, lambda r: r.p99_ms):.1f} | "
+            f"{median(name, lambda r: r.machine_cores):.3f} | {launched} | {queued} |"
+        )
+    cli = median("cli", lambda r: r.machine_cores)
+    ratio = median("dagster", lambda r: r.machine_cores) / cli if cli else float("nan")
+    print(f"machine CPU, Dagster-driven / CLI relay: {ratio:.2f}x")
+    complete = all(r.arrived == r.committed for rs in reports.values() for r in rs)
+    return 0 if complete else 1
 
 
 def _print_comparison(spec: RunSpec, c: Comparison, naive_strategy: str) -> None:

@@ -59,3 +59,23 @@ def own_peak_rss_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat: the whole machine, every process."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Average cores busy between two machine_busy() readings."""
+    total = after[1] - before[1]
+    return (os.cpu_count() or 1) * (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""

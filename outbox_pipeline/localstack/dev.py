@@ -92,7 +92,7 @@ class _Child:
                 self.process.wait()
         # The leader may exit before its own children (dagster dev's code server shuts down on a
         # heartbeat timeout): stop what is left of the process group, then make sure it is gone.
-        if _group_members(self.process.pid):
+        if group_members(self.process.pid):
             _signal_group(self.process.pid, signal.SIGTERM)
             if not wait_group_gone(self.process.pid, self.grace_s):
                 _signal_group(self.process.pid, signal.SIGKILL)
@@ -100,7 +100,7 @@ class _Child:
         self.pid_file.unlink(missing_ok=True)
 
 
-def _group_members(pgid: int) -> list[int]:
+def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes in a process group, read from /proc."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -116,7 +116,7 @@ def _group_members(pgid: int) -> list[int]:
 
 def wait_group_gone(pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _group_members(pgid):
+    while group_members(pgid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)  # polling /proc for exit: there is no event to wait on for non-children
