@@ -77,7 +77,7 @@ def test_a_broker_outage_longer_than_max_attempts_dead_letters_nothing_and_loses
     try:
         worker.start()
         deadline = time.monotonic() + 90
-        while relay.stats.batches < 4:
+        while relay.stats.batches < 3:  # the same head rows each time: 3 publishes > max_attempts=2
             assert time.monotonic() < deadline, f"only {relay.stats.batches} publishes failed during the outage"
             time.sleep(0.2)
         assert relay.stats.dead_lettered == 0

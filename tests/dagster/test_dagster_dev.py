@@ -204,28 +204,6 @@ def _materialized_partitions(dev: DagsterDev) -> set[str]:
     return set(data["assetNodeOrError"]["assetPartitionStatuses"]["materializedPartitions"])
 
 
-def test_dagster_dev_keeps_one_long_lived_run_that_records_every_partitions_history_without_a_queue(
-    stack: Stack, kafka: KafkaProbe
-) -> None:
-    _history_of_every_partition(stack, minimum=2)
-    stack.dev.wait_for("a minute of dagster dev", lambda: time.monotonic() - stack.started >= 60, 60)
-
-    assert _materialized_partitions(stack.dev) >= set(stack.written.keys)
-    arrived = message_ids(kafka.consume(stack.written.topic, expect=90))
-    assert set(arrived) == {m for ids in stack.written.by_key.values() for m in ids}
-    assert _relay_runs(stack.dev) == [("relay_stream", "STARTED")]  # one run for every partition, none queued
-    published = {
-        key: sum(
-            e.get("intValue") or 0
-            for m in _history(stack.dev, key)
-            for e in m["metadataEntries"]
-            if e["label"] == "rows_published"
-        )
-        for key in stack.written.keys
-    }
-    assert published == {key: len(ids) for key, ids in stack.written.by_key.items()}
-
-
 def _lag_check_history(dev: DagsterDev) -> list[tuple[str, str]]:
     data = dev.graphql(
         """
@@ -334,6 +312,29 @@ def test_the_spark_jobs_launched_as_from_the_ui_succeed_and_the_maintenance_sche
     )
     schedule = data["scheduleOrError"]
     assert (schedule["cronSchedule"], schedule["scheduleState"]["status"]) == ("15 0 * * *", "RUNNING")
+
+
+# After the other tests: it waits for a minute of the stack, which they fill.
+def test_dagster_dev_keeps_one_long_lived_run_that_records_every_partitions_history_without_a_queue(
+    stack: Stack, kafka: KafkaProbe
+) -> None:
+    _history_of_every_partition(stack, minimum=2)
+    stack.dev.wait_for("a minute of dagster dev", lambda: time.monotonic() - stack.started >= 60, 60)
+
+    assert _materialized_partitions(stack.dev) >= set(stack.written.keys)
+    arrived = message_ids(kafka.consume(stack.written.topic, expect=90))
+    assert set(arrived) == {m for ids in stack.written.by_key.values() for m in ids}
+    assert _relay_runs(stack.dev) == [("relay_stream", "STARTED")]  # one run for every partition, none queued
+    published = {
+        key: sum(
+            e.get("intValue") or 0
+            for m in _history(stack.dev, key)
+            for e in m["metadataEntries"]
+            if e["label"] == "rows_published"
+        )
+        for key in stack.written.keys
+    }
+    assert published == {key: len(ids) for key, ids in stack.written.by_key.items()}
 
 
 def test_stopping_dagster_dev_stops_the_relay_run_cleanly(stack: Stack) -> None:
