@@ -16,6 +16,7 @@ import pytest
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.lag import partition_lag
 from outbox_pipeline.liveness import live_workers
+from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.relay_stream import RELAYED_OUTBOX, relay_stream_job, stream_worker_id
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
@@ -59,6 +60,37 @@ def test_one_run_relays_every_partition_and_records_a_materialization_per_partit
 
 def _pending(db: psycopg.Connection, table: OutboxTable) -> int:
     return sum(lag.pending for lag in partition_lag(db, table, "partitioned"))
+
+
+def test_with_the_broker_down_a_run_backs_off_records_the_failures_per_partition_and_delivers_once_it_is_back(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    broker: LocalBroker,
+) -> None:
+    written = write_rows(40, partitions=2)
+    config = {"ops": {"relay_outbox_stream": {"config": {"window_s": 12.0, "report_interval_s": 1.0}}}}
+    thaw = threading.Timer(5.0, broker.thaw)  # a 5 s outage, longer than the resource's 2 s delivery timeout
+    broker.freeze()
+    thaw.start()
+    try:
+        result = relay_stream_job.execute_in_process(run_config=config, instance=instance, resources=dagster_resources)
+    finally:
+        thaw.join()
+        broker.thaw()
+
+    assert result.success  # an outage is not the run's failure: it backs off and goes on (no alert per run)
+    kafka = KafkaProbe(dagster_resources["kafka"].bootstrap_servers)  # type: ignore[attr-defined]
+    arrived = message_ids(kafka.consume(written.topic, idle_s=2.0))
+    assert set(arrived) == {m for ids in written.by_key.values() for m in ids}
+    # The partition whose batch the outage caught shows it in its own history: failed deliveries and the error.
+    history = {
+        key: [r.asset_materialization.metadata for r in _materializations(instance, key)]  # type: ignore[union-attr]
+        for key in written.keys
+    }
+    hit = [key for key, entries in history.items() if sum(m["failed_deliveries"].value for m in entries) > 0]
+    assert hit, "the outage is in no partition's history"
+    assert all(any(m["last_error"].value != "-" for m in history[key]) for key in hit)
 
 
 @pytest.fixture
