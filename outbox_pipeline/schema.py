@@ -16,6 +16,7 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .errors import SchemaError
+from .routing import create_routing_functions
 
 # Kafka topic names: [a-zA-Z0-9._-], 1..249 characters, and not "." or "..".
 TOPIC_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
@@ -250,6 +251,11 @@ MIGRATIONS: Sequence[Migration] = (
     Migration(3, "lease table for strategy lease", _m003_lease_table),
     Migration(4, "writers may opt out of the NOTIFY (two-phase commit)", _m004_notify_opt_out),
     Migration(5, "registry of running workers (crash failover)", _m005_worker_registry),
+    Migration(
+        6,
+        "routing in SQL: murmur2 and partition_for",
+        lambda conn, t: create_routing_functions(conn, t, DEFAULT_TOPIC_ROW),
+    ),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

@@ -48,7 +48,10 @@ def test_concurrent_init_db_on_a_new_schema_succeeds_once(dsn: str) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(results, key=str) == [0, 0, 0, LATEST_VERSION]
+    # Each migration is applied once, by whichever caller holds the lock when it is due (callers may take
+    # turns between migrations); nobody fails.
+    assert all(isinstance(n, int) for n in results), results
+    assert sum(results) == LATEST_VERSION  # type: ignore[arg-type]
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
 
