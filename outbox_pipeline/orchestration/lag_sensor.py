@@ -103,7 +103,19 @@ def coverage(
         elif run.tags.get(REGISTERED_TAG) != "true" and now - record.create_timestamp.timestamp() < START_GRACE_S:
             starting.append(run.run_id)
             active += 1
+    # A run that failed (killed) and that the instance is about to retry (run_retries): its retry is coming,
+    # so a new run now would only be a second one.
+    retrying = dg.RunsFilter(job_name=job_name, statuses=[dg.DagsterRunStatus.FAILURE], tags={WILL_RETRY_TAG: "true"})
+    for record in instance.get_run_records(retrying, limit=5):
+        if now - record.update_timestamp.timestamp() < START_GRACE_S and not _retried(instance, record.dagster_run):
+            starting.append(record.dagster_run.run_id)
+            active += 1
     return Coverage(tuple(owners), tuple(starting), tuple(ending), active)
+
+
+def _retried(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """Whether the instance already created the retry of ``run`` (then the retry itself is counted)."""
+    return bool(instance.get_runs(dg.RunsFilter(tags={"dagster/parent_run_id": run.run_id}), limit=1))
 
 
 def build_outbox_lag_sensor(

@@ -124,6 +124,20 @@ def test_a_run_whose_registered_worker_died_covers_nothing_and_gets_a_successor(
     assert [r.tags["outbox/reason"] for r in _requested(result)] == ["uncovered"]
 
 
+def test_a_killed_run_the_instance_is_about_to_retry_gets_no_second_run_from_the_sensor(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+) -> None:
+    write_rows(40)
+    _stream_run(instance, dg.DagsterRunStatus.FAILURE, **{REGISTERED_TAG: "true", "dagster/will_retry": "true"})
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
+
+    result = _tick(sensor, instance, dagster_resources)
+
+    assert _requested(result) == [] and "1 run(s) starting" in _skip_message(result)
+
+
 def test_a_run_near_the_end_of_its_window_gets_its_successor_before_it_ends(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
