@@ -17,13 +17,17 @@ from outbox_pipeline.schema import set_topic_partitions
 
 from ..kafka_helpers import KafkaProbe
 from ..relay_helpers import order_by_key
-from .helpers import STRATEGIES, WorkerProcess, Writer, consume, pending, report, tally, wait_until, write
+from .helpers import STRATEGIES, Event, WorkerProcess, Writer, consume, pending, report, tally, wait_until, write
 
 pytestmark = pytest.mark.faults
 
 BACKLOG = 1000
 WRITTEN_LIVE = 1000
 BATCH = 50
+
+
+def _acks(events: list[Event]) -> int:
+    return sum(1 for e in events if e.step == "acked")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -56,10 +60,13 @@ def test_two_relays_on_one_partition_never_publish_the_same_batch(
     wait_until("the backlog to be delivered", lambda: pending(dsn, table, strategy) == 0, 60)
     writer.start()
     # A rolling restart of each worker (SIGTERM, then the same id again) while the writer writes: the other one
-    # takes over, so both publish and the hand-overs happen under load.
+    # takes over (it acks a batch while the first is down), so both publish and the hand-overs happen under load.
     for n, relay in enumerate(relays, start=1):
         wait_until(f"{n}/3 of the live writes", lambda n=n: len(writer.committed) >= n * WRITTEN_LIVE // 3, 60)
+        other = relays[n % 2]
+        acked = _acks(other.events())
         assert relay.terminate() == 0, relay.log()
+        other.wait_for("taking over the partition", lambda events, acked=acked: _acks(events) > acked)
         relay.start()
     writer.join(60)
     writer.check()
