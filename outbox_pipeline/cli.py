@@ -105,6 +105,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         topics=args.topics.split(","),
         keys=args.keys,
         rows_per_transaction=args.rows_per_transaction,
+        route_in_db=args.route_in_db,
         progress=print_progress,
     )
     sys.stderr.write("\n")
@@ -612,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topics", default="topic-1,topic-2")
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--rows-per-transaction", type=int, help="commit every N rows (default: one transaction)")
+    p.add_argument(
+        "--route-in-db", action="store_true", help="leave the partition to the insert trigger, as a SQL writer does"
+    )
     p.set_defaults(func=cmd_load)
 
     p = sub.add_parser("demo-traffic", help="write steady demo traffic until interrupted")

@@ -111,6 +111,7 @@ def load(
     keys: int = 1000,
     chunk: int = 20_000,
     rows_per_transaction: int | None = None,
+    route_in_db: bool = False,
     progress: Callable[[int, float], None] | None = None,
 ) -> float:
     """COPY ``count`` messages of about ``payload_bytes`` each; returns the elapsed seconds.
@@ -119,7 +120,8 @@ def load(
     each in its topic's virtual partition as enqueue would route it. ``rows_per_transaction`` commits
     every that many rows, like services writing small transactions: one million rows under one
     transaction id is a shape no real outbox has, and it turns the talk's variant-3 condition (a range on
-    ``transaction_id`` alone) into a scan of every row already read.
+    ``transaction_id`` alone) into a scan of every row already read. ``route_in_db``: COPY without the
+    partition column, as a writer in another language would, so the insert trigger routes every row.
     """
     started = time.monotonic()
     per_tx = rows_per_transaction or count
@@ -133,9 +135,12 @@ def load(
         ]
         # Precomputed line prefixes: the hot loop only formats the sequence number and padding.
         prefixes = [f"{t}\t{k}\tdemo.loaded\t".encode() for t, k, _ in routes]
-        suffixes = [f"\t{{}}\t{p}\n".encode() for _, _, p in routes]
+        suffixes = [(b"\t{}\n" if route_in_db else f"\t{{}}\t{p}\n".encode()) for _, _, p in routes]
         skeleton = len('{"seq":,"pad":""}')
-        copy_sql = sql.SQL("COPY {} (topic, key, type, payload, headers, partition) FROM STDIN").format(table.messages)
+        columns = sql.SQL(
+            "topic, key, type, payload, headers" if route_in_db else "topic, key, type, payload, headers, partition"
+        )
+        copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(table.messages, columns)
         for first in range(0, count, per_tx):
             with conn.transaction(), conn.cursor() as cur, cur.copy(copy_sql) as copy:
                 buf = bytearray()

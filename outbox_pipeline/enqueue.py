@@ -22,18 +22,15 @@ from psycopg import sql
 from .config import OutboxTable
 from .errors import InvalidMessageError
 from .partitioning import key_hash
+from .routing import RESERVED_HEADERS, SERIALIZED_LOCK_CLASS
 from .schema import DEFAULT_TOPIC_ROW, NOTIFY_SETTING
 
-# Headers the relay sets on every Kafka record; a user header of the same name would be ambiguous.
-RESERVED_HEADERS = frozenset({"message_id", "type", "outbox_id", "created_at"})
 # Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
 BYTES_HEADER_FIELD = "base64"
 
 _TOPIC_RE = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 _SMALLINT = range(-32768, 32768)
 _INT4 = range(0, 2**31)
-# Class id for the transaction-scoped lock that serialized writers take: (class, hashtext(schema)).
-SERIALIZED_LOCK_CLASS = 0x4F53  # "OS"
 # jsonb cannot store U+0000; json.dumps writes it as \u0000 preceded by an even number of backslashes.
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 

@@ -263,7 +263,8 @@ def retry_dead_letters(
     their position: ``serialized`` reads ``id > position``, and a copy that kept its old id once the
     original row was gone (its day archived and dropped) sat behind the position and was never published
     (issue 13). Consumers deduplicate by ``message_id``. The serialized writers' lock is taken so that
-    the new id is commit-ordered like any serialized write.
+    the new id is commit-ordered like any serialized write. A keyed copy is routed again (the insert trigger)
+    with the topic's partition count of today, so it joins its key's partition even if the count changed.
     Without ``ids`` or ``topic`` every pending dead letter is retried.
     """
     seq = table.ident("outbox_messages_id_seq")
@@ -282,7 +283,7 @@ def retry_dead_letters(
                 )
                 INSERT INTO {messages} (id, message_id, topic, key, type, payload, headers, partition, priority)
                 SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.headers,
-                       p.partition, p.priority
+                       CASE WHEN p.key IS NULL THEN p.partition END, p.priority
                 FROM picked p
                 ORDER BY p.id
                 """

@@ -1,5 +1,10 @@
 """Engine room: the database owns the routing, so a writer in any language picks the same virtual partition.
 
+Migration 6 adds the functions, migration 7 uses them: a row inserted without a partition (plain SQL from
+Java, Go, a SQL function) is routed by a BEFORE INSERT trigger; ``<schema>.enqueue(...)`` validates and
+inserts like the Python API; and a topic's partition count cannot change while it has pending rows, which
+would put one key in two partitions relayed independently.
+
 ``<schema>.murmur2(bytea)`` is Kafka's murmur2 (the Java client's ``Utils.murmur2``) as an unsigned 32-bit
 value in a bigint, and ``<schema>.partition_for(topic, key)`` is the Java default partitioner's choice,
 ``toPositive(murmur2(utf8(key))) % partitions``, over the topic's virtual partition count (``outbox_topics``,
@@ -13,6 +18,11 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
+
+# Class id for the transaction-scoped lock that serialized writers take: (class, hashtext(schema)).
+SERIALIZED_LOCK_CLASS = 0x4F53  # "OS"
+# Headers the relay sets on every Kafka record; a user header of the same name would be ambiguous.
+RESERVED_HEADERS = frozenset({"message_id", "type", "outbox_id", "created_at"})
 
 _MURMUR2 = """
     CREATE OR REPLACE FUNCTION {murmur2}(data bytea) RETURNS bigint
@@ -75,4 +85,183 @@ def create_routing_functions(conn: psycopg.Connection, t: OutboxTable, default_r
             topics=t.topics,
             default_row=sql.Literal(default_row),
         )
+    )
+
+
+_TOPIC_PARTITIONS = """
+    CREATE FUNCTION {topic_partitions}(topic text) RETURNS integer
+    LANGUAGE sql STABLE PARALLEL SAFE AS $fn$
+        SELECT coalesce(
+            (SELECT t.partitions FROM {topics} t WHERE t.topic = $1),
+            (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row}),
+            1)
+    $fn$
+"""
+
+# Only rows that arrive without a partition run it (the trigger's WHEN): the Python API computes the same
+# partition itself, so its inserts pay nothing. A keyless row goes to a random partition, as in Python.
+_ROUTE = """
+    CREATE FUNCTION {route}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+    BEGIN
+        NEW.partition := coalesce(
+            {partition_for}(NEW.topic, NEW.key),
+            floor(random() * {topic_partitions}(NEW.topic))::integer);
+        RETURN NEW;
+    END
+    $fn$
+"""
+
+# The SQL twin of enqueue.py's enqueue(): the same checks (except the size limit, which is the relay's
+# setting and is enforced when publishing: an oversize row is dead-lettered), the same routing, the same
+# serialized writers' lock. OUT parameters, so ``SELECT id, message_id FROM <schema>.enqueue(...)``.
+_ENQUEUE = """
+    CREATE FUNCTION {enqueue}(
+        topic text, payload jsonb, key text DEFAULT NULL, headers jsonb DEFAULT '{{}}', type text DEFAULT NULL,
+        priority integer DEFAULT 0, serialized boolean DEFAULT false, OUT id bigint, OUT message_id uuid)
+    LANGUAGE plpgsql VOLATILE AS $fn$
+    #variable_conflict use_variable
+    DECLARE
+        bad text;
+    BEGIN
+        IF payload IS NULL THEN
+            RAISE EXCEPTION 'outbox enqueue: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+        END IF;
+        IF topic IS NULL OR topic !~ {topic_pattern} OR topic IN ('.', '..') THEN
+            RAISE EXCEPTION 'outbox enqueue: invalid Kafka topic name %: use 1..249 characters from '
+                '[a-zA-Z0-9._-], not "." or ".."', coalesce(quote_literal(topic), 'NULL')
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        headers := coalesce(headers, '{{}}');
+        IF jsonb_typeof(headers) <> 'object' THEN
+            RAISE EXCEPTION 'outbox enqueue: headers must be a JSON object of name -> string, got %',
+                jsonb_typeof(headers) USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        SELECT h.name INTO bad FROM jsonb_object_keys(headers) AS h(name) WHERE h.name = ANY({reserved}) LIMIT 1;
+        IF bad IS NOT NULL THEN
+            RAISE EXCEPTION 'outbox enqueue: header "%" is reserved: the relay sets it', bad
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        SELECT h.key INTO bad FROM jsonb_each(headers) AS h
+        WHERE h.key = '' OR NOT (
+            jsonb_typeof(h.value) = 'string'
+            OR (jsonb_typeof(h.value) = 'object' AND jsonb_typeof(h.value -> 'base64') = 'string'
+                AND (SELECT count(*) FROM jsonb_object_keys(h.value)) = 1))
+        LIMIT 1;
+        IF bad IS NOT NULL THEN
+            RAISE EXCEPTION 'outbox enqueue: header "%" must be a string, or {{"base64": "..."}} for bytes, under a '
+                'non-empty name', bad USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF priority IS NULL OR priority NOT BETWEEN -32768 AND 32767 THEN
+            RAISE EXCEPTION 'outbox enqueue: priority must be in -32768..32767, got %', priority
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF serialized THEN
+            -- Before the INSERT draws an id, held to commit: ids become visible in commit order (strategy
+            -- serialized). Enqueue last in the transaction.
+            PERFORM pg_advisory_xact_lock({lock_class}, hashtext({schema}));
+        END IF;
+        INSERT INTO {messages} AS m (topic, key, type, payload, headers, priority)
+        VALUES (topic, key, type, payload, headers, priority::smallint)
+        RETURNING m.id, m.message_id INTO id, message_id;
+    END
+    $fn$
+"""
+
+# Refuses a change of a topic's effective partition count (its own row, or the default row for the topics
+# without one) while any of its rows is pending: the key's old rows and new rows would sit in two partitions
+# relayed independently. The SHARE lock waits for writer transactions in flight (they hold ROW EXCLUSIVE
+# from their insert to their commit), so a row routed with the old count but not yet committed is seen; it
+# blocks new inserts only until this transaction ends. Pending: not deleted, not marked sent, and not behind
+# its partition's position (in the order of the strategy that last advanced it: ``read_by``; with none
+# recorded, behind in both orders).
+_GUARD = """
+    CREATE OR REPLACE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+    DECLARE
+        the_topic text := CASE TG_OP WHEN 'DELETE' THEN OLD.topic ELSE NEW.topic END;
+        default_n integer := (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row});
+        old_n integer;
+        new_n integer;
+        pending bigint;
+        example text;
+    BEGIN
+        IF TG_OP = 'UPDATE' AND NEW.topic <> OLD.topic THEN
+            RAISE EXCEPTION 'outbox: a topic row cannot be renamed; insert the new topic instead'
+                USING ERRCODE = 'object_not_in_prerequisite_state';
+        END IF;
+        IF TG_OP = 'DELETE' AND OLD.topic = {default_row} THEN
+            RAISE EXCEPTION 'outbox: the % row holds the default partition count and cannot be deleted', OLD.topic
+                USING ERRCODE = 'object_not_in_prerequisite_state';
+        END IF;
+        -- An upsert fires the INSERT trigger first: compare with the row it would update, if any.
+        old_n := CASE TG_OP WHEN 'INSERT' THEN coalesce(
+                     (SELECT t.partitions FROM {topics} t WHERE t.topic = NEW.topic), default_n)
+                 ELSE OLD.partitions END;
+        new_n := CASE TG_OP WHEN 'DELETE' THEN default_n ELSE NEW.partitions END;
+        IF old_n IS NOT DISTINCT FROM new_n THEN
+            RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
+        END IF;
+        LOCK TABLE {messages} IN SHARE MODE;
+        SELECT count(*), min(m.topic) INTO pending, example
+        FROM {messages} m
+        LEFT JOIN {offsets} o ON o.topic = m.topic AND o.partition = m.partition
+        WHERE m.sent_at IS NULL
+          AND CASE WHEN the_topic = {default_row}
+                   THEN NOT EXISTS (SELECT 1 FROM {topics} t WHERE t.topic = m.topic)
+                   ELSE m.topic = the_topic END
+          AND NOT coalesce(CASE o.read_by
+                  WHEN 'serialized' THEN m.id <= o.last_processed_id
+                  WHEN 'partitioned' THEN (m.transaction_id, m.id)
+                                          <= (o.last_processed_transaction_id, o.last_processed_id)
+                  ELSE m.id <= o.last_processed_id AND (m.transaction_id, m.id)
+                                                       <= (o.last_processed_transaction_id, o.last_processed_id)
+              END, false);
+        IF pending > 0 THEN
+            RAISE EXCEPTION 'outbox: cannot change the partition count of topic % from % to %: % pending row(s) '
+                'would stay in partitions routed with the old count', example, old_n, new_n, pending
+                USING ERRCODE = 'object_not_in_prerequisite_state',
+                      HINT = 'drain the topic (stop its writers, run the relay until it is empty), then change it';
+        END IF;
+        RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
+    END
+    $fn$
+"""
+
+
+def create_sql_writers(conn: psycopg.Connection, t: OutboxTable, *, default_row: str, topic_pattern: str) -> None:
+    """Migration 7: route rows that arrive without a partition, ``<schema>.enqueue``, the partition-count guard."""
+    names = {
+        "messages": t.messages,
+        "offsets": t.offsets,
+        "topics": t.topics,
+        "default_row": sql.Literal(default_row),
+        "topic_partitions": t.ident("topic_partitions"),
+        "partition_for": t.ident("partition_for"),
+    }
+    conn.execute(sql.SQL(_TOPIC_PARTITIONS).format(**names))
+    conn.execute(sql.SQL(_ROUTE).format(route=t.ident("outbox_route"), **names))
+    conn.execute(sql.SQL("ALTER TABLE {messages} ALTER COLUMN partition DROP DEFAULT").format(**names))
+    conn.execute(
+        sql.SQL(
+            "CREATE TRIGGER outbox_messages_route BEFORE INSERT ON {messages} "
+            "FOR EACH ROW WHEN (NEW.partition IS NULL) EXECUTE FUNCTION {route}()"
+        ).format(route=t.ident("outbox_route"), **names)
+    )
+    conn.execute(
+        sql.SQL(_ENQUEUE).format(
+            enqueue=t.ident("enqueue"),
+            topic_pattern=sql.Literal(topic_pattern),
+            reserved=sql.Literal(sorted(RESERVED_HEADERS)),
+            lock_class=sql.Literal(SERIALIZED_LOCK_CLASS),
+            schema=sql.Literal(t.schema),
+            **names,
+        )
+    )
+    # Which order a partition's position is in (see _GUARD); written by the position strategies.
+    conn.execute(sql.SQL("ALTER TABLE {offsets} ADD COLUMN read_by text").format(**names))
+    conn.execute(sql.SQL(_GUARD).format(guard=t.ident("outbox_topics_guard"), **names))
+    conn.execute(
+        sql.SQL(
+            "CREATE TRIGGER outbox_topics_guard BEFORE INSERT OR UPDATE OR DELETE ON {topics} "
+            "FOR EACH ROW EXECUTE FUNCTION {guard}()"
+        ).format(guard=t.ident("outbox_topics_guard"), **names)
     )

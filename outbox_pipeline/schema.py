@@ -15,8 +15,8 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .errors import SchemaError
-from .routing import create_routing_functions
+from .errors import OutboxError, SchemaError
+from .routing import create_routing_functions, create_sql_writers
 
 # Kafka topic names: [a-zA-Z0-9._-], 1..249 characters, and not "." or "..".
 TOPIC_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
@@ -256,6 +256,11 @@ MIGRATIONS: Sequence[Migration] = (
         "routing in SQL: murmur2 and partition_for",
         lambda conn, t: create_routing_functions(conn, t, DEFAULT_TOPIC_ROW),
     ),
+    Migration(
+        7,
+        "writers in any language: rows without a partition are routed, SQL enqueue, partition-count guard",
+        lambda conn, t: create_sql_writers(conn, t, default_row=DEFAULT_TOPIC_ROW, topic_pattern=TOPIC_PATTERN),
+    ),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 
@@ -385,17 +390,32 @@ def ensure_partitions(
     return created
 
 
-def set_topic_partitions(conn: psycopg.Connection, table: OutboxTable, topic: str, partitions: int) -> None:
+def set_topic_partitions(
+    conn: psycopg.Connection, table: OutboxTable, topic: str, partitions: int, *, lock_timeout: str = "10s"
+) -> None:
     """Set how many virtual partitions a topic's keys hash into (``*`` sets the default).
 
-    Changing it for a topic with pending rows moves keys between partitions: drain first.
+    Refused (``OutboxError``) while the topic has pending rows: they would keep partitions routed with the
+    old count, and a key would live in two partitions relayed independently. Drain first. The check waits
+    for writer transactions in flight, up to ``lock_timeout``.
     """
-    conn.execute(
-        sql.SQL(
-            """
-            INSERT INTO {topics} (topic, partitions) VALUES (%s, %s)
-            ON CONFLICT (topic) DO UPDATE SET partitions = excluded.partitions, updated_at = now()
-            """
-        ).format(topics=table.topics),
-        (topic, partitions),
-    )
+    try:
+        with conn.transaction():
+            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
+            conn.execute(
+                sql.SQL(
+                    """
+                    INSERT INTO {topics} (topic, partitions) VALUES (%s, %s)
+                    ON CONFLICT (topic) DO UPDATE SET partitions = excluded.partitions, updated_at = now()
+                    """
+                ).format(topics=table.topics),
+                (topic, partitions),
+            )
+    except psycopg.errors.ObjectNotInPrerequisiteState as exc:
+        hint = f" ({exc.diag.message_hint})" if exc.diag.message_hint else ""
+        raise OutboxError(f"{exc.diag.message_primary}{hint}") from None
+    except psycopg.errors.LockNotAvailable:
+        raise OutboxError(
+            f"cannot change the partition count of topic {topic!r} now: writer transactions on the outbox did "
+            f"not end within {lock_timeout} (one left open?); try again"
+        ) from None

@@ -69,6 +69,18 @@ def test_bench_latency_reports_percentiles_once_every_committed_message_arrived(
     assert _bench_schemas(bench_servers) == []
 
 
+def test_bench_writers_compares_routing_in_python_and_in_the_database_against_a_plain_insert(
+    bench_servers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--writers", "--runs", "1", "--transactions", "50", "--messages", "500"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for writer in ("INSERT naming its partition (baseline)", "Python enqueue()", "INSERT without partition (trigger)",
+                   "SQL enqueue()", "outbox load, partition from Python", "outbox load --route-in-db (trigger)"):  # fmt: skip
+        assert re.search(rf"^\| {re.escape(writer)} \| [\d,]+ \| \d+\.\d\d \|$", out, re.MULTILINE), out
+    assert _bench_schemas(bench_servers) == []
+
+
 def test_bench_dagster_drives_the_relay_with_one_run_and_compares_it_with_the_cli_relay(
     bench_servers: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

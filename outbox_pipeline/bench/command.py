@@ -3,6 +3,7 @@
     outbox bench --strategy partitioned --workers 2 --baseline --runs 3
     outbox bench --matrix --messages 1000000
     outbox bench --dagster --latency 20 --seconds 60 --runs 2
+    outbox bench --writers --runs 5
 
 Results go to stdout as they come and as a table at the end; README quotes medians of such runs.
 """
@@ -21,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..strategies import STRATEGY_NAMES
-from . import latency, retained
+from . import latency, retained, writers
 from .orchestrated import DagsterRelay
 from .runner import Comparison, RunSpec, Servers, compare, run_once
 
@@ -87,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with the CLI relay at the same rate (--runs pairs); CPU per process group, runs launched and queued",
     )
     parser.add_argument("--pending", type=int, default=50_000, help="--retained: unsent rows behind the history")
+    parser.add_argument(
+        "--writers",
+        action="store_true",
+        help="writer throughput: single-row transactions (Python enqueue, SQL enqueue, plain INSERT with and without "
+        "the routing trigger) and COPY loads with and without it, interleaved --runs times",
+    )
+    parser.add_argument("--transactions", type=int, default=5000, help="--writers: single-row transactions per writer")
 
 
 @contextmanager
@@ -150,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
     with servers(args.embedded) as found:
+        if args.writers:
+            results = writers.measure(found, transactions=args.transactions, rows=args.messages, runs=args.runs)
+            print("\n" + results.render())
+            return 0
         if args.latency is not None and args.dagster:
             return _orchestrated(found, args.strategy, args.latency, args.seconds, args.runs)
         if args.latency is not None:

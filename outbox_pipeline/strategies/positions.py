@@ -340,6 +340,7 @@ class PositionStrategy(Strategy):
                     last_processed_id = coalesce(%(to_id)s, last_processed_id),
                     attempts = %(attempts)s,
                     last_error = %(error)s,
+                    read_by = %(strategy)s,
                     locked_by = CASE WHEN %(keep)s THEN locked_by END,
                     available_after = CASE
                         WHEN %(keep)s THEN now() + make_interval(secs => %(lease)s)
@@ -366,6 +367,7 @@ class PositionStrategy(Strategy):
                 "from_id": lease.last_id,
                 "keep": keep_lease,
                 "lease": self.config.lease_s,
+                "strategy": self.name,
             },
         )
         return cur.rowcount == 1
