@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import getpass
 import json
 import logging
 import multiprocessing
@@ -31,13 +32,14 @@ from . import operations, schema
 from .config import REDACTED, OutboxTable, kafka_config_from_env, pg_dsn_from_env, redact_dsn, redact_kafka_config
 from .enqueue import enqueue
 from .errors import ConfigurationError, OutboxError
-from .lag import PartitionLag, describe_holders, holders, partition_lag
+from .lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
 from .liveness import holders_alive, liveness_from_env
 from .publisher import KafkaPublisher
 from .relay import Relay, RelaySettings
 from .strategies import STRATEGY_NAMES, strategy_class
 from .strategies.base import AckMode, Strategy, StrategyConfig
 from .strategies.positions import PositionStrategy
+from .strategies.quarantine import ON_POISON_CHOICES, OnPoison, on_poison_from_env
 
 log = logging.getLogger("outbox")
 
@@ -166,6 +168,7 @@ class WorkerSpec:
     strategy: str
     mode: AckMode
     kafka_transactions: bool
+    on_poison: OnPoison
     kafka_config: Mapping[str, str]
     settings: RelaySettings
     log_level: int
@@ -205,7 +208,11 @@ def _relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
     worker_id = spec.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     table = OutboxTable(schema=spec.schema, max_message_bytes=spec.max_message_bytes)
     config = StrategyConfig(
-        table=table, worker_id=worker_id, mode=spec.mode, kafka_transactions=spec.kafka_transactions
+        table=table,
+        worker_id=worker_id,
+        mode=spec.mode,
+        kafka_transactions=spec.kafka_transactions,
+        on_poison=spec.on_poison,
     )
     relay = Relay(
         spec.dsn, strategy_class(spec.strategy), config, KafkaPublisher(spec.kafka_config), spec.settings, stop
@@ -326,6 +333,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
             strategy=args.strategy,
             mode=args.mode,
             kafka_transactions=args.kafka_transactions,
+            on_poison=args.on_poison or on_poison_from_env(),
             kafka_config=kafka,
             settings=settings,
             log_level=logging.DEBUG if args.verbose else logging.INFO,
@@ -418,10 +426,13 @@ def cmd_lag(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
         lags = partition_lag(conn, _table(args), args.strategy, cap=args.cap)
         alive = holders_alive(conn, _table(args), holders(lags))
+        held = [key for key in held_keys(conn, _table(args)) if key.rows or not key.released]
     if args.json:
         print(json.dumps([{**dataclasses.asdict(lag), "holders": _holders_json(lag, alive)} for lag in lags]))
     else:
         print(_lag_table(lags, args.cap, alive))
+        for key in held:
+            print(key.describe())
     return 0
 
 
@@ -434,6 +445,7 @@ def _lag_table(lags: Sequence[PartitionLag], cap: int | None, alive: Mapping[str
         "topic",
         "partition",
         "pending",
+        "held",
         "oldest_s",
         "position",
         "held_by",
@@ -447,6 +459,7 @@ def _lag_table(lags: Sequence[PartitionLag], cap: int | None, alive: Mapping[str
             lag.topic,
             str(lag.partition),
             f"{lag.pending}+" if cap is not None and lag.pending >= cap else str(lag.pending),
+            str(lag.held),
             f"{lag.oldest_pending_age_s:.1f}" if lag.oldest_pending_age_s is not None else "-",
             lag.position or "-",
             describe_holders(lag.leased_by, alive) if lag.leased_by else "-",
@@ -526,8 +539,14 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     table = _table(args)
     with _connect(args) as conn:
         if args.action == "retry":
-            count = operations.retry_dead_letters(conn, table, ids=args.id, topic=args.topic)
-            print(f"retried {count} dead letters (back in the outbox)")
+            count = operations.retry_dead_letters(conn, table, ids=args.id, topic=args.topic, by=_operator())
+            print(f"retried {count} dead letters (back in the outbox, before the rows held behind them)")
+            return 0
+        if args.action == "discard":
+            count = operations.discard_dead_letters(
+                conn, table, args.id or [], reason=args.reason or "", by=_operator()
+            )
+            print(f"discarded {count} dead letters (the rows held behind them are released)")
             return 0
         letters = operations.list_dead_letters(conn, table, args.limit, include_retried=args.include_retried)
     if args.json:
@@ -535,12 +554,20 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         return 0
     for d in letters:
         retried = f" retried_at={d.retried_at.isoformat()}" if d.retried_at else ""
+        discarded = f" discarded_at={d.discarded_at.isoformat()} reason={d.discard_reason!r}" if d.discarded_at else ""
+        holding = f" HOLDING {d.describe_hold()}" if d.holding else ""
         print(
             f"id={d.id} message_id={d.message_id} {d.topic}/{d.partition} key={d.key} attempts={d.attempts} "
-            f"at={d.dead_lettered_at.isoformat()} by={d.dead_lettered_by}{retried} error={d.last_error}"
+            f"at={d.dead_lettered_at.isoformat()} by={d.dead_lettered_by}{retried}{discarded}{holding} "
+            f"error={d.last_error}"
         )
     print(f"{len(letters)} dead letters{' (limit reached)' if len(letters) == args.limit else ''}")
     return 0
+
+
+def _operator() -> str:
+    """Who ran an operator action, as recorded with it."""
+    return f"{getpass.getuser()}@{socket.gethostname()} (outbox CLI)"
 
 
 def cmd_release_lease(args: argparse.Namespace) -> int:
@@ -649,6 +676,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kafka-transactions", action="store_true", help="position strategies: one Kafka transaction a batch"
     )
     p.add_argument("--no-listen", action="store_true", help="poll instead of waiting for NOTIFY")
+    p.add_argument(
+        "--on-poison",
+        choices=ON_POISON_CHOICES,
+        help="ordered strategies, when a row is dead-lettered: hold the rest of its key until the dead letter is "
+        "retried or discarded (quarantine), or publish them without it (skip); default $OUTBOX_ON_POISON or "
+        "quarantine",
+    )
     p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
     p.set_defaults(func=cmd_relay)
 
@@ -682,8 +716,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dead-letters", help="list dead letters or put them back into the outbox")
     _add_db_args(p)
-    p.add_argument("action", choices=("list", "retry"))
-    p.add_argument("--id", type=int, action="append", help="retry: this dead letter (repeatable)")
+    p.add_argument("action", choices=("list", "retry", "discard"))
+    p.add_argument("--id", type=int, action="append", help="retry, discard: this dead letter (repeatable)")
+    p.add_argument("--reason", help="discard: why (recorded with the dead letter)")
     p.add_argument("--topic", help="retry: the dead letters of this topic")
     p.add_argument("--limit", type=int, default=100, help="list: at most this many")
     p.add_argument("--include-retried", action="store_true", help="list: retried ones too")

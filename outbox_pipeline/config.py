@@ -107,6 +107,14 @@ class OutboxTable:
         return self.ident("outbox_dead_letters")
 
     @cached_property
+    def holds(self) -> sql.Identifier:
+        return self.ident("outbox_holds")
+
+    @cached_property
+    def held(self) -> sql.Identifier:
+        return self.ident("outbox_held")
+
+    @cached_property
     def workers(self) -> sql.Identifier:
         return self.ident("outbox_workers")
 

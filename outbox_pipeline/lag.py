@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psycopg
 from psycopg import sql
@@ -41,6 +41,77 @@ class PartitionLag:
     in_backoff: bool = False
     # When the lease or the backoff ends (HH:MM:SS UTC), if one is running.
     until: str | None = None
+    # Rows held behind dead letters (quarantine), waiting for an operator to retry or discard them. Released
+    # holds' rows are about to be published and count in ``pending`` instead.
+    held: int = 0
+
+    @property
+    def lag(self) -> int:
+        """Everything not yet in Kafka: pending and held rows."""
+        return self.pending + self.held
+
+
+@dataclass(frozen=True)
+class HeldKey:
+    """A key held behind a dead letter (quarantine.py)."""
+
+    topic: str
+    partition: int
+    key: str
+    dead_letter_id: int
+    rows: int
+    released: bool
+    oldest_age_s: float | None
+
+    def describe(self) -> str:
+        state = "released, publishing" if self.released else "retry or discard the dead letter to release"
+        return (
+            f"key {self.key!r} of {self.topic}:{self.partition} held behind dead letter {self.dead_letter_id}, "
+            f"{self.rows} rows ({state})"
+        )
+
+
+def held_keys(conn: psycopg.Connection, table: OutboxTable) -> list[HeldKey]:
+    """Every hold with its held rows, the most rows first."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            SELECT h.topic, h.partition, h.key, h.dead_letter_id, count(x.id), h.released_at IS NOT NULL,
+                   extract(epoch FROM now() - min(x.created_at))::float8
+            FROM {holds} h LEFT JOIN {held} x ON x.topic = h.topic AND x.key = h.key
+            GROUP BY h.topic, h.partition, h.key, h.dead_letter_id, h.released_at
+            ORDER BY count(x.id) DESC, h.topic, h.partition, h.key
+            """
+        ).format(holds=table.holds, held=table.held)
+    ).fetchall()
+    return [HeldKey(t, int(p), k, int(d), int(n), bool(r), age) for t, p, k, d, n, r, age in rows]
+
+
+def _with_held(lags: list[PartitionLag], held: Sequence[HeldKey], only: tuple[str, int] | None) -> list[PartitionLag]:
+    """Add held rows to each partition's lag: released ones as pending, the others as held."""
+    if not held:
+        return lags
+    by_partition: dict[tuple[str, int], list[HeldKey]] = defaultdict(list)
+    for key in held:
+        if only is None or (key.topic, key.partition) == only:
+            by_partition[(key.topic, key.partition)].append(key)
+    merged: list[PartitionLag] = []
+    for lag in lags:
+        keys = by_partition.pop((lag.topic, lag.partition), [])
+        merged.append(_add_held(lag, keys) if keys else lag)
+    for (topic, partition), keys in by_partition.items():
+        merged.append(_add_held(PartitionLag(topic, partition, 0, None), keys))
+    return sorted(merged, key=lambda lag: (lag.topic, lag.partition))
+
+
+def _add_held(lag: PartitionLag, keys: Sequence[HeldKey]) -> PartitionLag:
+    ages = [a for a in (lag.oldest_pending_age_s, *(k.oldest_age_s for k in keys)) if a is not None]
+    return replace(
+        lag,
+        pending=lag.pending + sum(k.rows for k in keys if k.released),
+        held=lag.held + sum(k.rows for k in keys if not k.released),
+        oldest_pending_age_s=max(ages) if ages else None,
+    )
 
 
 # Row strategies. Per pair, the pending rows oldest first (the (topic, partition, id) index), at most
@@ -144,10 +215,11 @@ def partition_lag(
             pairs=pairs, messages=table.messages, leases=table.leases, only_p=only_for("p")
         )
         rows = conn.execute(query, params).fetchall()
-        return [
+        lags = [
             PartitionLag(topic, part, int(n), age, None, leased, int(attempts), error, bool(backoff), until)
             for topic, part, n, age, _, leased, attempts, error, backoff, until in rows
         ]
+        return _with_held(lags, held_keys(conn, table) if _has_holds(conn, table) else [], only)
     with_xid = "last_processed_transaction_id" in cls.work_condition
     query = sql.SQL(_POSITION_LAG).format(
         pairs=pairs,
@@ -157,7 +229,7 @@ def partition_lag(
         only_o=only_for("o"),
     )
     rows = conn.execute(query, params).fetchall()
-    return [
+    lags = [
         PartitionLag(
             topic,
             part,
@@ -172,6 +244,12 @@ def partition_lag(
         )
         for topic, part, n, age, xid, last_id, leased, attempts, error, backoff, until in rows
     ]
+    return _with_held(lags, held_keys(conn, table) if _has_holds(conn, table) else [], only)
+
+
+def _has_holds(conn: psycopg.Connection, table: OutboxTable) -> bool:
+    row = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(table.holds)).fetchone()
+    return bool(row and row[0])
 
 
 def holders(lags: Sequence[PartitionLag]) -> set[str]:
@@ -197,6 +275,11 @@ def explain_pending(
         for lag in partition_lag(conn, table, strategy)
         if lag.pending and (scope is None or (lag.topic, lag.partition) in scope)
     ]
+    held = [
+        key.describe()
+        for key in held_keys(conn, table)
+        if not key.released and key.rows and (scope is None or (key.topic, key.partition) in scope)
+    ]
     alive = holders_alive(conn, table, holders(lags))
     groups: dict[str, list[PartitionLag]] = defaultdict(list)
     for lag in lags:
@@ -212,7 +295,7 @@ def explain_pending(
         f"{sum(lag.pending for lag in group)} rows pending in {strategy} "
         f"{', '.join(f'{lag.topic}:{lag.partition}' for lag in group)}, {reason}"
         for reason, group in groups.items()
-    ]
+    ] + held
 
 
 def pending_by_partition(conn: psycopg.Connection, table: OutboxTable) -> list[PartitionLag]:
@@ -239,7 +322,7 @@ def dead_letter_backlog(conn: psycopg.Connection, table: OutboxTable) -> DeadLet
         sql.SQL(
             """
             SELECT count(*), to_char(max(dead_lettered_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-            FROM {dead_letters} WHERE retried_at IS NULL
+            FROM {dead_letters} WHERE retried_at IS NULL AND discarded_at IS NULL
             """
         ).format(dead_letters=table.dead_letters)
     ).fetchone()
@@ -250,7 +333,7 @@ def dead_letter_backlog(conn: psycopg.Connection, table: OutboxTable) -> DeadLet
         sql.SQL(
             """
             SELECT topic, partition, count(*), (array_agg(last_error ORDER BY dead_lettered_at DESC))[1]
-            FROM {dead_letters} WHERE retried_at IS NULL
+            FROM {dead_letters} WHERE retried_at IS NULL AND discarded_at IS NULL
             GROUP BY topic, partition ORDER BY count(*) DESC, topic, partition LIMIT 5
             """
         ).format(dead_letters=table.dead_letters)

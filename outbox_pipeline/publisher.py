@@ -171,8 +171,14 @@ class KafkaPublisher:
         pending = PendingBatch(records, time.monotonic())
         produce = self.producer.produce
         on_error = partial(self._on_error_report, pending)
+        # Keys with a row the producer refused (too large...): their later rows of this batch are not sent, so
+        # a key's stream never gets them ahead of it (they wait: a transport-kind failure, never counted).
+        refused: set[tuple[str, bytes]] = set()
         for record in records:
             oid, topic, key, payload, headers_json, message_id, outbox_id, created_at, type_ = record[:9]
+            if refused and key is not None and (topic, key) in refused:
+                pending.errors[oid] = ("not sent: an earlier row of its key was refused in this batch", "transport")
+                continue
             headers: list[tuple[str, bytes | str | None]] = [
                 ("message_id", message_id),
                 ("outbox_id", outbox_id),
@@ -191,6 +197,8 @@ class KafkaPublisher:
                 except KafkaException as exc:
                     error = exc.args[0]
                     pending.errors[oid] = (str(error.str()), failure_kind(error))
+                    if key is not None:
+                        refused.add((topic, key))
                     break
         return pending
 

@@ -244,9 +244,9 @@ class Relay:
     # -- the pieces --------------------------------------------------------------------------
 
     def _claim(self, strategy: Strategy, in_flight: _InFlight | None = None) -> Claim | None:
-        avoid = [r.id for r in in_flight.claim.records] if in_flight is not None else ()
+        avoid = [r.id for r in (*in_flight.claim.records, *in_flight.claim.withheld)] if in_flight is not None else ()
         claim = strategy.claim(self.settings.batch_size, avoid)
-        if claim is not None and not claim.records:
+        if claim is not None and not claim.records and not claim.withheld:
             # Every candidate was taken by another worker first: no batch, but the collisions count.
             self.stats.collisions += claim.collisions
             strategy.give_back(claim, "empty claim")
@@ -256,7 +256,9 @@ class Relay:
     def _publish(self, strategy: Strategy, claim: Claim) -> _InFlight:
         batch = _InFlight(strategy, claim, time.monotonic())
         try:
-            if claim.transactional_id is not None:
+            if not claim.records:  # only rows of held keys (quarantine): nothing for Kafka, the ack moves them
+                batch.outcome = PublishOutcome([], [])
+            elif claim.transactional_id is not None:
                 batch.outcome = self.publisher.publish(claim.records, transactional_id=claim.transactional_id)
             else:
                 batch.pending = self.publisher.start(claim.records)

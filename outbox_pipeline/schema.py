@@ -17,6 +17,7 @@ from psycopg import sql
 from .config import OutboxTable
 from .errors import OutboxError, SchemaError
 from .routing import create_routing_functions, create_sql_writers
+from .strategies.quarantine import create_quarantine_tables
 
 # Kafka topic names: [a-zA-Z0-9._-], 1..249 characters, and not "." or "..".
 TOPIC_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
@@ -261,6 +262,7 @@ MIGRATIONS: Sequence[Migration] = (
         "writers in any language: rows without a partition are routed, SQL enqueue, partition-count guard",
         lambda conn, t: create_sql_writers(conn, t, default_row=DEFAULT_TOPIC_ROW, topic_pattern=TOPIC_PATTERN),
     ),
+    Migration(8, "key-scoped quarantine: holds and held rows; discarded dead letters", create_quarantine_tables),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

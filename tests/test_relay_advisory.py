@@ -159,14 +159,20 @@ def test_transient_failure_acks_the_delivered_rows_and_later_rows_overtake_the_f
     assert row == [(written[4].id, 1, True, True)]
 
 
-def test_permanently_failing_row_is_dead_lettered_and_skipped(
+def test_with_on_poison_skip_a_permanently_failing_row_is_dead_lettered_and_skipped(
     db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     topic = new_topic()
     messages = [Message(topic, {"n": i, "pad": "x" * (5000 if i == 3 else 0)}, key="k") for i in range(8)]
     written = enqueue_many(db, messages, table=table)
     stats = drain(
-        db.info.dsn, table, kafka.bootstrap_servers, "advisory", producer={"message.max.bytes": 2000}, batch_size=4
+        db.info.dsn,
+        table,
+        kafka.bootstrap_servers,
+        "advisory",
+        producer={"message.max.bytes": 2000},
+        batch_size=4,
+        on_poison="skip",
     )
     assert stats.dead_lettered == 1
     assert _outbox_ids(kafka.consume(topic, expect=7)) == [w.id for w in written if w is not written[3]]

@@ -32,8 +32,9 @@ Order. Kafka receives rows in id order (per partition, so per key). Caveats, pre
 - A transiently failed row gets ``attempts + 1`` and a backoff in ``available_after``. Until the
   backoff expires claims skip it, so later rows (of its key too) overtake it; once available it is
   the lowest id again and goes out in the very next batch, after the rows that overtook it.
-- A row that failed permanently or ran out of attempts moves to the dead-letter table: it is skipped
-  for good, and a replay from there delivers it after everything published meanwhile.
+- A row that failed permanently or ran out of attempts moves to the dead-letter table. With
+  ``on_poison="quarantine"`` (the default) its key's later rows are held until an operator retries the dead
+  letter (then it goes first) or discards it (quarantine.py); with "skip" they are published without it.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ import psycopg
 from psycopg import IsolationLevel, pq
 
 from ..errors import ConfigurationError
-from .base import AckResult, Claim, PublishOutcome, Strategy, StrategyConfig, fetch_records
-from .rows import finish, select_pending_sql
+from .base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig, fetch_records
+from .quarantine import NO_HOLDS, Quarantine
+from .rows import finish, select_pending_sql, split_failures
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,9 @@ class AdvisoryStrategy(Strategy):
         self._key = {"class": ADVISORY_LOCK_CLASS, "schema": self.table.schema}
         self._held = False
         self._select = select_pending_sql(config, order="id", lock=False)
+        self._quarantine = Quarantine(conn, config, "m.id")
+        self._has_holds = False
+        self._release_in_flight = False
 
     @property
     def holds_lock(self) -> bool:
@@ -86,9 +91,23 @@ class AdvisoryStrategy(Strategy):
     def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
         if not self._held and not self._acquire():
             return None
+        view = NO_HOLDS
+        if self._has_holds:
+            view = self._quarantine.view()
+            self._has_holds = bool(view.keys)
+            if view.released and not self._release_in_flight:
+                released = self._quarantine.read_released(limit)
+                if released:
+                    self._release_in_flight = True
+                    return Claim(released, holds_version=self._quarantine.version, release=True)
+                with self.conn.transaction():
+                    self._quarantine.finish_releases()
         # Rows of a batch still in flight are unsent but not ours to take again (pipelining).
         records = fetch_records(self.conn, self._select, {"limit": limit, "exclude": list(avoid)}, prepare=True)
-        return Claim(records) if records else None
+        if not records:
+            return None
+        publish, withheld = view.split(records)
+        return Claim(publish, withheld=withheld, holds_version=self._quarantine.version)
 
     def _acquire(self) -> bool:
         # One transaction, so that even a transaction pooler runs the check and the lock on one server
@@ -104,16 +123,55 @@ class AdvisoryStrategy(Strategy):
             row = self.conn.execute(_TRY_LOCK, self._key).fetchone()
         self._held = bool(row and row[0])
         if self._held:
+            self._has_holds = self._quarantine.any_holds()
             log.info("advisory: worker %s is now the active relay for %s", self.config.worker_id, self.table.schema)
         return self._held
 
+    def before_publish(self, claim: Claim) -> Claim | None:
+        """Not a batch read before a hold began or ended: it may publish a row that is held now."""
+        if claim.holds_version != self._quarantine.version:
+            self.give_back(claim, "a hold began or ended since it was read")
+            return None
+        return claim
+
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
         # No owner fence needed: while this session holds the lock nobody else touches unsent rows.
+        if claim.release:
+            self._release_in_flight = False
+            with self.conn.transaction():
+                acked, retried, dead = self._quarantine.ack_released(claim.records, outcome)
+            return AckResult(acked=acked, retried=retried, dead_lettered=dead)
+        to_hold = self._successors_of_dead(claim.records, outcome)
+        held = {r.id for r in to_hold}
+        if held:
+            outcome = PublishOutcome(
+                [r for r in outcome.delivered if r.id not in held],
+                [f for f in outcome.failed if f.record.id not in held],
+                outcome.elapsed_s,
+            )
         with self.conn.transaction():
-            return finish(self.conn, self.config, outcome)
+            result = finish(self.conn, self.config, outcome)
+            if self._quarantine.hold(split_failures(outcome.failed, self.config.max_attempts)[1]):
+                self._has_holds = True
+            self._quarantine.move_to_held([*claim.withheld, *to_hold], delete=True)
+        return result
+
+    def _successors_of_dead(self, records: list[OutboxRecord], outcome: PublishOutcome) -> list[OutboxRecord]:
+        """Rows of the batch after a row of their key that is dead-lettered now: held with it, even if Kafka
+        took them (they go out again after the dead letter)."""
+        if not self._quarantine.enabled:
+            return []
+        dead = split_failures(outcome.failed, self.config.max_attempts)[1]
+        first_dead = {}
+        for failure in sorted(dead, key=lambda f: f.record.id):
+            if failure.record.key is not None:
+                first_dead.setdefault((failure.record.topic, failure.record.key), failure.record.id)
+        return [r for r in records if r.id > first_dead.get((r.topic, r.key), r.id)]
 
     def give_back(self, claim: Claim, error: str) -> None:
         """Nothing to undo: claiming changed no row, so the next claim starts from the same row."""
+        if claim.release:
+            self._release_in_flight = False
 
     def close(self) -> None:
         """Release the lock so a standby takes over now rather than when this session ends."""

@@ -109,6 +109,12 @@ class Claim:
     state: Any = None
     # Set by strategies that publish each batch atomically (Kafka transactions): the producer's id.
     transactional_id: str | None = None
+    # Ordered strategies (quarantine.py): rows read but not published, their key being held; the ack moves
+    # them into the hold. A claim may consist of these alone.
+    withheld: list[OutboxRecord] = field(default_factory=list)
+    # The quarantine version the claim was read under, and whether it publishes released held rows.
+    holds_version: int = 0
+    release: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +148,8 @@ class StrategyConfig:
     # drains exactly its own; a position strategy still leases the partition, so two scoped workers
     # on one partition never both publish.
     partitions: frozenset[tuple[str, int]] | None = None
+    # Ordered strategies: what a dead letter does to the rest of its key (quarantine.py).
+    on_poison: Literal["quarantine", "skip"] = "quarantine"
 
     def __post_init__(self) -> None:
         if self.partitions is not None and not self.partitions:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from .base import OutboxRecord
 from .positions import PositionStrategy
 
 
@@ -27,3 +28,7 @@ class PartitionedStrategy(PositionStrategy):
         "AND m.transaction_id < pg_snapshot_xmin(pg_current_snapshot())"
     )
     read_order: ClassVar[str] = "m.transaction_id, m.id"
+
+    @staticmethod
+    def order_key(record: OutboxRecord) -> tuple[int, int]:
+        return int(record.transaction_id), record.id

@@ -11,8 +11,9 @@ Failures keep the order: the position stops before the first row Kafka did not c
 partition backs off (``attempts``, ``last_error``, ``available_after`` on the offsets row). Rows after
 it that Kafka did confirm are published again on the retry (at-least-once: duplicates bounded by one
 batch). A row that can never be delivered (too large, invalid topic) or that ran out of attempts is
-copied to the dead-letter table and skipped: consumers of that key miss it, and its successors are
-published without it; retrying it from the dead letters publishes it after them.
+copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the default)
+its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
+are published without it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .base import (
     fetch_records,
     scope_condition,
 )
+from .quarantine import NO_HOLDS, HoldView, Quarantine
 from .sharing import IS_HOME, Dealer, Home
 
 # New (topic, partition) pairs get an offsets row at most this often while busy.
@@ -74,6 +76,11 @@ class _Chain:
     read_id: int
     in_flight: int = 1
     broken: bool = False
+    # The partition has holds (quarantine.py): reads are split into rows to publish and rows to withhold.
+    has_holds: bool = False
+    # A hold was released: no more reading ahead; once the batches in flight ack, the partition is leased
+    # again and its held rows go first.
+    draining: bool = False
 
     def extend(self, last: OutboxRecord) -> None:
         self.read_xid, self.read_id = last.transaction_id, last.id
@@ -87,6 +94,8 @@ class PartitionLease:
     xid: str  # last_processed_transaction_id, as xid8 text
     last_id: int
     attempts: int
+    has_holds: bool = False
+    released: bool = False  # some hold is released and its held rows are ready to publish
 
 
 class PositionStrategy(Strategy):
@@ -102,26 +111,37 @@ class PositionStrategy(Strategy):
         self._checked_tx_at = float("-inf")
         self._tx_ids: frozenset[str] | None = None
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
+        self._quarantine = Quarantine(conn, config, self.read_order)
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
     # this strategy. Used both to find partitions with work and to read them.
     work_condition: ClassVar[str]
-    # ORDER BY for reading one partition, in publishing order.
+    # ORDER BY for reading one partition, in publishing order, and the same order in Python.
     read_order: ClassVar[str]
+
+    @staticmethod
+    def order_key(record: OutboxRecord) -> tuple[int, int]:
+        raise NotImplementedError
 
     # -- claim -------------------------------------------------------------------------------
 
     def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
         # Pipelining: keep reading a partition whose previous batch is still in flight, past that batch.
         for chain in self._chains.values():
-            if chain.broken:
+            if chain.broken or chain.draining:
                 continue
+            view = NO_HOLDS
+            if chain.has_holds:
+                view = self._quarantine.view(chain.lease.topic, chain.lease.partition)
+                chain.has_holds, chain.draining = bool(view.keys), view.released
+                if chain.draining:
+                    continue
             ahead = replace(chain.lease, xid=chain.read_xid, last_id=chain.read_id, attempts=0)
             records = self._read(ahead, limit)
             if records:
                 chain.extend(records[-1])
-                return Claim(records, state=ahead, transactional_id=self._transactional_id(ahead))
+                return self._claim_of(ahead, records, view)
         if time.monotonic() - self._discovered_at > DISCOVERY_INTERVAL_S:
             self.discover_partitions()
         lease = self._lease_partition()
@@ -129,12 +149,44 @@ class PositionStrategy(Strategy):
             lease = self._lease_partition()  # a topic or partition that is new since the last look
         if lease is None:
             return None
+        if lease.released and (release := self._claim_release(lease, limit)) is not None:
+            return release
+        view = self._quarantine.view(lease.topic, lease.partition) if lease.has_holds else NO_HOLDS
         records = self._read(lease, limit)
-        if not records:  # only if the position moved under us, which the lease rules out
+        if not records:  # the position moved under us (the lease rules it out) or only a release was due
             self._release(lease)
             return None
-        self._chains[(lease.topic, lease.partition)] = _Chain(lease, records[-1].transaction_id, records[-1].id)
-        return Claim(records, state=lease, transactional_id=self._transactional_id(lease))
+        chain = _Chain(lease, records[-1].transaction_id, records[-1].id, has_holds=bool(view.keys))
+        self._chains[(lease.topic, lease.partition)] = chain
+        return self._claim_of(lease, records, view)
+
+    def _claim_of(self, lease: PartitionLease, records: list[OutboxRecord], view: HoldView) -> Claim:
+        publish, withheld = view.split(records)
+        return Claim(
+            publish,
+            state=lease,
+            transactional_id=self._transactional_id(lease),
+            withheld=withheld,
+            holds_version=self._quarantine.version,
+        )
+
+    def _claim_release(self, lease: PartitionLease, limit: int) -> Claim | None:
+        """The held rows of the partition's released holds, before anything else of it; nothing is read
+        ahead meanwhile. With none left, the holds end here (this worker owns the partition, nothing of it
+        is in flight) and the partition is read as usual."""
+        records = self._quarantine.read_released(limit, lease.topic, lease.partition)
+        if not records:
+            self._quarantine.finish_releases(lease.topic, lease.partition)
+            return None
+        chain = _Chain(lease, lease.xid, lease.last_id, has_holds=True, draining=True)
+        self._chains[(lease.topic, lease.partition)] = chain
+        return Claim(
+            records,
+            state=lease,
+            transactional_id=self._transactional_id(lease),
+            holds_version=self._quarantine.version,
+            release=True,
+        )
 
     def _read(self, lease: PartitionLease, limit: int) -> list[OutboxRecord]:
         query = sql.SQL(
@@ -198,20 +250,25 @@ class PositionStrategy(Strategy):
                     updated_at = now()
                 FROM (
                     SELECT o.topic, o.partition FROM {offsets} o
-                    CROSS JOIN LATERAL (
+                    LEFT JOIN LATERAL (
                         SELECT m.created_at FROM {messages} m
                         WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
                         ORDER BY {order} LIMIT 1
-                    ) oldest
+                    ) oldest ON true
                     WHERE o.available_after <= now() {scope}
-                      AND ({home} OR oldest.created_at <= now() - make_interval(secs => %(steal_after)s))
+                      AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
+                      AND ({home} OR coalesce(oldest.created_at, '-infinity')
+                                     <= now() - make_interval(secs => %(steal_after)s))
                     ORDER BY {home} DESC, o.available_after
                     LIMIT 1
                     FOR UPDATE OF o SKIP LOCKED
                 ) free
                 WHERE target.topic = free.topic AND target.partition = free.partition
                 RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
-                          target.last_processed_id, target.attempts
+                          target.last_processed_id, target.attempts,
+                          EXISTS (SELECT 1 FROM {holds} h
+                                  WHERE h.topic = target.topic AND h.partition = target.partition),
+                          EXISTS ({released_target})
                 """
             ).format(
                 offsets=self.table.offsets,
@@ -220,6 +277,9 @@ class PositionStrategy(Strategy):
                 order=sql.SQL(self.read_order),
                 scope=scope_condition(self.config, "o"),
                 home=IS_HOME,
+                holds=self.table.holds,
+                released=_released_hold(self.table, "o"),
+                released_target=_released_hold(self.table, "target"),
             ),
             {"lease": self.config.lease_s, "worker": self.config.worker_id, **self._dealer.current().params()},
         ).fetchone()
@@ -228,11 +288,12 @@ class PositionStrategy(Strategy):
     def before_publish(self, claim: Claim) -> Claim | None:
         """A batch read ahead is published only if the batch before it acked in full while owned: past a
         failure or a lost lease the position cannot move, so publishing it would only add duplicates
-        (the README's bound is one batch)."""
+        (the README's bound is one batch). Nor if a hold began or ended since it was read: it may hold a
+        row that is held now."""
         lease: PartitionLease = claim.state
         chain = self._chains.get((lease.topic, lease.partition))
-        if chain is None or chain.broken:
-            self.give_back(claim, "the batch before it did not ack in full")
+        if chain is None or chain.broken or claim.holds_version != self._quarantine.version:
+            self.give_back(claim, "the batch before it did not ack in full, or a hold began or ended")
             return None
         return claim
 
@@ -278,15 +339,25 @@ class PositionStrategy(Strategy):
     # -- ack ---------------------------------------------------------------------------------
 
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
+        if claim.release:
+            return self._ack_release(claim, outcome)
         lease: PartitionLease = claim.state
         delivered = {r.id for r in outcome.delivered}
         failures = {f.record.id: f for f in outcome.failed}
+        withheld = {r.id for r in claim.withheld}
         advanced: OutboxRecord | None = None
         acked = 0
         dead: list[DeliveryFailure] = []
+        to_hold: list[OutboxRecord] = []
+        held_now: set[tuple[str, bytes | None]] = set()  # keys dead-lettered in this batch
         stopped_at: DeliveryFailure | None = None
         head_attempts = lease.attempts
-        for record in claim.records:
+        for record in sorted([*claim.records, *claim.withheld], key=self.order_key):
+            if record.id in withheld or (record.topic, record.key) in held_now:
+                # Held (even if Kafka took it: it goes out again after the dead letter it waits for).
+                to_hold.append(record)
+                advanced, head_attempts = record, 0
+                continue
             if record.id in delivered:
                 advanced, acked, head_attempts = record, acked + 1, 0
                 continue
@@ -295,6 +366,8 @@ class PositionStrategy(Strategy):
                 # Attempts of an ordered partition are counted on its offsets row (rows never change).
                 dead.append(replace(failure, record=record._replace(attempts=head_attempts)))
                 advanced, head_attempts = record, 0
+                if self._quarantine.enabled and record.key is not None:
+                    held_now.add((record.topic, record.key))
                 continue
             stopped_at = failure
             break
@@ -306,6 +379,9 @@ class PositionStrategy(Strategy):
         keep_lease = chain is not None and chain.in_flight > 0 and not chain.broken
         with self.conn.transaction():
             self._dead_letter(dead)
+            if self._quarantine.hold(dead) and chain is not None:
+                chain.has_holds = True
+            self._quarantine.move_to_held(to_hold, delete=False)
             # A transport failure leaves the head's attempts as they were (see FailureKind).
             attempts = head_attempts + stopped_at.counts if stopped_at else 0
             owned = self._advance(lease, advanced, stopped_at, attempts, keep_lease)
@@ -317,7 +393,26 @@ class PositionStrategy(Strategy):
                 del self._chains[(lease.topic, lease.partition)]
         if not owned:
             return AckResult(lost_ownership=len(delivered))
-        return AckResult(acked=acked, retried=len(claim.records) - acked - len(dead), dead_lettered=len(dead))
+        retried = len(claim.records) - acked - len(dead) - len([r for r in to_hold if r.id not in withheld])
+        return AckResult(acked=acked, retried=retried, dead_lettered=len(dead))
+
+    def _ack_release(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
+        """A release batch: done held rows leave the hold, then the partition is released (its lease ends,
+        so the next claim looks at what is left, released or not)."""
+        lease: PartitionLease = claim.state
+        chain = self._chains.get((lease.topic, lease.partition))
+        if chain is not None:
+            chain.in_flight -= 1
+            if chain.in_flight == 0:
+                del self._chains[(lease.topic, lease.partition)]
+        with self.conn.transaction():
+            acked, retried, dead = self._quarantine.ack_released(claim.records, outcome, lease.topic, lease.partition)
+            owned = self._release(lease)
+            if not owned:
+                raise psycopg.Rollback()
+        if not owned:
+            return AckResult(lost_ownership=len(outcome.delivered))
+        return AckResult(acked=acked, retried=retried, dead_lettered=dead)
 
     def _advance(
         self,
@@ -411,8 +506,8 @@ class PositionStrategy(Strategy):
             del self._chains[(lease.topic, lease.partition)]
         self._release(lease)
 
-    def _release(self, lease: PartitionLease) -> None:
-        self.conn.execute(
+    def _release(self, lease: PartitionLease) -> bool:
+        cur = self.conn.execute(
             sql.SQL(
                 """
                 UPDATE {offsets}
@@ -422,3 +517,15 @@ class PositionStrategy(Strategy):
             ).format(offsets=self.table.offsets),
             {"topic": lease.topic, "partition": lease.partition, "worker": self.config.worker_id},
         )
+        return cur.rowcount == 1
+
+
+def _released_hold(table: OutboxTable, alias: str) -> sql.Composed:
+    """A released hold of the offsets row ``alias``'s partition whose held rows may go out now."""
+    return sql.SQL(
+        """
+        SELECT 1 FROM {holds} h
+        WHERE h.topic = {a}.topic AND h.partition = {a}.partition AND h.released_at IS NOT NULL
+          AND h.available_after <= now()
+        """
+    ).format(holds=table.holds, a=sql.Identifier(alias))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from .base import OutboxRecord
 from .positions import PositionStrategy
 
 
@@ -24,3 +25,7 @@ class SerializedStrategy(PositionStrategy):
     name: ClassVar[str] = "serialized"
     work_condition: ClassVar[str] = "m.id > o.last_processed_id"
     read_order: ClassVar[str] = "m.id"
+
+    @staticmethod
+    def order_key(record: OutboxRecord) -> tuple[int, int]:
+        return 0, record.id
