@@ -8,6 +8,7 @@ call go in with one statement, so a call stores all of its messages or none.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import random
 import re
@@ -108,17 +109,35 @@ def enqueue_many(
     rows = [_validate(m, table.max_message_bytes, i) for i, m in enumerate(messages)]
     if not rows:
         return []
-    params = (
-        [r.message_id for r in rows],
-        [r.topic for r in rows],
-        [r.key for r in rows],
-        [r.type for r in rows],
-        [r.payload for r in rows],
-        [r.headers for r in rows],
-        [r.priority for r in rows],
-        [r.partition for r in rows],
-        [r.hash for r in rows],
-    )
+    if len(rows) == 1:
+        # The common call: scalar parameters instead of nine one-element arrays (measured: dumping the arrays
+        # was a third of a single-row enqueue's client time).
+        r = rows[0]
+        query = _insert_one_sql(table)
+        params: tuple[object, ...] = (
+            r.message_id,
+            r.key,
+            r.type,
+            r.payload,
+            r.headers,
+            r.priority,
+            r.partition,
+            r.hash,
+            r.topic,
+        )
+    else:
+        query = _insert_sql(table)
+        params = (
+            [r.message_id for r in rows],
+            [r.topic for r in rows],
+            [r.key for r in rows],
+            [r.type for r in rows],
+            [r.payload for r in rows],
+            [r.headers for r in rows],
+            [r.priority for r in rows],
+            [r.partition for r in rows],
+            [r.hash for r in rows],
+        )
     with conn.cursor() as cur:
         if not notify:
             # Transaction-local, like SET LOCAL: the caller's later inserts skip the NOTIFY as well.
@@ -129,20 +148,44 @@ def enqueue_many(
             # the lock and the insert still cost one round trip.
             with conn.pipeline():
                 cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (SERIALIZED_LOCK_CLASS, table.schema))
-                cur.execute(_insert_sql(table), params)
+                cur.execute(query, params)
         else:
-            cur.execute(_insert_sql(table), params)
+            cur.execute(query, params)
         returned = {mid: oid for oid, mid in cur.fetchall()}
     if len(returned) != len(rows):
         raise RuntimeError(f"outbox insert returned {len(returned)} rows for {len(rows)} messages")
     return [Enqueued(returned[r.message_id], r.message_id) for r in rows]
 
 
-def _insert_sql(table: OutboxTable) -> sql.Composed:
+@functools.cache
+def _insert_one_sql(table: OutboxTable) -> bytes:
+    """One row; the same routing as _insert_sql. Rendered once per outbox: composing costs on every call."""
+    return (
+        sql.SQL(
+            """
+            INSERT INTO {messages} (message_id, topic, key, type, payload, headers, priority, partition)
+            SELECT %s::uuid, u.topic, %s::text, %s::text, %s::jsonb, %s::jsonb, %s::smallint,
+                   coalesce(
+                       %s::integer,
+                       %s::bigint %% coalesce(
+                           (SELECT t.partitions FROM {topics} t WHERE t.topic = u.topic),
+                           (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row})))
+            FROM (SELECT %s::text AS topic) u
+            RETURNING id, message_id
+            """
+        )
+        .format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
+        .as_bytes(None)
+    )
+
+
+@functools.cache
+def _insert_sql(table: OutboxTable) -> bytes:
     # The virtual partition is resolved in the same statement: the caller's own partition, else the
     # key's murmur2 hash modulo the topic's partition count (outbox_topics, or its '*' default row).
-    return sql.SQL(
-        """
+    return (
+        sql.SQL(
+            """
         INSERT INTO {messages} (message_id, topic, key, type, payload, headers, priority, partition)
         SELECT u.message_id, u.topic, u.key, u.type, u.payload::jsonb, u.headers::jsonb, u.priority,
                coalesce(
@@ -157,7 +200,10 @@ def _insert_sql(table: OutboxTable) -> sql.Composed:
         ORDER BY u.ord
         RETURNING id, message_id
         """
-    ).format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
+        )
+        .format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
+        .as_bytes(None)
+    )
 
 
 def _validate(m: Message, max_bytes: int, index: int) -> _Row:
