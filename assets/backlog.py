@@ -8,7 +8,7 @@ without a run, so the check's history is the outbox's lag over time.
 
 import dagster as dg
 
-from outbox_pipeline.lag import DeadLetterBacklog, PartitionLag, dead_letter_backlog, partition_lag
+from outbox_pipeline.lag import DeadLetterBacklog, dead_letter_backlog, held_keys, partition_lag
 from outbox_pipeline.lag_slo import LagVerdict, evaluate_lag
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
@@ -19,9 +19,12 @@ LAG_SLO_CHECK = "outbox_lag_slo"
 DEAD_LETTER_CHECK = "outbox_dead_letters"
 
 
-def read_lag(postgres: PostgresResource, settings: OrchestrationSettings) -> list[PartitionLag]:
+def read_lag(postgres: PostgresResource, settings: OrchestrationSettings) -> LagVerdict:
+    """The lag verdict, held keys (quarantine) included: they count as lag and are named in it."""
     with postgres.connect() as conn:
-        return partition_lag(conn, postgres.table, settings.strategy, cap=settings.lag_cap)
+        lags = partition_lag(conn, postgres.table, settings.strategy, cap=settings.lag_cap)
+        held = tuple(key.describe() for key in held_keys(conn, postgres.table) if key.rows and not key.released)
+    return evaluate_lag(lags, settings.thresholds, held=held)
 
 
 def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
@@ -39,6 +42,8 @@ def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
         "lagging_partitions": dg.MetadataValue.int(verdict.lagging_partitions),
         "partitions": dg.MetadataValue.int(verdict.partitions),
         "worst_partitions": dg.MetadataValue.md(table if rows else "none lagging"),
+        "held_rows": dg.MetadataValue.int(verdict.total_held),
+        "held_keys": dg.MetadataValue.md("\n".join(f"- {line}" for line in verdict.held) or "none"),
         "thresholds": dg.MetadataValue.text(
             f"warn: age > {t.warn_age_s:g} s or pending > {t.warn_pending}; "
             f"error: age > {t.error_age_s:g} s or pending > {t.error_pending}"
@@ -66,7 +71,7 @@ def check_evaluation(verdict: LagVerdict) -> dg.AssetCheckEvaluation:
 )
 def outbox_backlog(context: dg.AssetExecutionContext, postgres: PostgresResource) -> dg.MaterializeResult:
     settings = OrchestrationSettings.from_env()
-    verdict = evaluate_lag(read_lag(postgres, settings), settings.thresholds)
+    verdict = read_lag(postgres, settings)
     context.log.info("%s", verdict.summary())
     return dg.MaterializeResult(metadata=backlog_metadata(verdict))
 
@@ -79,7 +84,7 @@ def outbox_backlog(context: dg.AssetExecutionContext, postgres: PostgresResource
 )
 def outbox_lag_slo(postgres: PostgresResource) -> dg.AssetCheckResult:
     settings = OrchestrationSettings.from_env()
-    verdict = evaluate_lag(read_lag(postgres, settings), settings.thresholds)
+    verdict = read_lag(postgres, settings)
     evaluation = check_evaluation(verdict)
     return dg.AssetCheckResult(
         passed=evaluation.passed,

@@ -3,7 +3,8 @@
 The verdict is computed here, not in the Dagster check, so that the check run from the UI, the sensor
 that evaluates it every tick and anything else (a CLI, a test) agree on what "lagging" means. The
 whole outbox is judged: the oldest pending row of any partition against the age thresholds, and the
-total pending rows against the count thresholds; a value strictly above a threshold breaches it.
+total pending rows against the count thresholds; a value strictly above a threshold breaches it. Rows
+held behind a dead letter (quarantine) are lag like pending ones, and each held key is named.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class LagVerdict:
     # Why, in words ("oldest pending 75.0 s > warn 60 s"); empty when passing.
     reasons: tuple[str, ...]
     thresholds: LagThresholds
+    # Keys held behind dead letters, in words ("key 'K' of orders:3 held behind dead letter 4711, 37 rows ...").
+    held: tuple[str, ...] = ()
+    total_held: int = 0
 
     @property
     def passed(self) -> bool:
@@ -83,13 +87,18 @@ class LagVerdict:
         head = (
             f"{self.total_pending} pending in {self.lagging_partitions}/{self.partitions} partitions, oldest {oldest}"
         )
+        if self.total_held:
+            head += f", {self.total_held} held: {'; '.join(self.held[:3])}"
         return head if self.passed else f"{self.severity.upper()}: {head} ({'; '.join(self.reasons)})"
 
 
-def evaluate_lag(lags: Sequence[PartitionLag], thresholds: LagThresholds, *, worst: int = 5) -> LagVerdict:
-    """Judge the outbox's lag against the thresholds; ``worst`` partitions are named in the verdict."""
-    lagging = [lag for lag in lags if lag.pending > 0]
-    total = sum(lag.pending for lag in lagging)
+def evaluate_lag(
+    lags: Sequence[PartitionLag], thresholds: LagThresholds, *, worst: int = 5, held: Sequence[str] = ()
+) -> LagVerdict:
+    """Judge the outbox's lag against the thresholds; ``worst`` partitions are named in the verdict, and
+    ``held`` (lag.held_keys, described) says which keys wait behind dead letters."""
+    lagging = [lag for lag in lags if lag.lag > 0]
+    total = sum(lag.lag for lag in lagging)
     ages = [lag.oldest_pending_age_s for lag in lagging if lag.oldest_pending_age_s is not None]
     oldest = max(ages) if ages else None
     severity: Severity = "ok"
@@ -107,7 +116,7 @@ def evaluate_lag(lags: Sequence[PartitionLag], thresholds: LagThresholds, *, wor
         if found:
             severity, reasons = level, found
             break
-    ranked = sorted(lagging, key=lambda lag: (-(lag.oldest_pending_age_s or 0.0), -lag.pending, lag.topic))
+    ranked = sorted(lagging, key=lambda lag: (-(lag.oldest_pending_age_s or 0.0), -lag.lag, lag.topic))
     return LagVerdict(
         severity=severity,
         total_pending=total,
@@ -117,4 +126,6 @@ def evaluate_lag(lags: Sequence[PartitionLag], thresholds: LagThresholds, *, wor
         worst=tuple(ranked[:worst]),
         reasons=tuple(reasons),
         thresholds=thresholds,
+        held=tuple(held),
+        total_held=sum(lag.held for lag in lags),
     )

@@ -75,8 +75,15 @@ def test_bench_writers_compares_routing_in_python_and_in_the_database_against_a_
     code = main(["bench", "--writers", "--runs", "1", "--transactions", "50", "--messages", "500"])
     out = capsys.readouterr().out
     assert code == 0, out
-    for writer in ("INSERT naming its partition (baseline)", "Python enqueue()", "INSERT without partition (trigger)",
-                   "SQL enqueue()", "outbox load, partition from Python", "outbox load --route-in-db (trigger)"):  # fmt: skip
+    writers = (
+        "INSERT naming its partition (baseline)",
+        "Python enqueue()",
+        "INSERT without partition (trigger)",
+        "SQL enqueue()",
+        "outbox load, partition from Python",
+        "outbox load --route-in-db (trigger)",
+    )
+    for writer in writers:
         assert re.search(rf"^\| {re.escape(writer)} \| [\d,]+ \| \d+\.\d\d \|$", out, re.MULTILINE), out
     assert _bench_schemas(bench_servers) == []
 

@@ -27,7 +27,7 @@ from assets.backlog import (
     read_lag,
 )
 from outbox_pipeline.lag import DeadLetterBacklog
-from outbox_pipeline.lag_slo import LagVerdict, Severity, evaluate_lag
+from outbox_pipeline.lag_slo import LagVerdict, Severity
 from resources.alerts import Alert, AlertResource
 from resources.postgres import PostgresResource
 
@@ -110,7 +110,7 @@ def build_lag_slo_sensor(
     def outbox_lag_slo_sensor(
         context: dg.SensorEvaluationContext, postgres: PostgresResource, alerts: AlertResource
     ) -> dg.SensorResult:
-        verdict = evaluate_lag(read_lag(postgres, cfg), cfg.thresholds)
+        verdict = read_lag(postgres, cfg)
         state = AlertState.from_cursor(context.cursor)
         alert = lag_alert(verdict, state)
         if alert is not None and alerts.send(alert, context.log):

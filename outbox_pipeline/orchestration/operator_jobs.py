@@ -11,7 +11,10 @@ import datetime as dt
 import dagster as dg
 from pydantic import Field
 
+from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.operations import (
+    DeadLetter,
+    discard_dead_letters,
     list_dead_letters,
     release_lease,
     replay_sent,
@@ -149,18 +152,14 @@ def retry_outbox_dead_letters(
     context: dg.OpExecutionContext, config: RetryDeadLettersConfig, postgres: PostgresResource
 ) -> dg.Output[int]:
     with postgres.connect() as conn:
-        pending = list_dead_letters(conn, postgres.table, limit=50)
-        listing = "\n".join(
-            f"| {d.id} | {d.topic}:{d.partition} | {d.key or '-'} | {d.attempts} "
-            f"| {d.last_error.replace('|', '/')[:80]} |"
-            for d in pending
-        )
-        table = "| id | partition | key | attempts | error |\n|---|---|---|---|---|\n" + listing if pending else "none"
+        table = _dead_letter_table(list_dead_letters(conn, postgres.table, limit=50))
         if config.dry_run:
             return dg.Output(0, metadata={"dead_letters (oldest 50)": dg.MetadataValue.md(table), "retried": 0})
         if not (config.ids or config.topic or config.all):
             raise dg.Failure("say which dead letters to retry: ids, topic, or all: true (dry_run: true lists them)")
-        retried = retry_dead_letters(conn, postgres.table, ids=config.ids or None, topic=config.topic)
+        retried = retry_dead_letters(
+            conn, postgres.table, ids=config.ids or None, topic=config.topic, by=f"dagster run {context.run_id}"
+        )
     context.log.info("%d dead letters put back into the outbox", retried)
     return dg.Output(
         retried, metadata={"retried": retried, "dead_letters before (oldest 50)": dg.MetadataValue.md(table)}
@@ -172,4 +171,42 @@ def retry_dead_letters_job() -> None:
     retry_outbox_dead_letters()
 
 
-OPERATOR_JOBS = [replay_partition_job, release_lease_job, retry_dead_letters_job]
+def _dead_letter_table(pending: list[DeadLetter]) -> str:
+    listing = "\n".join(
+        f"| {d.id} | {d.topic}:{d.partition} | {d.key or '-'} | {d.attempts} | {d.held_rows if d.holding else '-'} "
+        f"| {d.last_error.replace('|', '/')[:80]} |"
+        for d in pending
+    )
+    header = "| id | partition | key | attempts | rows held behind it | error |\n|---|---|---|---|---|---|\n"
+    return header + listing if pending else "none"
+
+
+class DiscardDeadLettersConfig(dg.Config):
+    ids: list[int] = Field(description="dead-letter ids to give up on")
+    reason: str = Field(description="why (recorded with each dead letter)")
+
+
+@dg.op(description="Give up on dead letters for good; the rows held behind them are published without them.")
+def discard_outbox_dead_letters(
+    context: dg.OpExecutionContext, config: DiscardDeadLettersConfig, postgres: PostgresResource
+) -> dg.Output[int]:
+    with postgres.connect() as conn:
+        table = _dead_letter_table(list_dead_letters(conn, postgres.table, limit=50))
+        try:
+            discarded = discard_dead_letters(
+                conn, postgres.table, config.ids, reason=config.reason, by=f"dagster run {context.run_id}"
+            )
+        except OutboxError as exc:
+            raise dg.Failure(str(exc)) from None
+    context.log.info("%d dead letters discarded (%s)", discarded, config.reason)
+    return dg.Output(
+        discarded, metadata={"discarded": discarded, "dead_letters before (oldest 50)": dg.MetadataValue.md(table)}
+    )
+
+
+@dg.job(name="discard_dead_letters", description="Give up on dead letters (with a reason); releases held keys.")
+def discard_dead_letters_job() -> None:
+    discard_outbox_dead_letters()
+
+
+OPERATOR_JOBS = [replay_partition_job, release_lease_job, retry_dead_letters_job, discard_dead_letters_job]

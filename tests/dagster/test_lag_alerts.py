@@ -1,3 +1,5 @@
+import uuid
+
 """Lag alerts: the `outbox_lag_slo` check fails at its thresholds (from a sensor tick and from a run), the
 alert reaches a loopback webhook once per incident and once on recovery, and a relay run that failed
 for good is announced while one the instance will retry is not."""
@@ -225,7 +227,8 @@ def test_dead_letters_alert_the_webhook_once_per_incident_and_once_when_all_are_
     sensor = build_dead_letter_sensor(OrchestrationSettings())
 
     def poison() -> None:
-        enqueue_many(db, [Message(topic, {"blob": "x" * 20_000}, key="k")], table=table)
+        # A key of its own each time: a second poison row of a held key would be held, not dead-lettered.
+        enqueue_many(db, [Message(topic, {"blob": "x" * 20_000}, key=uuid.uuid4().hex)], table=table)
         drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", producer={"message.max.bytes": 10_000})
 
     cursor = _tick(sensor, instance, dagster_resources, None).cursor

@@ -94,3 +94,30 @@ def test_retrying_dead_letters_puts_them_back_in_the_outbox(
     assert result.output_for_node("retry_outbox_dead_letters") == 1
     assert list_dead_letters(db, table) == []
     assert sum(lag.pending for lag in partition_lag(db, table, "partitioned")) == 1
+
+
+def test_discarding_a_dead_letter_from_the_launchpad_records_why_and_releases_the_rows_held_behind_it(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    topic = new_topic()
+    poison, *held = enqueue_many(
+        db, [Message(topic, {"blob": "x" * 20_000}, key="k"), *(Message(topic, {"n": i}, key="k") for i in range(3))],
+        table=table,
+    )  # fmt: skip
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", producer={"message.max.bytes": 10_000})
+    [dead] = list_dead_letters(db, table)
+    assert (dead.id, dead.held_rows) == (poison.id, 3)
+    config = {"ops": {"discard_outbox_dead_letters": {"config": {"ids": [poison.id], "reason": "corrupt order"}}}}
+
+    result = _job("discard_dead_letters", dagster_resources).execute_in_process(instance=instance, run_config=config)
+
+    assert result.output_for_node("discard_outbox_dead_letters") == 1
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+    assert [int(r.headers["outbox_id"]) for r in kafka.consume(topic, expect=3)] == [r.id for r in held]
+    row = db.execute(sql.SQL("SELECT discard_reason, discarded_by FROM {}").format(table.dead_letters)).fetchone()
+    assert row == ("corrupt order", f"dagster run {result.run_id}")
