@@ -1,4 +1,3 @@
-import uuid
 
 """Lag alerts: the `outbox_lag_slo` check fails at its thresholds (from a sensor tick and from a run), the
 alert reaches a loopback webhook once per incident and once on recovery, and a relay run that failed
@@ -6,6 +5,7 @@ for good is announced while one the instance will retry is not."""
 
 import json
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
