@@ -173,7 +173,8 @@ _ENQUEUE = """
 # from their insert to their commit), so a row routed with the old count but not yet committed is seen; it
 # blocks new inserts only until this transaction ends. Pending: not deleted, not marked sent, and not behind
 # its partition's position (in the order of the strategy that last advanced it: ``read_by``; with none
-# recorded, behind in both orders).
+# recorded, behind in both orders). From migration 8 on, keys held behind dead letters (quarantine) count too:
+# their held rows and the dead letter they wait for would go out in the old partition.
 _GUARD = """
     CREATE OR REPLACE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $fn$
     DECLARE
@@ -215,9 +216,11 @@ _GUARD = """
                   ELSE m.id <= o.last_processed_id AND (m.transaction_id, m.id)
                                                        <= (o.last_processed_transaction_id, o.last_processed_id)
               END, false);
+        pending := pending + {held};
         IF pending > 0 THEN
-            RAISE EXCEPTION 'outbox: cannot change the partition count of topic % from % to %: % pending row(s) '
-                'would stay in partitions routed with the old count', example, old_n, new_n, pending
+            RAISE EXCEPTION 'outbox: cannot change the partition count of topic % from % to %: % pending '
+                'row(s) would stay in partitions routed with the old count',
+                coalesce(example, the_topic), old_n, new_n, pending
                 USING ERRCODE = 'object_not_in_prerequisite_state',
                       HINT = 'drain the topic (stop its writers, run the relay until it is empty), then change it';
         END IF;
@@ -258,10 +261,40 @@ def create_sql_writers(conn: psycopg.Connection, t: OutboxTable, *, default_row:
     )
     # Which order a partition's position is in (see _GUARD); written by the position strategies.
     conn.execute(sql.SQL("ALTER TABLE {offsets} ADD COLUMN read_by text").format(**names))
-    conn.execute(sql.SQL(_GUARD).format(guard=t.ident("outbox_topics_guard"), **names))
+    create_partition_count_guard(conn, t, default_row=default_row, with_holds=False)
     conn.execute(
         sql.SQL(
             "CREATE TRIGGER outbox_topics_guard BEFORE INSERT OR UPDATE OR DELETE ON {topics} "
             "FOR EACH ROW EXECUTE FUNCTION {guard}()"
         ).format(guard=t.ident("outbox_topics_guard"), **names)
+    )
+
+
+def create_partition_count_guard(
+    conn: psycopg.Connection, t: OutboxTable, *, default_row: str, with_holds: bool
+) -> None:
+    """The guard's function (migration 7; migration 8 replaces it ``with_holds``, once the hold tables exist)."""
+    held = sql.SQL("0")
+    if with_holds:
+        held = sql.SQL(
+            """
+            (SELECT count(*) FROM {holds} h
+             WHERE CASE WHEN the_topic = {default_row}
+                        THEN NOT EXISTS (SELECT 1 FROM {topics} t WHERE t.topic = h.topic)
+                        ELSE h.topic = the_topic END)
+            + (SELECT count(*) FROM {held_rows} x
+               WHERE CASE WHEN the_topic = {default_row}
+                          THEN NOT EXISTS (SELECT 1 FROM {topics} t WHERE t.topic = x.topic)
+                          ELSE x.topic = the_topic END)
+            """
+        ).format(holds=t.holds, held_rows=t.held, topics=t.topics, default_row=sql.Literal(default_row))
+    conn.execute(
+        sql.SQL(_GUARD).format(
+            guard=t.ident("outbox_topics_guard"),
+            messages=t.messages,
+            offsets=t.offsets,
+            topics=t.topics,
+            default_row=sql.Literal(default_row),
+            held=held,
+        )
     )

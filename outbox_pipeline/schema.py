@@ -16,7 +16,7 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .errors import OutboxError, SchemaError
-from .routing import create_routing_functions, create_sql_writers
+from .routing import create_partition_count_guard, create_routing_functions, create_sql_writers
 from .strategies.quarantine import create_quarantine_tables
 
 # Kafka topic names: [a-zA-Z0-9._-], 1..249 characters, and not "." or "..".
@@ -246,6 +246,11 @@ def _m005_worker_registry(conn: psycopg.Connection, t: OutboxTable) -> None:
     )
 
 
+def _m008_quarantine(conn: psycopg.Connection, t: OutboxTable) -> None:
+    create_quarantine_tables(conn, t)
+    create_partition_count_guard(conn, t, default_row=DEFAULT_TOPIC_ROW, with_holds=True)
+
+
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
     Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
@@ -262,7 +267,7 @@ MIGRATIONS: Sequence[Migration] = (
         "writers in any language: rows without a partition are routed, SQL enqueue, partition-count guard",
         lambda conn, t: create_sql_writers(conn, t, default_row=DEFAULT_TOPIC_ROW, topic_pattern=TOPIC_PATTERN),
     ),
-    Migration(8, "key-scoped quarantine: holds and held rows; discarded dead letters", create_quarantine_tables),
+    Migration(8, "key-scoped quarantine: holds and held rows; discarded dead letters", _m008_quarantine),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

@@ -11,6 +11,7 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
+from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.lag import held_keys, partition_lag
 from outbox_pipeline.operations import discard_dead_letters, list_dead_letters, retry_dead_letters
 from outbox_pipeline.schema import set_topic_partitions
@@ -174,3 +175,14 @@ def test_the_cli_lists_the_dead_letter_with_what_it_holds_and_discards_it_with_a
     assert "discarded 1 dead letters" in capsys.readouterr().out
     row = db.execute(sql.SQL("SELECT discard_reason, discarded_by FROM {}").format(table.dead_letters)).fetchone()
     assert row is not None and row[0] == "bad row" and "outbox CLI" in row[1]
+
+
+def test_a_topic_with_a_held_key_cannot_change_its_partition_count(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """Its dead letter and held rows would go out in the old partition while new rows of the key go to another."""
+    topic = new_topic()
+    _poisoned("partitioned", db, table, kafka, topic)
+
+    with pytest.raises(OutboxError, match=f"{topic}.*6 pending row"):
+        set_topic_partitions(db, table, topic, 4)
