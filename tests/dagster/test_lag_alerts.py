@@ -1,4 +1,3 @@
-
 """Lag alerts: the `outbox_lag_slo` check fails at its thresholds (from a sensor tick and from a run), the
 alert reaches a loopback webhook once per incident and once on recovery, and a relay run that failed
 for good is announced while one the instance will retry is not."""
