@@ -17,6 +17,7 @@ from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.partition_run import PartitionRunReport, end_backoff, relay_partition
 from outbox_pipeline.relay import RelaySettings
 from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.strategies.quarantine import on_poison_from_env
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 
@@ -63,6 +64,7 @@ def relayed_outbox(
         lease_s=config.lease_s,
         backoff_max_s=config.backoff_max_s,
         kafka_transactions=config.kafka_transactions,
+        on_poison=on_poison_from_env(),
     )
     relay_settings = RelaySettings(
         batch_size=config.batch_size, listen=False, max_seconds=config.max_seconds or settings.relay_max_seconds

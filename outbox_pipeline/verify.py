@@ -137,6 +137,7 @@ class VerifyReport:
     worst_duplicate_key: str | None
     worst_duplicate_key_copies: int
     dead_letters: int  # not lost: the relay gave up on them (`outbox dead-letters list`)
+    held: int  # not lost: held behind a dead letter of their key (quarantine; `outbox lag`)
     ordered: str | None
     order_checked: int  # messages whose order was checked
     order_violations: int
@@ -194,6 +195,10 @@ class VerifyReport:
                 f"max {la.max_ms:,.1f} ms over {la.messages:,} messages (created_at -> broker timestamp)"
             )
         lines.append(f"dead letters {self.dead_letters:,} (not counted as lost: `outbox dead-letters list`)")
+        if self.held:
+            lines.append(
+                f"held         {self.held:,} behind dead letters of their keys (not counted as lost: `outbox lag`)"
+            )
         lines += [f"note: {n}" for n in self.notes]
         if self.ok:
             lines.append(
@@ -283,15 +288,16 @@ def verify(
         # The ledger is taken before consuming: rows committed while verify runs are not expected, and
         # when they arrive anyway they are still found in the outbox table (not phantom).
         if ledger_file is not None:
-            dead_letters = work.load_ledger_file(Path(ledger_file))
+            dead_letters, held = work.load_ledger_file(Path(ledger_file))
         else:
-            dead_letters = work.load_ledger_table(names, since, id_from)
+            dead_letters, held = work.load_ledger_table(names, since, id_from)
         log.debug("verify: ledger loaded in %.1f s", time.monotonic() - started)
         consumed = _consume(_consumer(bootstrap_config), names, starts, idle_s, max_s, work)
         return work.report(
             names,
             ledger="file" if ledger_file is not None else "table",
             dead_letters=dead_letters,
+            held=held,
             consumed=consumed,
             ordered=ordered,
             since=since,
@@ -505,6 +511,7 @@ class _Workspace:
             raw=self._raw,
             messages=self.table.messages,
             dead_letters=self.table.dead_letters,
+            held=self.table.held,
             **extra,
         )
 
@@ -541,9 +548,11 @@ class _Workspace:
         except psycopg.Error as exc:  # the session ends some day and takes its temp tables along
             log.debug("verify: could not drop its temp tables: %s", exc)
 
-    def load_ledger_table(self, topics: Sequence[str], since: dt.datetime | None, id_from: int | None) -> int:
-        """The outbox rows of ``topics`` (in range) minus pending dead letters, one per message_id (a
-        retried dead letter of a position strategy has two rows); returns the pending dead letters."""
+    def load_ledger_table(
+        self, topics: Sequence[str], since: dt.datetime | None, id_from: int | None
+    ) -> tuple[int, int]:
+        """The outbox rows of ``topics`` (in range) minus pending dead letters and held rows, one per message_id
+        (a retried dead letter of a position strategy has two rows); returns (pending dead letters, held)."""
         params = {"topics": list(topics), "since": since, "id_from": id_from}
         with self._transaction():
             self.conn.execute(
@@ -557,6 +566,7 @@ class _Workspace:
                       AND (%(id_from)s::bigint IS NULL OR m.id >= %(id_from)s::bigint)
                       AND NOT EXISTS (
                           SELECT 1 FROM {dead_letters} d WHERE d.message_id = m.message_id AND d.retried_at IS NULL)
+                      AND NOT EXISTS (SELECT 1 FROM {held} x WHERE x.message_id = m.message_id)
                     ORDER BY m.message_id, m.id DESC
                     """
                 ),
@@ -565,20 +575,27 @@ class _Workspace:
             row = self.conn.execute(
                 self._sql(
                     """
-                    SELECT count(*) FROM {dead_letters} d
-                    WHERE d.retried_at IS NULL AND d.topic = ANY(%(topics)s::text[])
-                      AND (%(since)s::timestamptz IS NULL OR d.created_at >= %(since)s::timestamptz)
-                      AND (%(id_from)s::bigint IS NULL OR d.id >= %(id_from)s::bigint)
+                    SELECT
+                        (SELECT count(*) FROM {dead_letters} d
+                         WHERE d.retried_at IS NULL AND d.topic = ANY(%(topics)s::text[])
+                           AND (%(since)s::timestamptz IS NULL OR d.created_at >= %(since)s::timestamptz)
+                           AND (%(id_from)s::bigint IS NULL OR d.id >= %(id_from)s::bigint)),
+                        (SELECT count(*) FROM {held} x
+                         WHERE x.topic = ANY(%(topics)s::text[])
+                           AND (%(since)s::timestamptz IS NULL OR x.created_at >= %(since)s::timestamptz)
+                           AND (%(id_from)s::bigint IS NULL OR x.id >= %(id_from)s::bigint)
+                           AND NOT EXISTS (SELECT 1 FROM {dead_letters} d
+                                           WHERE d.message_id = x.message_id AND d.retried_at IS NULL))
                     """
                 ),
                 params,
             ).fetchone()
             self.conn.execute(self._sql("ANALYZE {ledger}"))
-        return int(row[0]) if row else 0
+        return (int(row[0]), int(row[1])) if row else (0, 0)
 
-    def load_ledger_file(self, path: Path) -> int:
+    def load_ledger_file(self, path: Path) -> tuple[int, int]:
         """Message ids from ``path`` (one per line; blank lines and ``#`` comments skipped), minus pending
-        dead letters, with what the outbox table still knows of them; returns the dead letters."""
+        dead letters and held rows, with what the outbox table still knows of them; returns (dead letters, held)."""
         try:
             handle = path.open("rb")
         except OSError as exc:
@@ -602,19 +619,25 @@ class _Workspace:
                     FROM {raw} r LEFT JOIN {messages} m ON m.message_id = r.message_id
                     WHERE NOT EXISTS (
                         SELECT 1 FROM {dead_letters} d WHERE d.message_id = r.message_id AND d.retried_at IS NULL)
+                      AND NOT EXISTS (SELECT 1 FROM {held} x WHERE x.message_id = r.message_id)
                     ORDER BY r.message_id, m.id DESC NULLS LAST
                     """
                 )
             )
             row = self.conn.execute(
                 self._sql(
-                    "SELECT count(DISTINCT d.message_id) FROM {dead_letters} d JOIN {raw} r USING (message_id) "
-                    "WHERE d.retried_at IS NULL"
+                    """
+                    SELECT (SELECT count(DISTINCT d.message_id) FROM {dead_letters} d JOIN {raw} r USING (message_id)
+                            WHERE d.retried_at IS NULL),
+                           (SELECT count(DISTINCT x.message_id) FROM {held} x JOIN {raw} r USING (message_id)
+                            WHERE NOT EXISTS (SELECT 1 FROM {dead_letters} d
+                                              WHERE d.message_id = x.message_id AND d.retried_at IS NULL))
+                    """
                 )
             ).fetchone()
             self.conn.execute(self._sql("DROP TABLE {raw}"))
             self.conn.execute(self._sql("ANALYZE {ledger}"))
-        return int(row[0]) if row else 0
+        return (int(row[0]), int(row[1])) if row else (0, 0)
 
     def write_consumed(self, rows: Sequence[tuple[object, ...]]) -> None:
         if not rows:
@@ -633,6 +656,7 @@ class _Workspace:
         *,
         ledger: str,
         dead_letters: int,
+        held: int,
         consumed: _Consumed,
         ordered: OrderedStrategy | None,
         since: dt.datetime | None,
@@ -754,6 +778,7 @@ class _Workspace:
             worst_duplicate_key=dup[2],
             worst_duplicate_key_copies=int(dup[3]),
             dead_letters=dead_letters,
+            held=held,
             ordered=ordered,
             order_checked=order_checked,
             order_violations=order_violations,

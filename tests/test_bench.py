@@ -51,6 +51,18 @@ def test_bench_retained_reports_claim_latency_with_plans_bounded_by_the_batch(
     assert _bench_schemas(bench_servers) == []
 
 
+def test_bench_held_times_claims_with_a_held_key_and_shows_they_never_read_the_held_rows(
+    bench_servers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--strategy", "serialized", "--held", "0,300", "--batch-size", "200"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = re.findall(r"^ +([\d,]+) +[\d.]+ +[\d.]+ +\S+ % +(yes|NO) +(.*)$", out, re.MULTILINE)
+    assert [(held, bounded) for held, bounded, _ in rows] == [("0", "yes"), ("300", "yes")], out
+    assert all("outbox_held" not in plan for _, _, plan in rows), out
+    assert _bench_schemas(bench_servers) == []
+
+
 def test_bench_rejects_descending_retained_steps(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--retained", "1000,0"])

@@ -96,8 +96,9 @@ def test_an_oversize_message_is_dead_lettered_and_the_rest_flows(
 ) -> None:
     topic = new_topic()
     set_topic_partitions(db, table, topic, 1)
-    small = [Message(topic, {"n": i}, key="k") for i in range(10)]
-    big = Message(topic, {"blob": "x" * 20_000}, key="k")
+    # Keys of their own: with the ordered strategies' quarantine a later row of the big one's key would be held.
+    small = [Message(topic, {"n": i}, key=f"k{i}") for i in range(10)]
+    big = Message(topic, {"blob": "x" * 20_000}, key="big")
     written = _write(db, table, strategy, [*small[:5], big, *small[5:]])
     stats = drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, producer={"message.max.bytes": 10_000})
     arrived = message_ids(kafka.consume(topic, expect=10))

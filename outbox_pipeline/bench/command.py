@@ -4,6 +4,7 @@
     outbox bench --matrix --messages 1000000
     outbox bench --dagster --latency 20 --seconds 60 --runs 2
     outbox bench --writers --runs 5
+    outbox bench --strategy serialized --held 0,10000
 
 Results go to stdout as they come and as a table at the end; README quotes medians of such runs.
 """
@@ -22,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..strategies import STRATEGY_NAMES
-from . import latency, retained, writers
+from . import held, latency, retained, writers
 from .orchestrated import DagsterRelay
 from .runner import Comparison, RunSpec, Servers, compare, run_once
 
@@ -88,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with the CLI relay at the same rate (--runs pairs); CPU per process group, runs launched and queued",
     )
     parser.add_argument("--pending", type=int, default=50_000, help="--retained: unsent rows behind the history")
+    parser.add_argument(
+        "--held",
+        type=_steps,
+        metavar="N,N,...",
+        help="claim latency (p50/p99, plans) with N rows of a key held behind a dead letter, e.g. 0,10000",
+    )
     parser.add_argument(
         "--writers",
         action="store_true",
@@ -170,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
             )
             print("\n" + report.render())
             return 0 if report.arrived == report.committed else 1
+        if args.held is not None:
+            held_steps = held.measure(found, args.strategy, args.held, batch_size=min(args.batch_size, 1000))
+            print("\n" + held.render(args.strategy, held_steps, min(args.batch_size, 1000)))
+            return 0 if all(s.bounded(min(args.batch_size, 1000)) for s in held_steps) else 1
         if args.retained is not None:
             steps = retained.measure(
                 found, args.strategy, args.retained, pending=args.pending, batch_size=args.batch_size

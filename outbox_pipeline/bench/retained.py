@@ -91,7 +91,7 @@ def measure(
                 _refill(conn, table, topics, add_retained=step - retained, pending=pending, positions=positions)
                 retained = step
                 progress(f"  {strategy}: {retained:,} retained rows, {pending:,} pending; timing claims")
-                results.append(_time_claims(servers.dsn, table, strategy, retained, batch_size, samples))
+                results.append(time_claims(servers.dsn, table, strategy, retained, batch_size, samples))
         finally:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
     return results
@@ -143,7 +143,7 @@ def _refill(
         pass  # needs pg_checkpoint or a superuser; the embedded server has both
 
 
-def _time_claims(
+def time_claims(
     dsn: str, table: OutboxTable, strategy: str, retained: int, batch_size: int, samples: int
 ) -> LatencyStep:
     plans: list[str] = []

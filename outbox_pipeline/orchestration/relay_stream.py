@@ -18,6 +18,7 @@ from pydantic import Field
 
 from outbox_pipeline.relay import RelaySettings
 from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.strategies.quarantine import on_poison_from_env
 from outbox_pipeline.stream_run import PartitionProgress, StreamReport, StreamRun
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
@@ -71,6 +72,7 @@ def relay_outbox_stream(
             worker_id=worker_id,
             lease_s=config.lease_s,
             kafka_transactions=config.kafka_transactions,
+            on_poison=on_poison_from_env(),
         ),
         kafka.publisher(),
         RelaySettings(batch_size=config.batch_size, max_seconds=window_s, listen=True),
