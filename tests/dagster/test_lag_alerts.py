@@ -3,6 +3,7 @@ alert reaches a loopback webhook once per incident and once on recovery, and a r
 for good is announced while one the instance will retry is not."""
 
 import json
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -118,6 +119,31 @@ def test_the_lag_check_run_from_the_ui_judges_by_the_thresholds_in_the_environme
 
     [evaluation] = result.get_asset_check_evaluations()
     assert (evaluation.passed, evaluation.severity) == (False, dg.AssetCheckSeverity.ERROR)
+
+
+def test_the_lag_check_counts_rows_held_behind_a_dead_letter_and_names_the_key(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    monkeypatch: pytest.MonkeyPatch,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    monkeypatch.setenv("OUTBOX_LAG_WARN_PENDING", "2")
+    topic = new_topic("dg", partitions=1)
+    rows = [Message(topic, {"blob": "x" * 20_000}, key="order-7")]
+    rows += [Message(topic, {"n": i}, key="order-7") for i in range(3)]
+    poison, *_ = enqueue_many(db, rows, table=table)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", producer={"message.max.bytes": 10_000})
+
+    result = dg.materialize([outbox_backlog, outbox_lag_slo], resources=dagster_resources, instance=instance)
+
+    [evaluation] = result.get_asset_check_evaluations()
+    assert (evaluation.passed, evaluation.metadata["held_rows"].value) == (False, 3)
+    held = str(evaluation.metadata["held_keys"].value)
+    assert re.search(rf"key 'order-7' of {topic}:\d+ held behind dead letter {poison.id}, 3 rows", held), held
+    assert "3 held: key 'order-7'" in (evaluation.description or "")
 
 
 def test_a_lag_incident_alerts_the_webhook_once_and_its_recovery_once(
