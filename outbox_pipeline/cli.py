@@ -32,6 +32,7 @@ from . import operations, schema
 from .config import REDACTED, OutboxTable, kafka_config_from_env, pg_dsn_from_env, redact_dsn, redact_kafka_config
 from .enqueue import enqueue
 from .errors import ConfigurationError, OutboxError
+from .horizon import find_horizon
 from .lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
 from .liveness import holders_alive, liveness_from_env
 from .publisher import KafkaPublisher
@@ -427,12 +428,15 @@ def cmd_lag(args: argparse.Namespace) -> int:
         lags = partition_lag(conn, _table(args), args.strategy, cap=args.cap)
         alive = holders_alive(conn, _table(args), holders(lags))
         held = [key for key in held_keys(conn, _table(args)) if key.rows or not key.released]
+        horizon = find_horizon(conn, _table(args)) if args.strategy == "partitioned" else None
     if args.json:
         print(json.dumps([{**dataclasses.asdict(lag), "holders": _holders_json(lag, alive)} for lag in lags]))
     else:
         print(_lag_table(lags, args.cap, alive))
         for key in held:
             print(key.describe())
+        for line in horizon.describe() if horizon else []:
+            print(line)
     return 0
 
 
