@@ -8,6 +8,7 @@ without a run, so the check's history is the outbox's lag over time.
 
 import dagster as dg
 
+from outbox_pipeline.horizon import find_horizon
 from outbox_pipeline.lag import DeadLetterBacklog, dead_letter_backlog, held_keys, partition_lag
 from outbox_pipeline.lag_slo import LagVerdict, evaluate_lag
 from outbox_pipeline.orchestration.partitions import partition_key
@@ -24,7 +25,8 @@ def read_lag(postgres: PostgresResource, settings: OrchestrationSettings) -> Lag
     with postgres.connect() as conn:
         lags = partition_lag(conn, postgres.table, settings.strategy, cap=settings.lag_cap)
         held = tuple(key.describe() for key in held_keys(conn, postgres.table) if key.rows and not key.released)
-    return evaluate_lag(lags, settings.thresholds, held=held)
+        horizon = find_horizon(conn, postgres.table) if settings.strategy == "partitioned" else None
+    return evaluate_lag(lags, settings.thresholds, held=held, horizon=horizon)
 
 
 def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
@@ -44,6 +46,9 @@ def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
         "worst_partitions": dg.MetadataValue.md(table if rows else "none lagging"),
         "held_rows": dg.MetadataValue.int(verdict.total_held),
         "held_keys": dg.MetadataValue.md("\n".join(f"- {line}" for line in verdict.held) or "none"),
+        "horizon": dg.MetadataValue.md(
+            "\n".join(f"- {line.strip()}" for line in verdict.horizon) or "nothing held back"
+        ),
         "thresholds": dg.MetadataValue.text(
             f"warn: age > {t.warn_age_s:g} s or pending > {t.warn_pending}; "
             f"error: age > {t.error_age_s:g} s or pending > {t.error_pending}"

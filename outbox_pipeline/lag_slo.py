@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .errors import ConfigurationError
+from .horizon import Horizon
 from .lag import PartitionLag
 
 Severity = Literal["ok", "warn", "error"]
@@ -77,6 +78,9 @@ class LagVerdict:
     # Keys held behind dead letters, in words ("key 'K' of orders:3 held behind dead letter 4711, 37 rows ...").
     held: tuple[str, ...] = ()
     total_held: int = 0
+    # Strategy partitioned: committed rows the xmin horizon holds back, and who holds it, in words (horizon.py).
+    horizon: tuple[str, ...] = ()
+    held_back: int = 0
 
     @property
     def passed(self) -> bool:
@@ -89,17 +93,27 @@ class LagVerdict:
         )
         if self.total_held:
             head += f", {self.total_held} held: {'; '.join(self.held[:3])}"
+        if self.horizon:
+            head += f"; {' '.join(line.strip() for line in self.horizon[:4])}"
         return head if self.passed else f"{self.severity.upper()}: {head} ({'; '.join(self.reasons)})"
 
 
 def evaluate_lag(
-    lags: Sequence[PartitionLag], thresholds: LagThresholds, *, worst: int = 5, held: Sequence[str] = ()
+    lags: Sequence[PartitionLag],
+    thresholds: LagThresholds,
+    *,
+    worst: int = 5,
+    held: Sequence[str] = (),
+    horizon: Horizon | None = None,
 ) -> LagVerdict:
     """Judge the outbox's lag against the thresholds; ``worst`` partitions are named in the verdict, and
-    ``held`` (lag.held_keys, described) says which keys wait behind dead letters."""
+    ``held`` (lag.held_keys, described) says which keys wait behind dead letters; ``horizon`` (partitioned)
+    adds the committed rows older open transactions hold back, which partition_lag does not count."""
     lagging = [lag for lag in lags if lag.lag > 0]
-    total = sum(lag.lag for lag in lagging)
+    held_back = horizon.rows if horizon else 0
+    total = sum(lag.lag for lag in lagging) + held_back
     ages = [lag.oldest_pending_age_s for lag in lagging if lag.oldest_pending_age_s is not None]
+    ages += [h.oldest_age_s for h in (horizon.held_back if horizon else ()) if h.oldest_age_s is not None]
     oldest = max(ages) if ages else None
     severity: Severity = "ok"
     reasons: list[str] = []
@@ -128,4 +142,6 @@ def evaluate_lag(
         thresholds=thresholds,
         held=tuple(held),
         total_held=sum(lag.held for lag in lags),
+        horizon=tuple(horizon.describe()) if horizon else (),
+        held_back=held_back,
     )
