@@ -13,6 +13,7 @@ from outbox_pipeline.lag import DeadLetterBacklog, dead_letter_backlog, held_key
 from outbox_pipeline.lag_slo import LagVerdict, evaluate_lag
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.status import markdown, partition_status
 from resources.postgres import PostgresResource
 
 BACKLOG_KEY = dg.AssetKey("outbox_backlog")
@@ -26,7 +27,8 @@ def read_lag(postgres: PostgresResource, settings: OrchestrationSettings) -> Lag
         lags = partition_lag(conn, postgres.table, settings.strategy, cap=settings.lag_cap)
         held = tuple(key.describe() for key in held_keys(conn, postgres.table) if key.rows and not key.released)
         horizon = find_horizon(conn, postgres.table) if settings.strategy == "partitioned" else None
-    return evaluate_lag(lags, settings.thresholds, held=held, horizon=horizon)
+        statuses = partition_status(conn, postgres.table, settings.strategy, lags=lags, horizon=horizon)
+    return evaluate_lag(lags, settings.thresholds, held=held, horizon=horizon, status_table=markdown(statuses))
 
 
 def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
@@ -46,6 +48,7 @@ def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
         "worst_partitions": dg.MetadataValue.md(table if rows else "none lagging"),
         "held_rows": dg.MetadataValue.int(verdict.total_held),
         "held_keys": dg.MetadataValue.md("\n".join(f"- {line}" for line in verdict.held) or "none"),
+        "partition_status": dg.MetadataValue.md(verdict.status_table or "-"),
         "horizon": dg.MetadataValue.md(
             "\n".join(f"- {line.strip()}" for line in verdict.horizon) or "nothing held back"
         ),

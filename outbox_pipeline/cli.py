@@ -440,6 +440,19 @@ def cmd_lag(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from . import status
+
+    _strategy(args.strategy)
+    with _connect(args) as conn:
+        statuses = status.partition_status(conn, _table(args), args.strategy)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in statuses]))
+    else:
+        print(status.render(statuses))
+    return 0
+
+
 def _holders_json(lag: PartitionLag, alive: Mapping[str, bool | None]) -> dict[str, bool | None]:
     return {h: alive.get(h) for h in (lag.leased_by or "").split(",") if h}
 
@@ -689,6 +702,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
     p.set_defaults(func=cmd_relay)
+
+    p = sub.add_parser(
+        "status",
+        help="why a partition is not moving: owner, position, pending, held, backoff, dead letters, blocker",
+    )
+    _add_db_args(p)
+    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="as this strategy sees the outbox")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("lag", help="pending rows per topic and virtual partition")
     _add_db_args(p)

@@ -81,6 +81,8 @@ class LagVerdict:
     # Strategy partitioned: committed rows the xmin horizon holds back, and who holds it, in words (horizon.py).
     horizon: tuple[str, ...] = ()
     held_back: int = 0
+    # `outbox status` of the partitions, as a Markdown table (status.markdown); empty when not read.
+    status_table: str = ""
 
     @property
     def passed(self) -> bool:
@@ -105,6 +107,7 @@ def evaluate_lag(
     worst: int = 5,
     held: Sequence[str] = (),
     horizon: Horizon | None = None,
+    status_table: str = "",
 ) -> LagVerdict:
     """Judge the outbox's lag against the thresholds; ``worst`` partitions are named in the verdict, and
     ``held`` (lag.held_keys, described) says which keys wait behind dead letters; ``horizon`` (partitioned)
@@ -144,4 +147,5 @@ def evaluate_lag(
         total_held=sum(lag.held for lag in lags),
         horizon=tuple(horizon.describe()) if horizon else (),
         held_back=held_back,
+        status_table=status_table,
     )

@@ -144,6 +144,8 @@ def test_the_lag_check_counts_rows_held_behind_a_dead_letter_and_names_the_key(
     held = str(evaluation.metadata["held_keys"].value)
     assert re.search(rf"key 'order-7' of {topic}:\d+ held behind dead letter {poison.id}, 3 rows", held), held
     assert "3 held: key 'order-7'" in (evaluation.description or "")
+    status = str(evaluation.metadata["partition_status"].value)
+    assert f"poison: key 'order-7' held behind dead letter {poison.id} (3 rows)" in status, status
 
 
 def test_a_lag_incident_alerts_the_webhook_once_and_its_recovery_once(
