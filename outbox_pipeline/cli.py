@@ -172,6 +172,7 @@ class WorkerSpec:
     on_poison: OnPoison
     kafka_config: Mapping[str, str]
     settings: RelaySettings
+    metrics_port: int | None
     log_level: int
 
 
@@ -215,8 +216,22 @@ def _relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
         kafka_transactions=spec.kafka_transactions,
         on_poison=spec.on_poison,
     )
+    served = None
+    if spec.metrics_port is not None:
+        from .metrics import serve_worker_metrics
+
+        # Worker n serves on port + n; the first also samples the outbox's lag.
+        served = serve_worker_metrics(
+            spec.metrics_port + spec.index, spec.dsn, table, spec.strategy, sample_lag=spec.index == 0
+        )
     relay = Relay(
-        spec.dsn, strategy_class(spec.strategy), config, KafkaPublisher(spec.kafka_config), spec.settings, stop
+        spec.dsn,
+        strategy_class(spec.strategy),
+        config,
+        KafkaPublisher(spec.kafka_config),
+        spec.settings,
+        stop,
+        instruments=served.metrics if served else None,
     )
     done = threading.Event()
 
@@ -235,6 +250,8 @@ def _relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
     finally:
         done.set()
         reporter.join()
+        if served is not None:
+            served.stop()
     stats = relay.stats
     log.info("worker %s finished: %s", worker_id, stats.summary())
     results.put(
@@ -337,6 +354,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
             on_poison=args.on_poison or on_poison_from_env(),
             kafka_config=kafka,
             settings=settings,
+            metrics_port=args.metrics_port,
             log_level=logging.DEBUG if args.verbose else logging.INFO,
         )
         for n in range(args.workers)
@@ -693,6 +711,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--kafka-transactions", action="store_true", help="position strategies: one Kafka transaction a batch"
     )
     p.add_argument("--no-listen", action="store_true", help="poll instead of waiting for NOTIFY")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics and a /healthz liveness probe on this port (worker n: port + n)",
+    )
     p.add_argument(
         "--on-poison",
         choices=ON_POISON_CHOICES,

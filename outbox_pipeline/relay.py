@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import psycopg
 from psycopg import sql
@@ -23,7 +24,7 @@ from .lag import explain_pending, partition_lag
 from .liveness import Liveness, WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .schema import notify_channel, require_current
-from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
+from .strategies.base import AckResult, Claim, PublishOutcome, Strategy, StrategyConfig
 from .strategies.sharing import UNSCOPED_KIND
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,16 @@ log = logging.getLogger(__name__)
 StrategyFactory = Callable[[psycopg.Connection, StrategyConfig], Strategy]
 # Called with every batch's outcome after its ack (in the relay's thread): per-partition accounting.
 OutcomeObserver = Callable[[PublishOutcome], None]
+
+
+class RelayInstruments(Protocol):
+    """What the loop reports as it goes (metrics.RelayMetrics implements it for Prometheus)."""
+
+    def loop(self) -> None: ...
+    def database_ok(self) -> None: ...
+    def claimed(self, seconds: float, rows: int, collisions: int) -> None: ...
+    def acked_batch(self, publish_s: float, ack_s: float, outcome: PublishOutcome, result: AckResult) -> None: ...
+    def error(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -145,9 +156,11 @@ class Relay:
         settings: RelaySettings = RelaySettings(),
         stop: threading.Event | None = None,
         observer: OutcomeObserver | None = None,
+        instruments: RelayInstruments | None = None,
     ) -> None:
         self.dsn = dsn
         self.observer = observer
+        self.instruments = instruments
         self.strategy_factory = strategy_factory
         self.strategy_config = strategy_config
         self.publisher = publisher
@@ -214,6 +227,8 @@ class Relay:
             return False
         self._upkeep_at = time.monotonic()
         reaped = self._connect_control().upkeep()
+        if self.instruments is not None:
+            self.instruments.database_ok()
         return bool(reaped.partitions or reaped.rows)
 
     def _disconnect(self, *, deregister: bool = False) -> None:
@@ -245,7 +260,11 @@ class Relay:
 
     def _claim(self, strategy: Strategy, in_flight: _InFlight | None = None) -> Claim | None:
         avoid = [r.id for r in (*in_flight.claim.records, *in_flight.claim.withheld)] if in_flight is not None else ()
+        started = time.monotonic()
         claim = strategy.claim(self.settings.batch_size, avoid)
+        if claim is not None and self.instruments is not None:
+            rows = len(claim.records) + len(claim.withheld)
+            self.instruments.claimed(time.monotonic() - started, rows, claim.collisions)
         if claim is not None and not claim.records and not claim.withheld:
             # Every candidate was taken by another worker first: no batch, but the collisions count.
             self.stats.collisions += claim.collisions
@@ -275,7 +294,11 @@ class Relay:
         return self.publisher.finish(batch.pending)
 
     def _ack(self, batch: _InFlight, outcome: PublishOutcome) -> BatchMetrics:
+        ack_started = time.monotonic()
         result = batch.strategy.ack(batch.claim, outcome)
+        if self.instruments is not None:
+            publish_s = ack_started - batch.started
+            self.instruments.acked_batch(publish_s, time.monotonic() - ack_started, outcome, result)
         self.publisher.retain_transactional(batch.strategy.transactional_ids())
         metrics = BatchMetrics(
             claimed=len(batch.claim.records),
@@ -320,6 +343,8 @@ class Relay:
         in_flight: _InFlight | None = None
         try:
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                if self.instruments is not None:
+                    self.instruments.loop()
                 try:
                     if self._upkeep():
                         idle_wait = self.settings.poll_interval_s
@@ -361,6 +386,8 @@ class Relay:
                     in_flight = None
                     failures += 1
                     self.stats.errors += 1
+                    if self.instruments is not None:
+                        self.instruments.error()
                     log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
                     self._disconnect()
                     self.stop.wait(self._error_backoff(failures))
