@@ -24,7 +24,7 @@ import psycopg
 
 from .lag import PartitionLag, partition_lag
 from .publisher import KafkaPublisher
-from .relay import Relay, RelaySettings, RelayStats
+from .relay import Relay, RelayInstruments, RelaySettings, RelayStats
 from .strategies import strategy_class
 from .strategies.base import PublishOutcome, StrategyConfig
 from .strategies.sharing import deal
@@ -113,6 +113,7 @@ class StreamRun:
         publisher: KafkaPublisher,
         settings: RelaySettings,
         report_every_s: float,
+        instruments: RelayInstruments | None = None,
     ) -> None:
         if report_every_s <= 0:
             raise ValueError(f"report_every_s must be > 0, got {report_every_s}")
@@ -128,6 +129,7 @@ class StreamRun:
             publisher,
             replace(settings, until_empty=False, until_idle=False),
             observer=self._tally.observe,
+            instruments=instruments,
         )
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None

@@ -10,12 +10,16 @@ when the process that launched it (the code server of `dagster dev`) goes away, 
 in flight is confirmed and acked.
 """
 
+import logging
 import os
 import threading
+from dataclasses import dataclass
 
 import dagster as dg
+from prometheus_client import delete_from_gateway, push_to_gateway
 from pydantic import Field
 
+from outbox_pipeline.metrics import RelayMetrics
 from outbox_pipeline.relay import RelaySettings
 from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.strategies.quarantine import on_poison_from_env
@@ -24,7 +28,7 @@ from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 
 from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, partition_key
-from .settings import OrchestrationSettings
+from .settings import ENV_METRICS_PUSHGATEWAY, OrchestrationSettings
 
 RELAY_STREAM_JOB_NAME = "relay_stream"
 RELAYED_OUTBOX = dg.AssetKey("relayed_outbox")
@@ -34,6 +38,8 @@ WINDOW_TAG = "outbox/window_s"
 REGISTERED_TAG = "outbox/registered"
 # How often the run checks that the process which launched it is still there.
 ORPHAN_CHECK_S = 1.0
+# The pushgateway job of relay runs' metrics (grouped by worker id).
+PUSH_JOB = "outbox_relay"
 
 
 def stream_worker_id(run: dg.DagsterRun) -> str:
@@ -64,6 +70,7 @@ def relay_outbox_stream(
     strategy = config.strategy or settings.strategy
     window_s = config.window_s or settings.relay_window_s
     worker_id = stream_worker_id(context.run)
+    pusher = MetricsPusher.create(settings.metrics_pushgateway, strategy, worker_id, context)
     run = StreamRun(
         postgres.dsn,
         strategy,
@@ -77,6 +84,7 @@ def relay_outbox_stream(
         kafka.publisher(),
         RelaySettings(batch_size=config.batch_size, max_seconds=window_s, listen=True),
         report_every_s=config.report_interval_s or settings.report_interval_s,
+        instruments=pusher.metrics if pusher else None,
     )
     context.log.info("%s relays the outbox (%s) for %.0f s", worker_id, strategy, window_s)
     done = threading.Event()
@@ -87,10 +95,51 @@ def relay_outbox_stream(
         for report in run.reports():
             published += report.published
             _record(context, report, worker_id)
+            if pusher:
+                pusher.push()
     finally:
         run.close()  # after the batch in flight is acked: the worker deregisters, nobody waits for it
         done.set()
+        if pusher:
+            pusher.finish()
     context.log.info("%s stopped after publishing %d rows", worker_id, published)
+
+
+@dataclass
+class MetricsPusher:
+    """The run's relay metrics, pushed to a Prometheus pushgateway at every report (grouped by worker id) and
+    deleted when the run ends, so a finished run leaves no stale series behind."""
+
+    url: str
+    worker_id: str
+    metrics: RelayMetrics
+    log: logging.Logger | dg.DagsterLogManager
+
+    @classmethod
+    def create(cls, url: str, strategy: str, worker_id: str, context: dg.OpExecutionContext) -> "MetricsPusher | None":
+        if not url:
+            context.log.info(
+                "relay metrics are not exported: %s is not set (a run has no port Prometheus could scrape; the "
+                "outbox_lag_slo check and the relayed_outbox history carry the lag)",
+                ENV_METRICS_PUSHGATEWAY,
+            )
+            return None
+        return cls(url, worker_id, RelayMetrics(strategy), context.log)
+
+    def push(self) -> None:
+        try:
+            push_to_gateway(
+                self.url, job=PUSH_JOB, grouping_key={"worker": self.worker_id}, registry=self.metrics.registry
+            )
+        except OSError as exc:
+            self.log.warning("could not push relay metrics to %s: %s", self.url, exc)
+
+    def finish(self) -> None:
+        self.push()
+        try:
+            delete_from_gateway(self.url, job=PUSH_JOB, grouping_key={"worker": self.worker_id})
+        except OSError as exc:
+            self.log.warning("could not delete this run's metrics from %s: %s", self.url, exc)
 
 
 def _watch(context: dg.OpExecutionContext, run: StreamRun, done: threading.Event, parent: int) -> None:

@@ -22,6 +22,7 @@ ENV_BULK_DRAIN_THRESHOLD = "OUTBOX_BULK_DRAIN_THRESHOLD"
 ENV_RELAY_WINDOW_S = "OUTBOX_RELAY_WINDOW_S"
 ENV_RELAY_REPORT_INTERVAL_S = "OUTBOX_RELAY_REPORT_INTERVAL_S"
 ENV_RELAY_RUNS_MAX = "OUTBOX_RELAY_RUNS_MAX"
+ENV_METRICS_PUSHGATEWAY = "OUTBOX_METRICS_PUSHGATEWAY"
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class OrchestrationSettings:
     # Total pending rows from which the lag sensor asks for the bulk drain job instead (when wired).
     bulk_drain_threshold: int = 1_000_000
     thresholds: LagThresholds = field(default_factory=LagThresholds)
+    # A Prometheus pushgateway (host:port or URL) relay runs push their metrics to at every report: a run
+    # has no port of its own that Prometheus could scrape. Empty: not exported (the run says so in its log).
+    metrics_pushgateway: str = ""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGY_NAMES:
@@ -101,4 +105,5 @@ class OrchestrationSettings:
             report_interval_s=get(ENV_RELAY_REPORT_INTERVAL_S, d.report_interval_s, float),
             relay_runs_max=int(get(ENV_RELAY_RUNS_MAX, d.relay_runs_max, int)),
             thresholds=LagThresholds.from_env(env),
+            metrics_pushgateway=env.get(ENV_METRICS_PUSHGATEWAY, "").strip(),
         )

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import dagster as dg
@@ -183,3 +184,46 @@ def test_a_killed_run_is_replaced_and_its_rerun_from_failure_resumes_with_nothin
     for key, numbers in order_by_key(records).items():
         firsts = list(dict.fromkeys(numbers))
         assert firsts == sorted(firsts), f"key {key!r} out of order"
+
+
+class _Pushgateway(BaseHTTPRequestHandler):
+    """Records what a Prometheus pushgateway would receive (method, path, body)."""
+
+    received: list[tuple[str, str, str]] = []
+
+    def _record(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+        self.received.append((self.command, self.path, body))
+        self.send_response(200)
+        self.end_headers()
+
+    do_PUT = do_POST = do_DELETE = _record
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+def test_a_run_pushes_its_relay_metrics_to_the_pushgateway_and_deletes_them_when_it_ends(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    received: list[tuple[str, str, str]] = []
+    handler = type("Gateway", (_Pushgateway,), {"received": received})
+    gateway = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OUTBOX_METRICS_PUSHGATEWAY", f"127.0.0.1:{gateway.server_port}")
+    written = write_rows(60, partitions=2)
+    config = {"ops": {"relay_outbox_stream": {"config": {"window_s": 3.0, "report_interval_s": 1.0}}}}
+    try:
+        result = relay_stream_job.execute_in_process(run_config=config, instance=instance, resources=dagster_resources)
+    finally:
+        gateway.shutdown()
+
+    assert result.success
+    path = f"/metrics/job/outbox_relay/worker/{stream_worker_id(result.dagster_run)}"
+    pushes = [body for method, p, body in received if method == "PUT" and p == path]
+    assert len(pushes) >= 2 and received[-1][:2] == ("DELETE", path)
+    last, total = pushes[-1], float(sum(len(ids) for ids in written.by_key.values()))
+    assert f'outbox_relay_published_total{{strategy="partitioned"}} {total}' in last, last
