@@ -2,7 +2,8 @@
 producer's size limit (message.max.bytes set low on the producer) and a topic name the broker rejects (inserted
 past the table's CHECK constraint, as a writer bypassing `enqueue` could) fail permanently; a topic that does not
 exist, with auto-creation off, times out: a transient error, retried until `max_attempts`. Each ends in the
-dead letters with its error, and the good messages, in the same partition or others, keep flowing meanwhile."""
+dead letters with its error, and the good messages, in the same partition or others, keep flowing meanwhile. The
+poison rows have keys of their own here: a later row of a poisoned key is held (scenario 12)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_poison_messages_are_dead_lettered_with_their_error_and_the_partition_ke
         poison = {
             "oversize": str(
                 enqueue(
-                    db, topic, {"blob": "x" * 2 * MAX_MESSAGE_BYTES}, key="k1", serialized=serialized, table=table
+                    db, topic, {"blob": "x" * 2 * MAX_MESSAGE_BYTES}, key="poison", serialized=serialized, table=table
                 ).message_id
             ),
             "invalid-topic": db.execute(
