@@ -41,7 +41,8 @@ from .lag import partition_lag
 from .publisher import KafkaPublisher
 from .strategies import strategy_class
 from .strategies.base import RECORD_COLUMNS, OutboxRecord, fetch_records
-from .strategies.positions import PositionStrategy, partition_pairs
+from .strategies.offsets import partition_pairs
+from .strategies.positions import PositionStrategy
 
 OWNER_PREFIX = "bulk-drain:"
 DRAIN_STRATEGIES = ("partitioned", "serialized")

@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .strategies.positions import partition_pairs
+from .strategies.offsets import partition_pairs
 
 # Running transactions (with an xid) and prepared ones, with their 32-bit xid widened to xid8 from the
 # snapshot's xmax (the same epoch, or the one before when the 32-bit value is above xmax's).

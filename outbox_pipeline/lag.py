@@ -19,7 +19,8 @@ from psycopg import sql
 from .config import OutboxTable
 from .liveness import holders_alive
 from .strategies import strategy_class
-from .strategies.positions import PositionStrategy, partition_pairs
+from .strategies.offsets import partition_pairs
+from .strategies.positions import PositionStrategy
 
 
 @dataclass(frozen=True)

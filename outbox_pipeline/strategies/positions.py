@@ -13,7 +13,7 @@ it that Kafka did confirm are published again on the retry (at-least-once: dupli
 batch). A row that can never be delivered (too large, invalid topic) or that ran out of attempts is
 copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the default)
 its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
-are published without it.
+are published without it. The statements on the offsets table are in offsets.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import ClassVar
 import psycopg
 from psycopg import IsolationLevel, sql
 
-from ..config import OutboxTable
+from . import offsets
 from .base import (
     RECORD_COLUMNS,
     AckResult,
@@ -37,34 +37,13 @@ from .base import (
     Strategy,
     StrategyConfig,
     fetch_records,
-    scope_condition,
 )
+from .offsets import PartitionLease
 from .quarantine import NO_HOLDS, HoldView, Quarantine
-from .sharing import IS_HOME, Dealer, Home
+from .sharing import Dealer, Home
 
 # New (topic, partition) pairs get an offsets row at most this often while busy.
 DISCOVERY_INTERVAL_S = 5.0
-
-
-# Distinct (topic, partition) pairs of the message table as a loose index scan: one probe of the
-# (topic, partition, ...) index per pair instead of a DISTINCT over every row. A CTE named "pairs" for
-# a WITH RECURSIVE clause (lag reports use it too).
-_PAIRS_CTE = """
-    pairs AS (
-        (SELECT topic, partition FROM {messages} ORDER BY topic, partition LIMIT 1)
-        UNION ALL
-        SELECT next.topic, next.partition
-        FROM pairs, LATERAL (
-            SELECT m.topic, m.partition FROM {messages} m
-            WHERE (m.topic, m.partition) > (pairs.topic, pairs.partition)
-            ORDER BY m.topic, m.partition LIMIT 1
-        ) next
-    )
-"""
-
-
-def partition_pairs(table: OutboxTable) -> sql.Composed:
-    return sql.SQL(_PAIRS_CTE).format(messages=table.messages)
 
 
 @dataclass
@@ -85,17 +64,6 @@ class _Chain:
     def extend(self, last: OutboxRecord) -> None:
         self.read_xid, self.read_id = last.transaction_id, last.id
         self.in_flight += 1
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionLease:
-    topic: str
-    partition: int
-    xid: str  # last_processed_transaction_id, as xid8 text
-    last_id: int
-    attempts: int
-    has_holds: bool = False
-    released: bool = False  # some hold is released and its held rows are ready to publish
 
 
 class PositionStrategy(Strategy):
@@ -214,76 +182,16 @@ class PositionStrategy(Strategy):
         return self._dealer.home
 
     def discover_partitions(self) -> int:
-        """Create offsets rows for (topic, partition) pairs that have rows but no position yet.
-
-        A loose index scan (one index probe per distinct pair), not a DISTINCT over the whole table.
-        """
-        cur = self.conn.execute(
-            sql.SQL(
-                """
-                WITH RECURSIVE {pairs}
-                INSERT INTO {offsets} (topic, partition)
-                SELECT topic, partition FROM pairs
-                ON CONFLICT (topic, partition) DO NOTHING
-                """
-            ).format(pairs=partition_pairs(self.table), offsets=self.table.offsets)
-        )
+        """Create offsets rows for (topic, partition) pairs that have rows but no position yet."""
+        created = offsets.discover(self.conn, self.table)
         self._discovered_at = time.monotonic()
-        if cur.rowcount:
+        if created:
             self._dealer.invalidate()  # a new partition is nobody's home until the next deal
-        return cur.rowcount
+        return created
 
     def _lease_partition(self) -> PartitionLease | None:
-        # The talk's "longest unchecked partition first", restricted to partitions that have work (one
-        # index probe per partition), so an empty partition costs no lease round trips and "nothing
-        # claimed" really means "nothing to publish". SKIP LOCKED keeps two workers off one partition.
-        # The probe is a LIMIT 1 subquery ordered like the read: with 10M relayed rows behind the
-        # positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
-        # bitmap scan of every pending entry of the partition (25,000 in `outbox bench --retained`);
-        # in index order, with LIMIT 1, it stops at the first.
-        # Home partitions first, then others whose oldest pending row waited STEAL_AFTER_S (sharing.py).
-        row = self.conn.execute(
-            sql.SQL(
-                """
-                UPDATE {offsets} target
-                SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(worker)s,
-                    updated_at = now()
-                FROM (
-                    SELECT o.topic, o.partition FROM {offsets} o
-                    LEFT JOIN LATERAL (
-                        SELECT m.created_at FROM {messages} m
-                        WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
-                        ORDER BY {order} LIMIT 1
-                    ) oldest ON true
-                    WHERE o.available_after <= now() {scope}
-                      AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
-                      AND ({home} OR coalesce(oldest.created_at, '-infinity')
-                                     <= now() - make_interval(secs => %(steal_after)s))
-                    ORDER BY {home} DESC, o.available_after
-                    LIMIT 1
-                    FOR UPDATE OF o SKIP LOCKED
-                ) free
-                WHERE target.topic = free.topic AND target.partition = free.partition
-                RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
-                          target.last_processed_id, target.attempts,
-                          EXISTS (SELECT 1 FROM {holds} h
-                                  WHERE h.topic = target.topic AND h.partition = target.partition),
-                          EXISTS ({released_target})
-                """
-            ).format(
-                offsets=self.table.offsets,
-                messages=self.table.messages,
-                work=sql.SQL(self.work_condition),
-                order=sql.SQL(self.read_order),
-                scope=scope_condition(self.config, "o"),
-                home=IS_HOME,
-                holds=self.table.holds,
-                released=_released_hold(self.table, "o"),
-                released_target=_released_hold(self.table, "target"),
-            ),
-            {"lease": self.config.lease_s, "worker": self.config.worker_id, **self._dealer.current().params()},
-        ).fetchone()
-        return PartitionLease(*row) if row else None
+        dealt = self._dealer.current().params()
+        return offsets.lease_next(self.conn, self.config, work=self.work_condition, order=self.read_order, dealt=dealt)
 
     def before_publish(self, claim: Claim) -> Claim | None:
         """A batch read ahead is published only if the batch before it acked in full while owned: past a
@@ -305,15 +213,7 @@ class PositionStrategy(Strategy):
             return None
         if time.monotonic() - self._checked_tx_at < DISCOVERY_INTERVAL_S:
             return self._tx_ids
-        rows = self.conn.execute(
-            sql.SQL(
-                """
-                SELECT o.topic, o.partition FROM {offsets} o
-                WHERE o.locked_by IS NULL OR o.locked_by = %(worker)s OR o.available_after <= now()
-                """
-            ).format(offsets=self.table.offsets),
-            {"worker": self.config.worker_id},
-        ).fetchall()
+        rows = offsets.unleased_by_others(self.conn, self.config)
         self._tx_ids = frozenset(self._transactional_name(topic, partition) for topic, partition in rows)
         self._checked_tx_at = time.monotonic()
         return self._tx_ids
@@ -328,13 +228,7 @@ class PositionStrategy(Strategy):
         return self._transactional_name(lease.topic, lease.partition)
 
     def _reclaim_own_leases(self) -> None:
-        """A restarted worker with the same id takes its partitions back at once."""
-        self.conn.execute(
-            sql.SQL(
-                "UPDATE {offsets} SET available_after = now(), locked_by = NULL WHERE locked_by = %(worker)s"
-            ).format(offsets=self.table.offsets),
-            {"worker": self.config.worker_id},
-        )
+        offsets.reclaim_own(self.conn, self.config)
 
     # -- ack ---------------------------------------------------------------------------------
 
@@ -422,78 +316,10 @@ class PositionStrategy(Strategy):
         attempts: int,
         keep_lease: bool = False,
     ) -> bool:
-        """Compare-and-set the position; False when this worker no longer owns the partition.
-
-        ``keep_lease`` renews the lease instead of releasing it: a later batch of the same partition is
-        in flight and will advance the position from where this one ends.
-        """
-        cur = self.conn.execute(
-            sql.SQL(
-                """
-                UPDATE {offsets}
-                SET last_processed_transaction_id = coalesce(%(to_xid)s::xid8, last_processed_transaction_id),
-                    last_processed_id = coalesce(%(to_id)s, last_processed_id),
-                    attempts = %(attempts)s,
-                    last_error = %(error)s,
-                    read_by = %(strategy)s,
-                    locked_by = CASE WHEN %(keep)s THEN locked_by END,
-                    available_after = CASE
-                        WHEN %(keep)s THEN now() + make_interval(secs => %(lease)s)
-                        WHEN %(error)s::text IS NULL THEN now()
-                        ELSE clock_timestamp() + make_interval(
-                            secs => least(%(max)s, %(base)s * power(2, %(attempts)s - 1)) * (0.5 + random() / 2))
-                    END,
-                    updated_at = now()
-                WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
-                  AND last_processed_transaction_id = %(from_xid)s::xid8 AND last_processed_id = %(from_id)s
-                """
-            ).format(offsets=self.table.offsets),
-            {
-                "to_xid": to.transaction_id if to else None,
-                "to_id": to.id if to else None,
-                "attempts": attempts,
-                "error": failure.error if failure else None,
-                "max": self.config.backoff_max_s,
-                "base": self.config.backoff_base_s,
-                "topic": lease.topic,
-                "partition": lease.partition,
-                "worker": self.config.worker_id,
-                "from_xid": lease.xid,
-                "from_id": lease.last_id,
-                "keep": keep_lease,
-                "lease": self.config.lease_s,
-                "strategy": self.name,
-            },
-        )
-        return cur.rowcount == 1
+        return offsets.advance(self.conn, self.config, self.name, lease, to, failure, attempts, keep_lease)
 
     def _dead_letter(self, failures: list[DeliveryFailure]) -> None:
-        """Copy undeliverable rows to the dead letters; message rows themselves are never touched."""
-        if not failures:
-            return
-        self.conn.execute(
-            sql.SQL(
-                """
-                INSERT INTO {dead_letters} (
-                    id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
-                    created_at, attempts, last_error, dead_lettered_by)
-                SELECT m.id, m.message_id, m.topic, m.key, m.type, m.payload, m.headers, m.partition, m.priority,
-                       m.transaction_id, m.created_at, f.attempts, f.error, %(worker)s
-                FROM {messages} m
-                JOIN unnest(%(ids)s::bigint[], %(errors)s::text[], %(attempts)s::int[]) AS f(id, error, attempts)
-                  ON m.id = f.id
-                ON CONFLICT (id) DO UPDATE SET
-                    attempts = excluded.attempts, last_error = excluded.last_error,
-                    dead_lettered_at = now(), dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
-                """
-            ).format(dead_letters=self.table.dead_letters, messages=self.table.messages),
-            {
-                "ids": [f.record.id for f in failures],
-                "errors": [f.error for f in failures],
-                "attempts": [f.record.attempts + 1 for f in failures],
-                "worker": self.config.worker_id,
-            },
-        )
+        offsets.dead_letter(self.conn, self.config, failures)
 
     def give_back(self, claim: Claim, error: str) -> None:
         lease: PartitionLease = claim.state
@@ -507,25 +333,4 @@ class PositionStrategy(Strategy):
         self._release(lease)
 
     def _release(self, lease: PartitionLease) -> bool:
-        cur = self.conn.execute(
-            sql.SQL(
-                """
-                UPDATE {offsets}
-                SET available_after = now(), locked_by = NULL, updated_at = now()
-                WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
-                """
-            ).format(offsets=self.table.offsets),
-            {"topic": lease.topic, "partition": lease.partition, "worker": self.config.worker_id},
-        )
-        return cur.rowcount == 1
-
-
-def _released_hold(table: OutboxTable, alias: str) -> sql.Composed:
-    """A released hold of the offsets row ``alias``'s partition whose held rows may go out now."""
-    return sql.SQL(
-        """
-        SELECT 1 FROM {holds} h
-        WHERE h.topic = {a}.topic AND h.partition = {a}.partition AND h.released_at IS NOT NULL
-          AND h.available_after <= now()
-        """
-    ).format(holds=table.holds, a=sql.Identifier(alias))
+        return offsets.release(self.conn, self.config, lease)

@@ -1,0 +1,266 @@
+"""Engine room: the offsets table of the position strategies (partitioned, serialized).
+
+One row per (topic, virtual partition): its stored position, and the lease that makes one worker its reader.
+Each function is one statement: discover partitions that have rows but no offsets row, lease the partition to
+read next, advance a position by compare-and-set, release a lease, and copy undeliverable rows to the dead
+letters. The reading and acking logic around them is positions.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from ..config import OutboxTable
+from .base import DeliveryFailure, OutboxRecord, StrategyConfig, scope_condition
+from .sharing import IS_HOME
+
+# Distinct (topic, partition) pairs of the message table as a loose index scan: one probe of the
+# (topic, partition, ...) index per pair instead of a DISTINCT over every row. A CTE named "pairs" for
+# a WITH RECURSIVE clause (lag reports use it too).
+_PAIRS_CTE = """
+    pairs AS (
+        (SELECT topic, partition FROM {messages} ORDER BY topic, partition LIMIT 1)
+        UNION ALL
+        SELECT next.topic, next.partition
+        FROM pairs, LATERAL (
+            SELECT m.topic, m.partition FROM {messages} m
+            WHERE (m.topic, m.partition) > (pairs.topic, pairs.partition)
+            ORDER BY m.topic, m.partition LIMIT 1
+        ) next
+    )
+"""
+
+
+def partition_pairs(table: OutboxTable) -> sql.Composed:
+    return sql.SQL(_PAIRS_CTE).format(messages=table.messages)
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionLease:
+    topic: str
+    partition: int
+    xid: str  # last_processed_transaction_id, as xid8 text
+    last_id: int
+    attempts: int
+    has_holds: bool = False
+    released: bool = False  # some hold is released and its held rows are ready to publish
+
+
+def discover(conn: psycopg.Connection, table: OutboxTable) -> int:
+    """Create offsets rows for (topic, partition) pairs that have rows but no position yet; how many.
+
+    A loose index scan (one index probe per distinct pair), not a DISTINCT over the whole table.
+    """
+    cur = conn.execute(
+        sql.SQL(
+            """
+            WITH RECURSIVE {pairs}
+            INSERT INTO {offsets} (topic, partition)
+            SELECT topic, partition FROM pairs
+            ON CONFLICT (topic, partition) DO NOTHING
+            """
+        ).format(pairs=partition_pairs(table), offsets=table.offsets)
+    )
+    return cur.rowcount
+
+
+# The talk's "longest unchecked partition first", restricted to partitions that have work (one
+# index probe per partition), so an empty partition costs no lease round trips and "nothing
+# claimed" really means "nothing to publish". SKIP LOCKED keeps two workers off one partition.
+# The probe is a LIMIT 1 subquery ordered like the read: with 10M relayed rows behind the
+# positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
+# bitmap scan of every pending entry of the partition (25,000 in `outbox bench --retained`);
+# in index order, with LIMIT 1, it stops at the first.
+# Home partitions first, then others whose oldest pending row waited STEAL_AFTER_S (sharing.py).
+_LEASE = """
+        UPDATE {offsets} target
+        SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(worker)s,
+            updated_at = now()
+        FROM (
+            SELECT o.topic, o.partition FROM {offsets} o
+            LEFT JOIN LATERAL (
+                SELECT m.created_at FROM {messages} m
+                WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+                ORDER BY {order} LIMIT 1
+            ) oldest ON true
+            WHERE o.available_after <= now() {scope}
+              AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
+              AND ({home} OR coalesce(oldest.created_at, '-infinity')
+                             <= now() - make_interval(secs => %(steal_after)s))
+            ORDER BY {home} DESC, o.available_after
+            LIMIT 1
+            FOR UPDATE OF o SKIP LOCKED
+        ) free
+        WHERE target.topic = free.topic AND target.partition = free.partition
+        RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
+                  target.last_processed_id, target.attempts,
+                  EXISTS (SELECT 1 FROM {holds} h
+                          WHERE h.topic = target.topic AND h.partition = target.partition),
+                  EXISTS ({released_target})
+        """
+
+
+def lease_next(
+    conn: psycopg.Connection,
+    config: StrategyConfig,
+    *,
+    work: str,
+    order: str,
+    dealt: Mapping[str, object],
+) -> PartitionLease | None:
+    """Lease the next partition with work (``work``/``order``: the strategy's condition and read order)."""
+    table = config.table
+    row = conn.execute(
+        sql.SQL(_LEASE).format(
+            offsets=table.offsets,
+            messages=table.messages,
+            work=sql.SQL(work),
+            order=sql.SQL(order),
+            scope=scope_condition(config, "o"),
+            home=IS_HOME,
+            holds=table.holds,
+            released=_released_hold(table, "o"),
+            released_target=_released_hold(table, "target"),
+        ),
+        {"lease": config.lease_s, "worker": config.worker_id, **dealt},
+    ).fetchone()
+    return PartitionLease(*row) if row else None
+
+
+def advance(
+    conn: psycopg.Connection,
+    config: StrategyConfig,
+    strategy: str,
+    lease: PartitionLease,
+    to: OutboxRecord | None,
+    failure: DeliveryFailure | None,
+    attempts: int,
+    keep_lease: bool = False,
+) -> bool:
+    """Compare-and-set the position; False when this worker no longer owns the partition.
+
+    ``keep_lease`` renews the lease instead of releasing it: a later batch of the same partition is
+    in flight and will advance the position from where this one ends.
+    """
+    cur = conn.execute(
+        sql.SQL(
+            """
+            UPDATE {offsets}
+            SET last_processed_transaction_id = coalesce(%(to_xid)s::xid8, last_processed_transaction_id),
+                last_processed_id = coalesce(%(to_id)s, last_processed_id),
+                attempts = %(attempts)s,
+                last_error = %(error)s,
+                read_by = %(strategy)s,
+                locked_by = CASE WHEN %(keep)s THEN locked_by END,
+                available_after = CASE
+                    WHEN %(keep)s THEN now() + make_interval(secs => %(lease)s)
+                    WHEN %(error)s::text IS NULL THEN now()
+                    ELSE clock_timestamp() + make_interval(
+                        secs => least(%(max)s, %(base)s * power(2, %(attempts)s - 1)) * (0.5 + random() / 2))
+                END,
+                updated_at = now()
+            WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
+              AND last_processed_transaction_id = %(from_xid)s::xid8 AND last_processed_id = %(from_id)s
+            """
+        ).format(offsets=config.table.offsets),
+        {
+            "to_xid": to.transaction_id if to else None,
+            "to_id": to.id if to else None,
+            "attempts": attempts,
+            "error": failure.error if failure else None,
+            "max": config.backoff_max_s,
+            "base": config.backoff_base_s,
+            "topic": lease.topic,
+            "partition": lease.partition,
+            "worker": config.worker_id,
+            "from_xid": lease.xid,
+            "from_id": lease.last_id,
+            "keep": keep_lease,
+            "lease": config.lease_s,
+            "strategy": strategy,
+        },
+    )
+    return cur.rowcount == 1
+
+
+def release(conn: psycopg.Connection, config: StrategyConfig, lease: PartitionLease) -> bool:
+    """End this worker's lease now; False when it no longer held it."""
+    cur = conn.execute(
+        sql.SQL(
+            """
+            UPDATE {offsets}
+            SET available_after = now(), locked_by = NULL, updated_at = now()
+            WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
+            """
+        ).format(offsets=config.table.offsets),
+        {"topic": lease.topic, "partition": lease.partition, "worker": config.worker_id},
+    )
+    return cur.rowcount == 1
+
+
+def reclaim_own(conn: psycopg.Connection, config: StrategyConfig) -> None:
+    """A restarted worker with the same id takes its partitions back at once."""
+    conn.execute(
+        sql.SQL("UPDATE {offsets} SET available_after = now(), locked_by = NULL WHERE locked_by = %(worker)s").format(
+            offsets=config.table.offsets
+        ),
+        {"worker": config.worker_id},
+    )
+
+
+def unleased_by_others(conn: psycopg.Connection, config: StrategyConfig) -> list[tuple[str, int]]:
+    """Partitions no other worker holds a live lease on."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            SELECT o.topic, o.partition FROM {offsets} o
+            WHERE o.locked_by IS NULL OR o.locked_by = %(worker)s OR o.available_after <= now()
+            """
+        ).format(offsets=config.table.offsets),
+        {"worker": config.worker_id},
+    ).fetchall()
+    return [(topic, int(partition)) for topic, partition in rows]
+
+
+def dead_letter(conn: psycopg.Connection, config: StrategyConfig, failures: list[DeliveryFailure]) -> None:
+    """Copy undeliverable rows to the dead letters; message rows themselves are never touched."""
+    if not failures:
+        return
+    conn.execute(
+        sql.SQL(
+            """
+            INSERT INTO {dead_letters} (
+                id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
+                created_at, attempts, last_error, dead_lettered_by)
+            SELECT m.id, m.message_id, m.topic, m.key, m.type, m.payload, m.headers, m.partition, m.priority,
+                   m.transaction_id, m.created_at, f.attempts, f.error, %(worker)s
+            FROM {messages} m
+            JOIN unnest(%(ids)s::bigint[], %(errors)s::text[], %(attempts)s::int[]) AS f(id, error, attempts)
+              ON m.id = f.id
+            ON CONFLICT (id) DO UPDATE SET
+                attempts = excluded.attempts, last_error = excluded.last_error,
+                dead_lettered_at = now(), dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
+            """
+        ).format(dead_letters=config.table.dead_letters, messages=config.table.messages),
+        {
+            "ids": [f.record.id for f in failures],
+            "errors": [f.error for f in failures],
+            "attempts": [f.record.attempts + 1 for f in failures],
+            "worker": config.worker_id,
+        },
+    )
+
+
+def _released_hold(table: OutboxTable, alias: str) -> sql.Composed:
+    """A released hold of the offsets row ``alias``'s partition whose held rows may go out now."""
+    return sql.SQL(
+        """
+        SELECT 1 FROM {holds} h
+        WHERE h.topic = {a}.topic AND h.partition = {a}.partition AND h.released_at IS NOT NULL
+          AND h.available_after <= now()
+        """
+    ).format(holds=table.holds, a=sql.Identifier(alias))
