@@ -14,8 +14,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
@@ -23,8 +22,9 @@ from psycopg import sql
 from .lag import explain_pending, partition_lag
 from .liveness import Liveness, WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
+from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
 from .schema import notify_channel, require_current
-from .strategies.base import AckResult, Claim, PublishOutcome, Strategy, StrategyConfig
+from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
 from .strategies.sharing import UNSCOPED_KIND
 
 log = logging.getLogger(__name__)
@@ -32,16 +32,6 @@ log = logging.getLogger(__name__)
 StrategyFactory = Callable[[psycopg.Connection, StrategyConfig], Strategy]
 # Called with every batch's outcome after its ack (in the relay's thread): per-partition accounting.
 OutcomeObserver = Callable[[PublishOutcome], None]
-
-
-class RelayInstruments(Protocol):
-    """What the loop reports as it goes (metrics.RelayMetrics implements it for Prometheus)."""
-
-    def loop(self) -> None: ...
-    def database_ok(self) -> None: ...
-    def claimed(self, seconds: float, rows: int, collisions: int) -> None: ...
-    def acked_batch(self, publish_s: float, ack_s: float, outcome: PublishOutcome, result: AckResult) -> None: ...
-    def error(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,73 +54,6 @@ class RelaySettings:
     upkeep_interval_s: float = 1.0
     # "session": this worker's leases end when its session does; "expiry": only when they expire.
     liveness: Liveness = "session"
-
-
-@dataclass(frozen=True)
-class BatchMetrics:
-    claimed: int
-    published: int
-    # Published and recorded as delivered; published - acked were confirmed by Kafka but will be
-    # published again (lease lost, or behind an unconfirmed row of an ordered partition).
-    acked: int
-    collisions: int
-    lost_ownership: int
-    dead_lettered: int
-    retried: int
-    oldest_age_s: float | None
-    elapsed_s: float
-
-    @property
-    def msg_per_s(self) -> float:
-        return self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-@dataclass
-class RelayStats:
-    """Cumulative metrics of one relay worker (Merpay's set, plus retries)."""
-
-    batches: int = 0
-    claimed: int = 0
-    published: int = 0
-    acked: int = 0
-    collisions: int = 0
-    lost_ownership: int = 0
-    dead_lettered: int = 0
-    retried: int = 0
-    errors: int = 0
-    idle_waits: int = 0  # times it found nothing to claim and waited for a NOTIFY or a poll
-    oldest_age_s: float | None = None
-    started: float = field(default_factory=time.monotonic)
-    busy_s: float = 0.0
-    # until_empty stopped (max_seconds) with rows still pending: one line per reason (lag.explain_pending).
-    remaining: list[str] = field(default_factory=list)
-
-    def add(self, batch: BatchMetrics) -> None:
-        self.batches += 1
-        self.claimed += batch.claimed
-        self.published += batch.published
-        self.acked += batch.acked
-        self.collisions += batch.collisions
-        self.lost_ownership += batch.lost_ownership
-        self.dead_lettered += batch.dead_lettered
-        self.retried += batch.retried
-        self.oldest_age_s = batch.oldest_age_s
-        self.busy_s += batch.elapsed_s
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self.started
-
-    @property
-    def msg_per_s(self) -> float:
-        return self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def summary(self) -> str:
-        return (
-            f"published={self.published} claimed={self.claimed} collisions={self.collisions} "
-            f"published_but_ack_failed={self.lost_ownership} dead_lettered={self.dead_lettered} "
-            f"retried={self.retried} errors={self.errors} msg/s={self.msg_per_s:,.0f}"
-        )
 
 
 @dataclass

@@ -24,7 +24,8 @@ import psycopg
 
 from .lag import PartitionLag, partition_lag
 from .publisher import KafkaPublisher
-from .relay import Relay, RelayInstruments, RelaySettings, RelayStats
+from .relay import Relay, RelaySettings
+from .relay_stats import RelayInstruments, RelayStats
 from .strategies import strategy_class
 from .strategies.base import PublishOutcome, StrategyConfig
 from .strategies.sharing import deal

@@ -13,7 +13,8 @@ from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.publisher import KafkaPublisher
-from outbox_pipeline.relay import Relay, RelaySettings, RelayStats
+from outbox_pipeline.relay import Relay, RelaySettings
+from outbox_pipeline.relay_stats import RelayStats
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import StrategyConfig
 

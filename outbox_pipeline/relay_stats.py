@@ -1,0 +1,87 @@
+"""Engine room: what a relay worker counts (RelayStats, BatchMetrics) and the hooks it reports through
+(RelayInstruments, implemented for Prometheus by metrics.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .strategies.base import AckResult, PublishOutcome
+
+
+class RelayInstruments(Protocol):
+    """What the loop reports as it goes (metrics.RelayMetrics implements it for Prometheus)."""
+
+    def loop(self) -> None: ...
+    def database_ok(self) -> None: ...
+    def claimed(self, seconds: float, rows: int, collisions: int) -> None: ...
+    def acked_batch(self, publish_s: float, ack_s: float, outcome: PublishOutcome, result: AckResult) -> None: ...
+    def error(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BatchMetrics:
+    claimed: int
+    published: int
+    # Published and recorded as delivered; published - acked were confirmed by Kafka but will be
+    # published again (lease lost, or behind an unconfirmed row of an ordered partition).
+    acked: int
+    collisions: int
+    lost_ownership: int
+    dead_lettered: int
+    retried: int
+    oldest_age_s: float | None
+    elapsed_s: float
+
+    @property
+    def msg_per_s(self) -> float:
+        return self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass
+class RelayStats:
+    """Cumulative metrics of one relay worker (Merpay's set, plus retries)."""
+
+    batches: int = 0
+    claimed: int = 0
+    published: int = 0
+    acked: int = 0
+    collisions: int = 0
+    lost_ownership: int = 0
+    dead_lettered: int = 0
+    retried: int = 0
+    errors: int = 0
+    idle_waits: int = 0  # times it found nothing to claim and waited for a NOTIFY or a poll
+    oldest_age_s: float | None = None
+    started: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0
+    # until_empty stopped (max_seconds) with rows still pending: one line per reason (lag.explain_pending).
+    remaining: list[str] = field(default_factory=list)
+
+    def add(self, batch: BatchMetrics) -> None:
+        self.batches += 1
+        self.claimed += batch.claimed
+        self.published += batch.published
+        self.acked += batch.acked
+        self.collisions += batch.collisions
+        self.lost_ownership += batch.lost_ownership
+        self.dead_lettered += batch.dead_lettered
+        self.retried += batch.retried
+        self.oldest_age_s = batch.oldest_age_s
+        self.busy_s += batch.elapsed_s
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def msg_per_s(self) -> float:
+        return self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"published={self.published} claimed={self.claimed} collisions={self.collisions} "
+            f"published_but_ack_failed={self.lost_ownership} dead_lettered={self.dead_lettered} "
+            f"retried={self.retried} errors={self.errors} msg/s={self.msg_per_s:,.0f}"
+        )
