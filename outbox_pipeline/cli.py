@@ -26,16 +26,15 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 
 import psycopg
-from confluent_kafka import KafkaException
 
 from . import operations, schema
-from .config import REDACTED, OutboxTable, kafka_config_from_env, pg_dsn_from_env, redact_dsn, redact_kafka_config
+from .config import OutboxTable, kafka_config_from_env, pg_dsn_from_env, redact_dsn, redact_kafka_config
 from .enqueue import enqueue
-from .errors import ConfigurationError, OutboxError
+from .errors import OutboxError
 from .horizon import find_horizon
 from .lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
 from .liveness import holders_alive, liveness_from_env
-from .publisher import KafkaPublisher
+from .publisher import KafkaPublisher, check_producer_config
 from .relay import Relay, RelaySettings
 from .strategies import STRATEGY_NAMES, strategy_class
 from .strategies.base import AckMode, Strategy, StrategyConfig
@@ -288,17 +287,7 @@ def _kafka_config(args: argparse.Namespace) -> dict[str, str]:
     if args.bootstrap_servers:
         env["KAFKA_BOOTSTRAP_SERVERS"] = args.bootstrap_servers
     config = kafka_config_from_env(env)
-    publisher = KafkaPublisher(config)
-    try:
-        publisher.producer  # noqa: B018 - librdkafka validates every property here
-    except KafkaException as exc:
-        message = str(exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else exc)
-        for name, shown in redact_kafka_config(config).items():
-            if shown == REDACTED and config[name]:
-                message = message.replace(config[name], REDACTED)  # librdkafka may quote a bad value
-        raise ConfigurationError(f"invalid Kafka configuration: {message}") from None
-    finally:
-        publisher.close(timeout_s=0)
+    check_producer_config(config)
     log.debug("kafka config: %s", redact_kafka_config(config))
     return config
 

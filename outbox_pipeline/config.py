@@ -171,3 +171,15 @@ def kafka_config_from_env(env: Mapping[str, str] | None = None) -> dict[str, str
 def redact_kafka_config(config: Mapping[str, object]) -> dict[str, object]:
     """The config with every secret-like property replaced (see SECRET_NAME)."""
     return {key: (REDACTED if is_secret(key) else value) for key, value in config.items()}
+
+
+def redact_kafka_error(exc: BaseException, config: Mapping[str, object]) -> str:
+    """A librdkafka error's text with every secret value of ``config`` replaced: librdkafka may quote the
+    value it rejects, and a wrong password is still a password."""
+    error = exc.args[0] if exc.args else None
+    message = str(error.str()) if hasattr(error, "str") else str(exc)
+    for name, shown in redact_kafka_config(config).items():
+        value = str(config[name])
+        if shown == REDACTED and value:
+            message = message.replace(value, REDACTED)
+    return message

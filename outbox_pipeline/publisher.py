@@ -21,8 +21,9 @@ from functools import partial
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from .config import redact_kafka_config
+from .config import redact_kafka_config, redact_kafka_error
 from .enqueue import decode_headers
+from .errors import ConfigurationError
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,18 @@ class PendingBatch:
             for r in self.records:
                 self._by_content.setdefault((r.topic, r.key, r.payload), []).append(r.id)
         return self._by_content.get((topic or "", key, value or b""), [])
+
+
+def check_producer_config(config: Mapping[str, object]) -> None:
+    """Fail now, with a readable and redacted ``ConfigurationError``, when librdkafka rejects a property;
+    the CLI and the Dagster resource call it before relaying."""
+    probe = KafkaPublisher(config)
+    try:
+        probe.producer  # noqa: B018 - librdkafka validates every property here
+    except KafkaException as exc:
+        raise ConfigurationError(f"invalid Kafka configuration: {redact_kafka_error(exc, config)}") from None
+    finally:
+        probe.close(timeout_s=0)
 
 
 class KafkaPublisher:

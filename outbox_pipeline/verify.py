@@ -42,7 +42,7 @@ from confluent_kafka import (
 )
 from psycopg import sql
 
-from .config import REDACTED, OutboxTable, redact_kafka_config
+from .config import OutboxTable, redact_kafka_error
 from .errors import ConfigurationError, OutboxError
 
 log = logging.getLogger(__name__)
@@ -322,17 +322,7 @@ def _consumer(bootstrap_config: Mapping[str, object]) -> Consumer:
     try:
         return Consumer(config)
     except KafkaException as exc:
-        raise ConfigurationError(f"invalid Kafka configuration: {_kafka_message(exc, config)}") from None
-
-
-def _kafka_message(exc: KafkaException, config: Mapping[str, object]) -> str:
-    error = exc.args[0] if exc.args else None
-    message = error.str() if isinstance(error, KafkaError) else str(exc)
-    for name, shown in redact_kafka_config(config).items():
-        value = str(config[name])
-        if shown == REDACTED and value:
-            message = message.replace(value, REDACTED)
-    return message
+        raise ConfigurationError(f"invalid Kafka configuration: {redact_kafka_error(exc, config)}") from None
 
 
 @dataclass
@@ -355,7 +345,7 @@ def _consume(
         try:
             metadata = consumer.list_topics(timeout=15)
         except KafkaException as exc:
-            raise OutboxError(f"cannot read Kafka metadata: {_kafka_message(exc, {})}") from None
+            raise OutboxError(f"cannot read Kafka metadata: {redact_kafka_error(exc, {})}") from None
         assignment: list[TopicPartition] = []
         for topic in topics:
             info = metadata.topics.get(topic)
@@ -373,7 +363,7 @@ def _consume(
             try:
                 low, high = consumer.get_watermark_offsets(tp, timeout=15, cached=False)
             except KafkaException as exc:
-                raise OutboxError(f"cannot read {tp.topic}/{tp.partition}: {_kafka_message(exc, {})}") from None
+                raise OutboxError(f"cannot read {tp.topic}/{tp.partition}: {redact_kafka_error(exc, {})}") from None
             start = starts.get((tp.topic, tp.partition))
             if start is not None:
                 tp.offset = start

@@ -9,11 +9,10 @@ inside the step, not by a flush at teardown (which only bounds how long a crashe
 import os
 
 import dagster as dg
-from confluent_kafka import KafkaException
 from pydantic import Field, PrivateAttr
 
-from outbox_pipeline.config import REDACTED, ConfigurationError, kafka_config_from_env, redact_kafka_config
-from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.config import ConfigurationError, kafka_config_from_env, redact_kafka_config
+from outbox_pipeline.publisher import KafkaPublisher, check_producer_config
 
 
 class KafkaResource(dg.ConfigurableResource):
@@ -58,13 +57,7 @@ class KafkaResource(dg.ConfigurableResource):
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         # Fail the step at start with a readable error when a property is wrong, not mid-relay.
-        probe = KafkaPublisher(self.producer_config())
-        try:
-            probe.producer  # noqa: B018 - librdkafka validates every property here
-        except KafkaException as exc:
-            raise ConfigurationError(f"invalid Kafka configuration: {self._redacted(str(exc))}") from None
-        finally:
-            probe.close(timeout_s=0)
+        check_producer_config(self.producer_config())
 
     def publisher(self) -> KafkaPublisher:
         """A fresh publisher (idempotent producer) for this execution; the relay closes it when done."""
@@ -77,10 +70,3 @@ class KafkaResource(dg.ConfigurableResource):
         for publisher in self._publishers:
             publisher.close(timeout_s=5.0)
         self._publishers.clear()
-
-    def _redacted(self, message: str) -> str:
-        config = self.producer_config()
-        for name, shown in redact_kafka_config(config).items():
-            if shown == REDACTED and config[name]:
-                message = message.replace(config[name], REDACTED)
-        return message
