@@ -28,9 +28,16 @@ from multiprocessing.queues import Queue
 import psycopg
 
 from . import operations, schema
-from .config import OutboxTable, kafka_config_from_env, pg_dsn_from_env, redact_dsn, redact_kafka_config
+from .config import (
+    OutboxTable,
+    kafka_config_from_env,
+    parse_timestamp,
+    pg_dsn_from_env,
+    redact_dsn,
+    redact_kafka_config,
+)
 from .enqueue import enqueue
-from .errors import OutboxError
+from .errors import ConfigurationError, OutboxError
 from .horizon import find_horizon
 from .lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
 from .liveness import holders_alive, liveness_from_env
@@ -505,12 +512,11 @@ def _lag_table(lags: Sequence[PartitionLag], cap: int | None, alive: Mapping[str
 
 
 def _timestamp(text: str) -> dt.datetime:
-    """ISO-8601; a time without an offset is UTC."""
+    """ISO-8601; a time without an offset is UTC (argparse reports the error with the flag's name)."""
     try:
-        value = dt.datetime.fromisoformat(text)
-    except ValueError:
+        return parse_timestamp(text)
+    except ConfigurationError:
         raise argparse.ArgumentTypeError(f"not an ISO-8601 timestamp: {text!r}") from None
-    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ Names follow the libraries they configure: ``OUTBOX_PG_DSN`` is a libpq DSN or U
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 from collections.abc import Mapping
@@ -171,6 +172,16 @@ def kafka_config_from_env(env: Mapping[str, str] | None = None) -> dict[str, str
 def redact_kafka_config(config: Mapping[str, object]) -> dict[str, object]:
     """The config with every secret-like property replaced (see SECRET_NAME)."""
     return {key: (REDACTED if is_secret(key) else value) for key, value in config.items()}
+
+
+def parse_timestamp(text: str, name: str = "timestamp") -> dt.datetime:
+    """ISO-8601 (``2026-01-31T12:00:00+00:00``); a time without an offset is UTC. ``ConfigurationError`` names
+    ``name`` (the flag or config field) when it is not a timestamp."""
+    try:
+        value = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigurationError(f"{name}={text!r} is not an ISO-8601 time (e.g. 2026-01-31T12:00:00+00:00)") from None
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
 def redact_kafka_error(exc: BaseException, config: Mapping[str, object]) -> str:

@@ -11,7 +11,8 @@ import datetime as dt
 import dagster as dg
 from pydantic import Field
 
-from outbox_pipeline.errors import OutboxError
+from outbox_pipeline.config import parse_timestamp
+from outbox_pipeline.errors import ConfigurationError, OutboxError
 from outbox_pipeline.operations import (
     DeadLetter,
     discard_dead_letters,
@@ -50,10 +51,9 @@ def _timestamp(value: str | None, name: str) -> dt.datetime | None:
     if not value:
         return None
     try:
-        parsed = dt.datetime.fromisoformat(value)
-    except ValueError:
-        raise dg.Failure(f"{name}={value!r} is not an ISO-8601 time (e.g. 2026-01-31T12:00:00+00:00)") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+        return parse_timestamp(value, name)
+    except ConfigurationError as exc:
+        raise dg.Failure(str(exc)) from None
 
 
 @dg.op(description="Replay one outbox partition from a position or a time.")
