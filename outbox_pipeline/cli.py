@@ -12,18 +12,13 @@ import datetime as dt
 import getpass
 import json
 import logging
-import multiprocessing
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from multiprocessing.process import BaseProcess
-from multiprocessing.queues import Queue
 
 import psycopg
 
@@ -41,12 +36,13 @@ from .errors import ConfigurationError, OutboxError
 from .horizon import find_horizon
 from .lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
 from .liveness import holders_alive, liveness_from_env
-from .publisher import KafkaPublisher, check_producer_config
-from .relay import Relay, RelaySettings
+from .publisher import check_producer_config
+from .relay import RelaySettings
 from .strategies import STRATEGY_NAMES, strategy_class
-from .strategies.base import AckMode, Strategy, StrategyConfig
+from .strategies.base import Strategy
 from .strategies.positions import PositionStrategy
-from .strategies.quarantine import ON_POISON_CHOICES, OnPoison, on_poison_from_env
+from .strategies.quarantine import ON_POISON_CHOICES, on_poison_from_env
+from .workers import WorkerResult, WorkerSpec, run_worker_processes
 
 log = logging.getLogger("outbox")
 
@@ -156,129 +152,9 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
 # -- relay ------------------------------------------------------------------------------------
 
-# How often each relay worker logs its cumulative metrics.
-METRICS_INTERVAL_S = 5.0
 # `outbox relay --until-empty` stopped by --max-seconds with rows still pending (1: a worker crashed,
 # 2: a usage or configuration error).
 EXIT_NOT_EMPTY = 3
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything one relay worker process needs; pickled to a spawned process."""
-
-    index: int
-    worker_id: str | None  # None: "<hostname>-<pid>" of the worker process
-    dsn: str
-    schema: str
-    max_message_bytes: int
-    strategy: str
-    mode: AckMode
-    kafka_transactions: bool
-    on_poison: OnPoison
-    kafka_config: Mapping[str, str]
-    settings: RelaySettings
-    metrics_port: int | None
-    log_level: int
-
-
-@dataclass(frozen=True)
-class WorkerResult:
-    """A worker's cumulative metrics (RelayStats), sent back to the parent when it ends."""
-
-    index: int
-    worker_id: str
-    published: int
-    claimed: int
-    collisions: int
-    lost_ownership: int
-    dead_lettered: int
-    retried: int
-    errors: int
-    elapsed_s: float
-    summary: str
-    error: str | None = None
-    # --until-empty stopped with rows pending: why (lag.explain_pending)
-    remaining: tuple[str, ...] = ()
-
-
-def _relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
-    """Entry point of one spawned relay process: its own connection, producer and strategy.
-
-    SIGINT/SIGTERM (the parent forwards its own) set the worker's stop event: the relay finishes its
-    batch and returns. No multiprocessing lock or event is shared with the parent on purpose: a
-    process that ends while waiting on one leaves it unusable for everyone else.
-    """
-    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    worker_id = spec.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    table = OutboxTable(schema=spec.schema, max_message_bytes=spec.max_message_bytes)
-    config = StrategyConfig(
-        table=table,
-        worker_id=worker_id,
-        mode=spec.mode,
-        kafka_transactions=spec.kafka_transactions,
-        on_poison=spec.on_poison,
-    )
-    served = None
-    if spec.metrics_port is not None:
-        from .metrics import serve_worker_metrics
-
-        # Worker n serves on port + n; the first also samples the outbox's lag.
-        served = serve_worker_metrics(
-            spec.metrics_port + spec.index, spec.dsn, table, spec.strategy, sample_lag=spec.index == 0
-        )
-    relay = Relay(
-        spec.dsn,
-        strategy_class(spec.strategy),
-        config,
-        KafkaPublisher(spec.kafka_config),
-        spec.settings,
-        stop,
-        instruments=served.metrics if served else None,
-    )
-    done = threading.Event()
-
-    def report() -> None:
-        while not done.wait(METRICS_INTERVAL_S):
-            log.info("worker %s: %s", worker_id, relay.stats.summary())
-
-    reporter = threading.Thread(target=report, name="relay-metrics", daemon=True)
-    reporter.start()
-    error: str | None = None
-    try:
-        relay.run()
-    except Exception as exc:  # reported to the parent, which exits non-zero
-        error = f"{type(exc).__name__}: {exc}"
-        log.exception("worker %s crashed", worker_id)
-    finally:
-        done.set()
-        reporter.join()
-        if served is not None:
-            served.stop()
-    stats = relay.stats
-    log.info("worker %s finished: %s", worker_id, stats.summary())
-    results.put(
-        WorkerResult(
-            spec.index,
-            worker_id,
-            stats.published,
-            stats.claimed,
-            stats.collisions,
-            stats.lost_ownership,
-            stats.dead_lettered,
-            stats.retried,
-            stats.errors,
-            stats.elapsed_s,
-            stats.summary(),
-            error,
-            tuple(stats.remaining),
-        )
-    )
-    if error is not None:
-        sys.exit(1)
 
 
 def _strategy(name: str) -> type[Strategy]:
@@ -297,27 +173,6 @@ def _kafka_config(args: argparse.Namespace) -> dict[str, str]:
     check_producer_config(config)
     log.debug("kafka config: %s", redact_kafka_config(config))
     return config
-
-
-@contextmanager
-def _forward_stop_signals(processes: Sequence[BaseProcess]) -> Iterator[None]:
-    """SIGINT/SIGTERM to the parent become SIGTERM to every live worker, which stops it cleanly."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be installed from the main thread
-        return
-
-    def forward(signum: int, _frame: object) -> None:
-        log.info("relay: %s received, stopping %d workers", signal.Signals(signum).name, len(processes))
-        for process in processes:
-            if process.pid is not None and process.exitcode is None:
-                os.kill(process.pid, signal.SIGTERM)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
@@ -355,40 +210,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
         )
         for n in range(args.workers)
     ]
-    # "spawn": each worker starts clean (no inherited connections, producer threads or locks).
-    ctx = multiprocessing.get_context("spawn")
-    results: Queue[WorkerResult] = ctx.Queue()
-    processes: list[BaseProcess] = [
-        ctx.Process(target=_relay_worker, args=(spec, results), name=f"relay-{spec.index}") for spec in specs
-    ]
     print(f"relay: {args.workers} x {args.strategy} on schema {table.schema!r} ({redact_dsn(dsn)})", flush=True)
-    with _forward_stop_signals(processes):
-        try:
-            for process in processes:
-                process.start()
-            collected = _collect(processes, results)
-        finally:
-            for process in processes:
-                if process.pid is not None:
-                    process.join(timeout=30)
-                if process.is_alive():
-                    process.terminate()
-                    process.join()
+    processes, collected = run_worker_processes(specs)
     return _print_summary(processes, collected)
-
-
-def _collect(processes: Sequence[BaseProcess], results: Queue[WorkerResult]) -> dict[int, WorkerResult]:
-    """Results as workers finish; read while they run, so no worker blocks on a full pipe at exit."""
-    collected: dict[int, WorkerResult] = {}
-    while len(collected) < len(processes):
-        try:
-            result = results.get(timeout=0.5)
-        except queue.Empty:
-            if not any(p.is_alive() for p in processes):
-                break
-            continue
-        collected[result.index] = result
-    return collected
 
 
 def _print_summary(processes: Sequence[BaseProcess], collected: Mapping[int, WorkerResult]) -> int:

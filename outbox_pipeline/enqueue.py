@@ -24,12 +24,12 @@ from .config import OutboxTable
 from .errors import InvalidMessageError
 from .partitioning import key_hash
 from .routing import RESERVED_HEADERS, SERIALIZED_LOCK_CLASS
-from .schema import DEFAULT_TOPIC_ROW, NOTIFY_SETTING
+from .schema import DEFAULT_TOPIC_ROW, NOTIFY_SETTING, TOPIC_PATTERN
 
 # Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
 BYTES_HEADER_FIELD = "base64"
 
-_TOPIC_RE = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+_TOPIC_RE = re.compile(TOPIC_PATTERN)
 _SMALLINT = range(-32768, 32768)
 _INT4 = range(0, 2**31)
 # jsonb cannot store U+0000; json.dumps writes it as \u0000 preceded by an even number of backslashes.
@@ -242,12 +242,17 @@ def _validate(m: Message, max_bytes: int, index: int) -> _Row:
 def _check_topic(topic: object, where: str) -> str:
     if not isinstance(topic, str) or not topic:
         raise InvalidMessageError(f"{where}: topic must be a non-empty string, got {topic!r}")
-    if not _TOPIC_RE.fullmatch(topic) or topic in (".", ".."):
+    if not is_valid_topic(topic):
         raise InvalidMessageError(
             f"{where}: invalid Kafka topic name {topic[:260]!r}: use 1..249 characters from [a-zA-Z0-9._-], "
             "not '.' or '..'"
         )
     return topic
+
+
+def is_valid_topic(topic: str) -> bool:
+    """A name Kafka accepts for a topic (the table's CHECK constraint says the same)."""
+    return bool(_TOPIC_RE.fullmatch(topic)) and topic not in (".", "..")
 
 
 def _check_text(value: object, field: str, where: str) -> str | None:

@@ -22,7 +22,7 @@ from functools import partial
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from .config import redact_kafka_config, redact_kafka_error
-from .enqueue import decode_headers
+from .enqueue import decode_headers, is_valid_topic
 from .errors import ConfigurationError
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 
@@ -161,6 +161,7 @@ class KafkaPublisher:
         # Least recently used first; bounded (each producer holds threads and broker connections).
         self._transactional: OrderedDict[str, Producer] = OrderedDict()
         self._max_transactional = max_transactional
+        self._valid_topics: set[str] = set()
         log.debug("producer config: %s", redact_kafka_config(merged))
 
     @property
@@ -192,6 +193,15 @@ class KafkaPublisher:
             if refused and key is not None and (topic, key) in refused:
                 pending.errors[oid] = ("not sent: an earlier row of its key was refused in this batch", "transport")
                 continue
+            if topic not in self._valid_topics:
+                if not is_valid_topic(topic):
+                    # A row written past enqueue's checks: librdkafka may take the name and report "unknown
+                    # topic" later (a record failure, retried max_attempts times); it can never be delivered.
+                    pending.errors[oid] = (f"invalid Kafka topic name {topic[:260]!r}", "permanent")
+                    if key is not None:
+                        refused.add((topic, key))
+                    continue
+                self._valid_topics.add(topic)
             headers: list[tuple[str, bytes | str | None]] = [
                 ("message_id", message_id),
                 ("outbox_id", outbox_id),
@@ -343,6 +353,9 @@ class KafkaPublisher:
         reports = _Reports(len(records))
         for index, record in enumerate(records):
             refused: dict[int, tuple[str, FailureKind]] = {}
+            if not is_valid_topic(record.topic):
+                reports.fail(index, f"invalid Kafka topic name {record.topic[:260]!r}", "permanent")
+                continue
             self._produce_one(producer, record, refused, reports.callback(index))
             if refused:
                 reports.fail(index, *refused[record.id])
