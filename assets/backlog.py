@@ -109,8 +109,8 @@ def read_dead_letters(postgres: PostgresResource) -> DeadLetterBacklog:
 
 def dead_letter_evaluation(backlog: DeadLetterBacklog) -> dg.AssetCheckEvaluation:
     """Fails (ERROR) while any dead letter is waiting for an operator: each one is a message consumers
-    have not seen, skipped past by its partition (``outbox dead-letters`` lists them, the
-    `retry_dead_letters` job re-enqueues them)."""
+    have not seen (``outbox dead-letters`` lists them, with the rows of its key held behind it; the
+    `retry_dead_letters` and `discard_dead_letters` jobs resolve them)."""
     rows = [f"| {partition_key(t, p)} | {n} | {e.replace('|', '/')[:80]} |" for t, p, n, e in backlog.worst]
     table = "| partition | dead letters | last error |\n|---|---|---|\n" + "\n".join(rows)
     return dg.AssetCheckEvaluation(
@@ -130,7 +130,8 @@ def dead_letter_evaluation(backlog: DeadLetterBacklog) -> dg.AssetCheckEvaluatio
 @dg.asset_check(
     asset=BACKLOG_KEY,
     name=DEAD_LETTER_CHECK,
-    description="ERROR while dead letters wait for an operator (retry them with the retry_dead_letters job).",
+    description="ERROR while dead letters wait for an operator: retry them (job retry_dead_letters) or give up on "
+    "them with a reason (job discard_dead_letters); either releases the rows of their keys held behind them.",
 )
 def outbox_dead_letters(postgres: PostgresResource) -> dg.AssetCheckResult:
     evaluation = dead_letter_evaluation(read_dead_letters(postgres))

@@ -150,7 +150,7 @@ def find_horizon(conn: psycopg.Connection, table: OutboxTable, *, cap: int = 10_
     ).fetchall()
     if not rows:
         return Horizon((), ())
-    held = tuple(HeldBack(t, int(p), int(n), age) for t, p, n, _, age in rows)
+    held = tuple(HeldBack(t, int(p), int(n), None if age is None else max(0.0, age)) for t, p, n, _, age in rows)
     newest = max(row[3] for row in rows)
     holders = conn.execute(_HOLDERS, {"newest_held": newest, "limit": limit}).fetchall()
     return Horizon(held, tuple(HorizonHolder(*row) for row in holders))

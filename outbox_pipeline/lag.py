@@ -85,7 +85,7 @@ def held_keys(conn: psycopg.Connection, table: OutboxTable) -> list[HeldKey]:
             """
         ).format(holds=table.holds, held=table.held)
     ).fetchall()
-    return [HeldKey(t, int(p), k, int(d), int(n), bool(r), age) for t, p, k, d, n, r, age in rows]
+    return [HeldKey(t, int(p), k, int(d), int(n), bool(r), _age(age)) for t, p, k, d, n, r, age in rows]
 
 
 def _with_held(lags: list[PartitionLag], held: Sequence[HeldKey], only: tuple[str, int] | None) -> list[PartitionLag]:
@@ -217,7 +217,7 @@ def partition_lag(
         )
         rows = conn.execute(query, params).fetchall()
         lags = [
-            PartitionLag(topic, part, int(n), age, None, leased, int(attempts), error, bool(backoff), until)
+            PartitionLag(topic, part, int(n), _age(age), None, leased, int(attempts), error, bool(backoff), until)
             for topic, part, n, age, _, leased, attempts, error, backoff, until in rows
         ]
         return _with_held(lags, held_keys(conn, table) if _has_holds(conn, table) else [], only)
@@ -235,7 +235,7 @@ def partition_lag(
             topic,
             part,
             int(n),
-            age,
+            _age(age),
             f"xid={xid} id={last_id}" if with_xid else f"id={last_id}",
             leased,
             int(attempts),
@@ -251,6 +251,12 @@ def partition_lag(
 def _has_holds(conn: psycopg.Connection, table: OutboxTable) -> bool:
     row = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(table.holds)).fetchone()
     return bool(row and row[0])
+
+
+def _age(seconds: float | None) -> float | None:
+    """A row's age; never negative (a row committed by a transaction that began a moment after this
+    statement's ``now()`` is visible to it, and reads as a few milliseconds from the future)."""
+    return None if seconds is None else max(0.0, seconds)
 
 
 def holders(lags: Sequence[PartitionLag]) -> set[str]:
