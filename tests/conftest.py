@@ -118,3 +118,15 @@ def publisher(kafka: KafkaProbe) -> Iterator[KafkaPublisher]:
     pub = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 10_000})
     yield pub
     pub.close()
+
+
+@pytest.fixture
+def open_transaction(connect: Callable[[], psycopg.Connection]) -> Iterator[psycopg.Connection]:
+    """A session with a transaction left open after a write (``over_lunch`` in its query), as a forgotten
+    BEGIN in psql: it holds the xmin horizon until the test ends (rolled back then)."""
+    lunch = connect()
+    lunch.execute("BEGIN")
+    lunch.execute("SELECT pg_current_xact_id() AS over_lunch")
+    yield lunch
+    if not lunch.closed:
+        lunch.execute("ROLLBACK")

@@ -79,17 +79,13 @@ def test_a_forgotten_prepared_transaction_is_named_with_its_gid(
 def test_outbox_lag_names_the_transaction_holding_the_horizon(
     db: psycopg.Connection,
     table: OutboxTable,
-    connect: Callable[[], psycopg.Connection],
+    open_transaction: psycopg.Connection,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    lunch = connect()
-    lunch.execute("BEGIN")
-    lunch.execute("SELECT pg_current_xact_id()")
     _write(db, table, 2)
 
     assert main(["lag", "--strategy", "partitioned", "--dsn", db.info.dsn, "--schema", table.schema]) == 0
 
     out = capsys.readouterr().out
     assert "2 committed rows in orders:0 wait for older transactions still open" in out
-    assert f"pid {lunch.info.backend_pid} " in out
-    lunch.execute("ROLLBACK")
+    assert f"pid {open_transaction.info.backend_pid} " in out

@@ -42,12 +42,9 @@ def test_rows_nobody_relays_say_no_worker_has_taken_them(
 def test_an_open_transaction_is_named_as_the_blocker_of_the_partitions_it_holds_back(
     db: psycopg.Connection,
     table: OutboxTable,
-    connect: Callable[[], psycopg.Connection],
+    open_transaction: psycopg.Connection,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    lunch = connect()
-    lunch.execute("BEGIN")
-    lunch.execute("SELECT pg_current_xact_id() AS over_lunch")
     enqueue_many(db, [Message("orders", {"n": i}, key="k", partition=1) for i in range(3)], table=table)
 
     status = _status(db, table, "partitioned", capsys)["orders:1"]
@@ -55,7 +52,6 @@ def test_an_open_transaction_is_named_as_the_blocker_of_the_partitions_it_holds_
     assert status["pending"] == 3
     [blocker] = status["blocked_by"]
     assert blocker.startswith("horizon: 3 committed rows wait for pid ") and "over_lunch" in blocker
-    lunch.execute("ROLLBACK")
 
 
 def test_a_key_held_behind_a_poison_message_and_its_dead_letter_are_shown(

@@ -182,19 +182,16 @@ def test_a_transaction_left_open_holds_the_horizon_and_the_alert_fires_once_nami
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
-    connect: Callable[[], psycopg.Connection],
+    open_transaction: psycopg.Connection,
     write_rows: Callable[..., Written],
 ) -> None:
     """A BEGIN left open over lunch (after a write) keeps `partitioned` from reading rows committed since."""
     sensor = build_lag_slo_sensor(OrchestrationSettings(thresholds=THRESHOLDS))
-    lunch = connect()
-    lunch.execute("BEGIN")
-    lunch.execute("SELECT pg_current_xact_id() AS over_lunch")
     write_rows(12)
     cursor = None
     for _ in range(2):  # held back, twice
         cursor = _tick(sensor, instance, dagster_resources, cursor).cursor
-    lunch.execute("ROLLBACK")
+    open_transaction.execute("ROLLBACK")
     drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
     cursor = _tick(sensor, instance, dagster_resources, cursor).cursor
 
@@ -203,7 +200,7 @@ def test_a_transaction_left_open_holds_the_horizon_and_the_alert_fires_once_nami
         ("outbox_lag_slo", "resolved"),
     ]
     text = str(receiver.received[0]["text"])
-    assert "12 committed rows" in text and f"pid {lunch.info.backend_pid} " in text and "over_lunch" in text
+    assert "12 committed rows" in text and f"pid {open_transaction.info.backend_pid} " in text and "over_lunch" in text
 
 
 def test_an_unreachable_webhook_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
