@@ -17,6 +17,7 @@ import platform
 import signal
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -25,7 +26,7 @@ from pathlib import Path
 from ..strategies import STRATEGY_NAMES
 from . import held, latency, retained, writers
 from .orchestrated import DagsterRelay
-from .runner import Comparison, RunSpec, Servers, compare, run_once
+from .runner import HEADLINE, PRODUCE_ONLY, READ_ONLY, Comparison, RunSpec, Servers, bench_lines, compare
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
 TALK_TABLE = {
@@ -58,13 +59,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mode", choices=("delete", "mark-sent"), default="delete")
     parser.add_argument("--runs", type=int, default=1, help="repetitions; medians are reported")
-    parser.add_argument("--baseline", action="store_true", help="also run the talk's naive variant, interleaved")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run the talk's variant 1 and --strategy's naive variant on the talk's own table (the headline) "
+        "and the naive variant on ours, interleaved with ours and the two ceilings",
+    )
     parser.add_argument(
         "--baseline-strategy",
         choices=STRATEGY_NAMES,
-        help="--baseline: the naive variant to run (default: --strategy's; the talk's variant 1 is locking)",
+        help="--baseline: the naive variant to run besides variant 1 (default: --strategy's)",
     )
-    parser.add_argument("--matrix", action="store_true", help="every strategy x {1, 2} workers, naive and ours")
+    parser.add_argument(
+        "--matrix", action="store_true", help="every strategy x {1, 2} workers: the talk's table, ours, read-only"
+    )
     parser.add_argument(
         "--matrix-strategies",
         type=lambda text: [s for s in text.split(",") if s],
@@ -189,12 +197,10 @@ def run(args: argparse.Namespace) -> int:
             return 0 if all(s.bounded(args.batch_size) for s in steps) else 1
         if args.matrix:
             return _matrix(found, base, args.runs, args.matrix_strategies)
-        if args.baseline:
-            comparison = compare(found, base, args.runs, naive_strategy=args.baseline_strategy)
-            _print_comparison(base, comparison, args.baseline_strategy or base.strategy)
-            return 0
-        results = [run_once(found, base) for _ in range(args.runs)]
-        return 0 if all(r.published >= base.messages and r.verified is not False for r in results) else 1
+        lines = bench_lines(base, baseline=args.baseline, naive_strategy=args.baseline_strategy)
+        comparison = compare(found, lines, args.runs)
+        print("\n" + render_comparison(base, comparison, args.runs))
+        return 0 if comparison.complete else 1
 
 
 def _orchestrated(found: Servers, strategy: str, rate: float, seconds: float, runs: int) -> int:
@@ -227,53 +233,82 @@ def _orchestrated(found: Servers, strategy: str, rate: float, seconds: float, ru
     return 0 if complete else 1
 
 
-def _print_comparison(spec: RunSpec, c: Comparison, naive_strategy: str) -> None:
-    ours, naive = c.median_rate(c.ours), c.median_rate(c.naive)
-    print(
-        f"\n{spec.strategy}, {spec.workers} worker(s), {spec.messages:,} x {spec.payload_bytes} B, "
-        f"median of {len(c.ours)}: ours (batch {spec.batch_size}) {ours:,.0f} msg/s, "
-        f"naive {naive_strategy} (batch 100) {naive:,.0f} msg/s, ratio {c.ratio:.1f}x",
-        flush=True,
-    )
+_WHAT = {
+    "talk": "the talk's variant on the talk's own table, batch 100",
+    "naive": "the talk's variant on our table (partitioned by day, its indexes), batch 100",
+    "ours": "our relay",
+    "produce-only": "the same records from memory through the same producer (no PostgreSQL)",
+    "read-only": "our relay with Kafka replaced by an instant confirmation (no Kafka)",
+}
+
+
+def render_comparison(base: RunSpec, c: Comparison, runs: int) -> str:
+    """The results table: medians, ratios against the headline baseline, shares of both ceilings."""
+    produce, read = c.median(PRODUCE_ONLY), c.median(READ_ONLY)
+    head = [
+        f"{base.strategy}, {base.workers} worker(s), {base.messages:,} x {base.payload_bytes} B, "
+        f"{base.topics} topics x {base.partitions} partition(s), ours batch {base.batch_size}, "
+        f"medians of {runs} interleaved round(s); "
+        f"{platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}",
+        "| line | what | msg/s | x talk v1 | % of produce-only | % of read-only | verified |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for name, spec in c.specs.items():
+        rate = c.median(name)
+        vs_headline = f"{c.ratio(name, HEADLINE):.2f}" if HEADLINE in c.specs else "-"
+        verified = {r.verified for r in c.results.get(name, [])}
+        rows.append(
+            f"| {name} | {_WHAT[spec.kind]} | {rate:,.0f} | {vs_headline} | "
+            f"{100 * rate / produce:.0f} % | {100 * rate / read:.0f} % | "
+            f"{'yes' if verified == {True} else 'NO' if False in verified else '-'} |"
+            if produce and read
+            else f"| {name} | {_WHAT[spec.kind]} | {rate:,.0f} | {vs_headline} | - | - | - |"
+        )
+    return "\n".join(head + rows)
 
 
 def _matrix(found: Servers, base: RunSpec, runs: int, strategies: list[str]) -> int:
     unknown = sorted(set(strategies) - set(STRATEGY_NAMES))
     if unknown:
         raise SystemExit(f"outbox bench: unknown strategies {unknown}; choose from {', '.join(STRATEGY_NAMES)}")
-    table: dict[tuple[str, int], Comparison] = {}
-    for strategy in strategies:
-        for workers in (1, 2):
-            print(f"\n== {strategy}, {workers} worker(s)", flush=True)
-            table[(strategy, workers)] = compare(found, replace(base, strategy=strategy, workers=workers), runs)
+    by_workers: dict[int, Comparison] = {}
+    for workers in (1, 2):
+        spec = replace(base, workers=workers)
+        lines: dict[str, RunSpec] = {HEADLINE: replace(spec, kind="talk", strategy="locking")}
+        for strategy in strategies:
+            if strategy != "locking":
+                lines[f"talk {strategy}"] = replace(spec, kind="talk", strategy=strategy)
+            lines[f"ours {strategy}"] = replace(spec, strategy=strategy)
+            lines[f"read-only {strategy}"] = replace(spec, strategy=strategy, kind="read-only")
+        lines[PRODUCE_ONLY] = replace(spec, kind="produce-only")
+        print(f"\n== {workers} worker(s)", flush=True)
+        by_workers[workers] = compare(found, lines, runs)
     print(
         f"\n{base.messages:,} messages x {base.payload_bytes} B, {base.topics} topics x {base.partitions} partition(s),"
-        f" medians of {runs} run(s), naive batch 100, ours batch {base.batch_size}"
+        f" medians of {runs} interleaved round(s), naive batch 100, ours batch {base.batch_size}; "
+        f"{platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
     )
     print(
-        "| variant | talk 1w | talk 2w | naive 1w | naive 2w | naive / variant 1 (1w, 2w) "
-        "| ours 1w | ours 2w | ours/naive 1w | ours/naive 2w |"
+        "| variant | talk's slide 1w | talk's slide 2w | talk table 1w | talk table 2w | ours 1w | ours 2w "
+        "| ours / its naive (1w, 2w) | ours / talk v1 (1w, 2w) | read-only 2w | produce-only 2w |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    variant_1 = {
-        w: table[("locking", w)].median_rate(table[("locking", w)].naive) if ("locking", w) in table else 0.0
-        for w in (1, 2)
-    }
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for strategy in strategies:
-        one, two = table[(strategy, 1)], table[(strategy, 2)]
+        naive = HEADLINE if strategy == "locking" else f"talk {strategy}"
         talk = TALK_TABLE.get(strategy, ("-", "-"))
 
-        def cell(c: Comparison, ours: bool) -> str:
-            rate = c.median_rate(c.ours if ours else c.naive)
+        def cell(workers: int, line: str) -> str:
+            rate = by_workers[workers].median(line)
             return f"{_mmss(base.messages / rate)} ({rate / 1000:.0f}k/s)" if rate else "-"
 
-        def vs_variant_1(c: Comparison, workers: int) -> str:
-            rate = c.median_rate(c.naive)
-            return f"{rate / variant_1[workers]:.2f}" if variant_1[workers] else "-"
+        def ratios(against: str, ours: str = f"ours {strategy}") -> str:
+            return ", ".join(f"{by_workers[w].ratio(ours, against):.1f}x" for w in (1, 2))
 
         print(
-            f"| {strategy} | {talk[0]} | {talk[1]} | {cell(one, False)} | {cell(two, False)} | "
-            f"{vs_variant_1(one, 1)}, {vs_variant_1(two, 2)} | "
-            f"{cell(one, True)} | {cell(two, True)} | {one.ratio:.1f}x | {two.ratio:.1f}x |"
+            f"| {strategy} | {talk[0]} | {talk[1]} | {cell(1, naive)} | {cell(2, naive)} | "
+            f"{cell(1, f'ours {strategy}')} | {cell(2, f'ours {strategy}')} | {ratios(naive)} | {ratios(HEADLINE)} | "
+            f"{by_workers[2].median(f'read-only {strategy}') / 1000:.0f}k/s | "
+            f"{by_workers[2].median(PRODUCE_ONLY) / 1000:.0f}k/s |"
         )
-    return 0
+    return 0 if all(c.complete for c in by_workers.values()) else 1

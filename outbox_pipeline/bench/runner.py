@@ -15,11 +15,12 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Event
+from multiprocessing.synchronize import Event, Semaphore
 from pathlib import Path
+from typing import Literal
 
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -33,8 +34,10 @@ from ..schema import init_db, set_topic_partitions
 from ..strategies import strategy_class
 from ..strategies.base import StrategyConfig
 from ..verify import verify
-from .naive import prepare_naive_schema, run_naive
+from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
+from .naive import NAIVE_BATCH, prepare_naive_schema, run_naive
 from .procstat import own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
+from .talk_table import add_talk_offsets, create_talk_table, index_talk_table
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,21 @@ class Servers:
     broker_pid: int | None = None
 
 
+# What a run drains with, and on which table:
+# - ours: the relay (``strategy``) on our table;
+# - talk: the talk's naive variant for ``strategy`` on the talk's own table (talk_table.py), the headline baseline;
+# - naive: the same variant on our table (partitioned by day, more indexes), a second line;
+# - produce-only / read-only: the two ceilings (ceilings.py).
+RunKind = Literal["ours", "talk", "naive", "produce-only", "read-only"]
+NAIVE_KINDS = ("talk", "naive")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     strategy: str
     workers: int = 2
     batch_size: int = 5000
-    naive: bool = False
+    kind: RunKind = "ours"
     messages: int = 1_000_000
     payload_bytes: int = 256
     topics: int = 2
@@ -62,10 +74,13 @@ class RunSpec:
     verify: bool = False
 
     @property
+    def naive(self) -> bool:
+        return self.kind in NAIVE_KINDS
+
+    @property
     def label(self) -> str:
-        kind = "naive" if self.naive else "ours"
-        batch = 100 if self.naive else self.batch_size
-        return f"{self.strategy} {kind} w={self.workers} b={batch}"
+        batch = NAIVE_BATCH if self.naive else self.batch_size
+        return f"{self.strategy} {self.kind} w={self.workers} b={batch}"
 
 
 @dataclass(frozen=True)
@@ -95,29 +110,47 @@ class _WorkerReport:
     error: str | None = None
 
 
-def _worker(spec: RunSpec, dsn: str, schema: str, bootstrap: str, index: int, go: Event, out: Queue) -> None:
-    """One benchmark worker process: set up, wait for the start signal, drain, report."""
+def _worker(
+    spec: RunSpec, dsn: str, schema: str, bootstrap: str, index: int, ready: Semaphore, go: Event, out: Queue
+) -> None:
+    """One benchmark worker process: set up, say it is ready, wait for the start signal, drain, report."""
     table = OutboxTable(schema=schema)
+
+    def start_line() -> None:
+        ready.release()
+        go.wait()
+
     try:
         if spec.naive:
-            go.wait()
-            result = run_naive(spec.strategy, dsn, table, bootstrap, f"naive-{index}")
-            published = result.published
+            start_line()
+            published = run_naive(spec.strategy, dsn, table, bootstrap, f"naive-{index}").published
+        elif spec.kind == "produce-only":
+            records = read_share(dsn, table, index, spec.workers)
+            publisher = KafkaPublisher({"bootstrap.servers": bootstrap})
+            publisher.producer  # noqa: B018
+            start_line()
+            # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
+            published = produce_all(publisher, records, max(1, len(records)))
         else:
+            publisher = (
+                ConfirmingPublisher() if spec.kind == "read-only" else KafkaPublisher({"bootstrap.servers": bootstrap})
+            )
             relay = Relay(
                 dsn,
                 strategy_class(spec.strategy),
                 StrategyConfig(table=table, worker_id=f"bench-{index}", mode=spec.mode),  # type: ignore[arg-type]
-                KafkaPublisher({"bootstrap.servers": bootstrap}),
+                publisher,
                 RelaySettings(batch_size=spec.batch_size, until_empty=True, listen=False),
             )
             relay.strategy  # noqa: B018 - connect before the clock starts
-            relay.publisher.producer  # noqa: B018
-            go.wait()
+            if spec.kind == "ours":
+                relay.publisher.producer  # noqa: B018
+            start_line()
             published = relay.run().published
         usage = resource.getrusage(resource.RUSAGE_SELF)
         out.put(_WorkerReport(published, time.time(), usage.ru_utime + usage.ru_stime, own_peak_rss_mb()))
     except Exception as exc:  # reported, the run is marked failed
+        ready.release()
         out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
 
 
@@ -128,17 +161,23 @@ def prepare(
     run_id = uuid.uuid4().hex[:8]
     table = OutboxTable(schema=f"bench_{run_id}")
     topics = [f"bench-{run_id}-topic-{i + 1}" for i in range(spec.topics)]
+    talk = spec.kind == "talk"
+    if talk and spec.partitions > 1 and spec.strategy in ("partitioned", "serialized"):
+        raise SystemExit("outbox bench: the talk's table has one partition per topic (--partitions 1)")
     admin = AdminClient({"bootstrap.servers": servers.bootstrap})
     for future in admin.create_topics([NewTopic(t, spec.partitions, 1) for t in topics]).values():
         future.result()
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
-        init_db(conn, table)
-        for topic in topics:
-            set_topic_partitions(conn, table, topic, spec.partitions)
-        # The wake-up trigger costs each committing transaction 0.7-2 ms (README, Performance): a third
-        # to half of a 100-rows-per-transaction load. Nobody listens on this fresh schema yet, so the
-        # load goes without it; the drain runs with it back on, as a service's table has it.
-        conn.execute(sql.SQL("ALTER TABLE {} DISABLE TRIGGER outbox_messages_notify").format(table.messages))
+        if talk:
+            create_talk_table(conn, table, spec.strategy)
+        else:
+            init_db(conn, table)
+            for topic in topics:
+                set_topic_partitions(conn, table, topic, spec.partitions)
+            # The wake-up trigger costs each committing transaction 0.7-2 ms (README, Performance): a third
+            # to half of a 100-rows-per-transaction load. Nobody listens on this fresh schema yet, so the
+            # load goes without it; the drain runs with it back on, as a service's table has it.
+            conn.execute(sql.SQL("ALTER TABLE {} DISABLE TRIGGER outbox_messages_notify").format(table.messages))
     load_s = load(
         servers.dsn,
         table,
@@ -147,19 +186,25 @@ def prepare(
         topics=topics,
         keys=spec.keys,
         rows_per_transaction=spec.rows_per_transaction,
+        route_in_db=talk,  # the talk's table has no routing: every row in partition 0 (one per topic)
     )
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("ALTER TABLE {} ENABLE TRIGGER outbox_messages_notify").format(table.messages))
-        if spec.naive:
-            prepare_naive_schema(conn, table, spec.strategy)
-        # The talk's offsets table starts with a row per partition; ours discovers them, the naive
-        # variants need them up front.
-        conn.execute(
-            sql.SQL(
-                "INSERT INTO {} (topic, partition) SELECT t, p FROM unnest(%s::text[]) t, generate_series(0, %s) p"
-            ).format(table.offsets),
-            (topics, spec.partitions - 1),
-        )
+        if talk:
+            index_talk_table(conn, table, spec.strategy)
+            if spec.strategy in ("partitioned", "serialized"):
+                add_talk_offsets(conn, table, topics, spec.partitions)
+        else:
+            conn.execute(sql.SQL("ALTER TABLE {} ENABLE TRIGGER outbox_messages_notify").format(table.messages))
+            if spec.kind == "naive":
+                prepare_naive_schema(conn, table, spec.strategy)
+            # The talk's offsets table starts with a row per partition; ours discovers them, the naive
+            # variants need them up front.
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (topic, partition) SELECT t, p FROM unnest(%s::text[]) t, generate_series(0, %s) p"
+                ).format(table.offsets),
+                (topics, spec.partitions - 1),
+            )
     progress(f"  loaded {spec.messages:,} rows in {load_s:.1f} s ({spec.messages / load_s:,.0f} rows/s)")
     return table, topics, load_s
 
@@ -176,17 +221,21 @@ def _write_ledger(servers: Servers, table: OutboxTable) -> Path:
 
 def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = print) -> RunResult:
     table, topics, load_s = prepare(servers, spec, progress)
-    ledger = _write_ledger(servers, table) if spec.verify else None
+    ledger = _write_ledger(servers, table) if spec.verify and spec.kind == "ours" else None
     ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Semaphore(0)
     go = ctx.Event()
     out: Queue = ctx.Queue()
     processes = [
-        ctx.Process(target=_worker, args=(spec, servers.dsn, table.schema, servers.bootstrap, i, go, out))
+        ctx.Process(target=_worker, args=(spec, servers.dsn, table.schema, servers.bootstrap, i, ready, go, out))
         for i in range(spec.workers)
     ]
     for process in processes:
         process.start()
-    time.sleep(1.0 if spec.naive else 0.0)  # naive workers connect after the signal; ours are ready
+    # Interpreter start, imports and (ours) connections are not timed; the naive variants connect after the
+    # signal, as the talk's code does.
+    for _ in processes:
+        ready.acquire()
     pg_before = tree_cpu_s(servers.postgres_pid) if servers.postgres_pid else None
     broker_before = process_cpu_s(servers.broker_pid) if servers.broker_pid else None
     started = time.time()
@@ -203,10 +252,16 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
     errors = [r.error for r in reports if r.error]
     published = sum(r.published for r in reports)
     verified: bool | None = None
-    if spec.verify:
-        assert ledger is not None
+    if ledger is not None:
         verified = _verify(servers, table, topics, ledger)
         ledger.unlink()
+    elif spec.verify and spec.kind == "read-only":
+        verified = published >= spec.messages  # nothing goes to Kafka: every row claimed and acked
+    elif spec.verify:
+        distinct, records = count_back(servers.bootstrap, topics, spec.messages)
+        verified = distinct == spec.messages
+        if not verified:
+            progress(f"  counted back {distinct:,} of {spec.messages:,} messages ({records:,} records)")
     result = RunResult(
         spec=spec,
         published=published,
@@ -251,36 +306,58 @@ def format_result(r: RunResult) -> str:
 
 @dataclass
 class Comparison:
-    """Interleaved runs of the naive variant and ours, for medians and a same-run ratio."""
+    """Interleaved runs of several lines (a baseline, ours, the ceilings), for medians and same-run ratios."""
 
-    ours: list[RunResult] = field(default_factory=list)
-    naive: list[RunResult] = field(default_factory=list)
+    specs: dict[str, RunSpec]
+    results: dict[str, list[RunResult]] = field(default_factory=dict)
 
-    @staticmethod
-    def median_rate(results: Sequence[RunResult]) -> float:
-        return statistics.median(r.msg_per_s for r in results) if results else 0.0
+    def median(self, line: str) -> float:
+        found = self.results.get(line, [])
+        return statistics.median(r.msg_per_s for r in found) if found else 0.0
+
+    def ratio(self, line: str, against: str) -> float:
+        base = self.median(against)
+        return self.median(line) / base if base else 0.0
 
     @property
-    def ratio(self) -> float:
-        naive = self.median_rate(self.naive)
-        return self.median_rate(self.ours) / naive if naive else 0.0
+    def complete(self) -> bool:
+        return all(
+            r.published >= r.spec.messages and r.verified is not False and not r.note
+            for found in self.results.values()
+            for r in found
+        )
+
+
+# The lines of a comparison, by name.
+HEADLINE = "talk v1"  # the talk's variant 1 on the talk's own table: what a user would write first
+OURS = "ours"
+PRODUCE_ONLY = "produce-only"
+READ_ONLY = "read-only"
+
+
+def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = None) -> dict[str, RunSpec]:
+    """Ours and both ceilings; with ``baseline`` first the talk's variant 1 and the strategy's own naive form on
+    the talk's table (the headline) and on ours (the second line)."""
+    lines: dict[str, RunSpec] = {}
+    if baseline:
+        variant = naive_strategy or spec.strategy
+        lines[HEADLINE] = replace(spec, kind="talk", strategy="locking")
+        if variant != "locking":
+            lines[f"talk {variant}"] = replace(spec, kind="talk", strategy=variant)
+        lines[f"naive {variant} on our table"] = replace(spec, kind="naive", strategy=variant)
+    lines[OURS] = spec
+    lines[PRODUCE_ONLY] = replace(spec, kind="produce-only")
+    lines[READ_ONLY] = replace(spec, kind="read-only")
+    return lines
 
 
 def compare(
-    servers: Servers,
-    spec: RunSpec,
-    runs: int,
-    progress: Callable[[str], None] = print,
-    *,
-    naive_strategy: str | None = None,
+    servers: Servers, lines: dict[str, RunSpec], runs: int, progress: Callable[[str], None] = print
 ) -> Comparison:
-    """naive, ours, naive, ours, ...: the machine's speed swings, so the pair shares its conditions.
-
-    ``naive_strategy``: the talk's variant to compare with (default: the same strategy's).
-    """
-    comparison = Comparison()
-    naive = replace(spec, naive=True, verify=False, strategy=naive_strategy or spec.strategy)
-    for _ in range(runs):
-        comparison.naive.append(run_once(servers, naive, progress))
-        comparison.ours.append(run_once(servers, spec, progress))
+    """Every line once per round, ``runs`` rounds: the machine's speed swings, so a round shares its conditions."""
+    comparison = Comparison(lines)
+    for n in range(runs):
+        for name, spec in lines.items():
+            progress(f"round {n + 1}/{runs}: {name}")
+            comparison.results.setdefault(name, []).append(run_once(servers, spec, progress))
     return comparison

@@ -1,0 +1,92 @@
+"""Engine room (benchmarks): the two ceilings every relay result is read against, and the count-back.
+
+- produce-only: the same records, read from the table before the clock starts, handed to the same
+  publisher (same producer settings, same produce loop) by the same number of processes: what the broker
+  and librdkafka take here, with PostgreSQL out of the way.
+- read-only: the same relay with Kafka replaced by a publisher that confirms every batch at once: the
+  strategy's claims and acks alone, what PostgreSQL and our Python give, with Kafka out of the way.
+
+A relay at 90 % of the lower ceiling has nothing left to win on its own side.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+
+import psycopg
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+from psycopg import sql
+
+from ..config import OutboxTable
+from ..publisher import KafkaPublisher, PendingBatch
+from ..strategies.base import RECORD_COLUMNS, OutboxRecord, PublishOutcome, fetch_records
+from ..verify.consume import make_consumer
+
+
+def read_share(dsn: str, table: OutboxTable, index: int, workers: int) -> list[OutboxRecord]:
+    """Worker ``index``'s share of the loaded rows, in id order, as the relay would have read them."""
+    query = sql.SQL("SELECT {columns} FROM {messages} m WHERE m.id %% %s = %s ORDER BY m.id").format(
+        columns=sql.SQL(RECORD_COLUMNS), messages=table.messages
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return fetch_records(conn, query, (workers, index))  # type: ignore[arg-type]
+
+
+def produce_all(publisher: KafkaPublisher, records: Sequence[OutboxRecord], batch_size: int) -> int:
+    """Every record through the relay's produce loop, one batch after another; returns those confirmed."""
+    confirmed = 0
+    for first in range(0, len(records), batch_size):
+        outcome = publisher.finish(publisher.start(records[first : first + batch_size]))
+        confirmed += len(outcome.delivered)
+    return confirmed
+
+
+class ConfirmingPublisher(KafkaPublisher):
+    """The read-only ceiling's Kafka: every batch confirmed the moment it is handed over (no producer is made)."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+
+    def start(self, records: Sequence[OutboxRecord]) -> PendingBatch:
+        return PendingBatch(records, time.monotonic())
+
+    def finish(self, pending: PendingBatch) -> PublishOutcome:
+        return PublishOutcome(pending.records, [], 0.0)
+
+    def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
+        return self.finish(self.start(records))
+
+
+_SEQ = re.compile(rb'"seq":\s*(\d+)')
+
+
+def count_back(bootstrap: str, topics: list[str], expected: int, idle_s: float = 3.0) -> tuple[int, int]:
+    """(distinct messages, records) that arrived in ``topics``, told apart by the payload's ``seq``.
+
+    For tables without a message_id (the talk's): every loaded ``seq`` 0..expected-1 must be there.
+    """
+    consumer = make_consumer({"bootstrap.servers": bootstrap})
+    try:
+        metadata = consumer.list_topics(timeout=15)
+        consumer.assign(
+            [TopicPartition(t, p, OFFSET_BEGINNING) for t in topics for p in sorted(metadata.topics[t].partitions)]
+        )
+        seen: set[int] = set()
+        records = 0
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < idle_s:
+            batch = consumer.consume(10_000, timeout=0.5)
+            if batch:
+                quiet_since = time.monotonic()
+            for message in batch:
+                if message.error() is None:
+                    records += 1
+                    found = _SEQ.search(message.value() or b"")
+                    if found:
+                        seen.add(int(found.group(1)))
+        distinct = sum(1 for seq in seen if seq < expected)
+        return distinct, records
+    finally:
+        consumer.close()
