@@ -1,0 +1,224 @@
+"""Engine room: the ``outbox`` command line (argument parsing and the way errors end a command).
+
+Configuration comes from the environment (``OUTBOX_PG_DSN``, ``OUTBOX_SCHEMA``, ``KAFKA_*``); flags
+override it. Errors a user can fix print one line and exit 2; DSN passwords are never printed. The commands
+live beside this module, by what they do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import psycopg
+
+from .. import schema
+from ..config import redact_dsn
+from ..errors import OutboxError
+from ..relay import RelaySettings
+from ..strategies import STRATEGY_NAMES
+from ..strategies.quarantine import ON_POISON_CHOICES
+from .common import add_db_args, timestamp_arg
+from .inspect_commands import cmd_lag, cmd_status
+from .operator_commands import cmd_dead_letters, cmd_release_lease, cmd_replay, cmd_verify
+from .relay_command import EXIT_NOT_EMPTY, cmd_relay
+from .setup_commands import cmd_bench, cmd_demo_traffic, cmd_dev, cmd_enqueue, cmd_init_db, cmd_load
+
+__all__ = ["EXIT_NOT_EMPTY", "build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="outbox", description="Transactional outbox relay: PostgreSQL -> Kafka")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("init-db", help="create or migrate the outbox schema (idempotent)")
+    add_db_args(p)
+    p.add_argument("--days-ahead", type=int, default=schema.DEFAULT_DAYS_AHEAD, help="daily partitions to create ahead")
+    p.add_argument("--partitions", type=int, help="default number of virtual partitions per topic")
+    p.add_argument("--topic", action="append", metavar="NAME:PARTITIONS", help="virtual partitions of one topic")
+    p.set_defaults(func=cmd_init_db)
+
+    p = sub.add_parser("enqueue", help="enqueue one message in its own transaction")
+    add_db_args(p)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--payload", required=True, help="JSON text")
+    p.add_argument("--key")
+    p.add_argument("--type")
+    p.add_argument("--header", action="append", metavar="NAME=VALUE")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--partition", type=int)
+    p.add_argument("--serialized", action="store_true", help="take the serialized-writer lock")
+    p.set_defaults(func=cmd_enqueue)
+
+    p = sub.add_parser("load", help="bulk-load demo messages with COPY")
+    add_db_args(p)
+    p.add_argument("count", type=int, nargs="?", default=1_000_000)
+    p.add_argument("--size", type=int, default=256, help="payload bytes per message")
+    p.add_argument("--topics", default="topic-1,topic-2")
+    p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--rows-per-transaction", type=int, help="commit every N rows (default: one transaction)")
+    p.add_argument(
+        "--route-in-db", action="store_true", help="leave the partition to the insert trigger, as a SQL writer does"
+    )
+    p.set_defaults(func=cmd_load)
+
+    p = sub.add_parser("demo-traffic", help="write steady demo traffic until interrupted")
+    add_db_args(p)
+    p.add_argument("--rate", type=float, default=20.0, help="messages per second")
+    p.add_argument("--topics", default="orders,payments,shipments")
+    p.add_argument("--keys", type=int, default=50)
+    p.add_argument("--rollback-every", type=int, default=25, help="every Nth transaction rolls back (0: never)")
+    p.add_argument("--long-tx-every", type=float, default=30.0, help="seconds between long transactions (0: never)")
+    p.set_defaults(func=cmd_demo_traffic)
+
+    p = sub.add_parser("relay", help="run relay workers (one process each) until stopped")
+    add_db_args(p)
+    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES)
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument("--batch-size", type=int, default=RelaySettings.batch_size)
+    p.add_argument(
+        "--until-empty",
+        action="store_true",
+        help="stop when nothing is pending: waits for rows leased by other workers or backing off; if "
+        f"--max-seconds ends it first, exits {EXIT_NOT_EMPTY} and prints why rows are still pending",
+    )
+    p.add_argument("--max-seconds", type=float, help="stop after this long")
+    p.add_argument("--mode", choices=("delete", "mark-sent"), default="delete", help="row strategies: after delivery")
+    p.add_argument(
+        "--worker-id",
+        help="stable id prefix (workers are ID-0, ID-1, ...): a restarted worker then takes its leases back at once "
+        "(default: <hostname>-<pid>)",
+    )
+    p.add_argument(
+        "--kafka-transactions", action="store_true", help="position strategies: one Kafka transaction a batch"
+    )
+    p.add_argument("--no-listen", action="store_true", help="poll instead of waiting for NOTIFY")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics and a /healthz liveness probe on this port (worker n: port + n)",
+    )
+    p.add_argument(
+        "--on-poison",
+        choices=ON_POISON_CHOICES,
+        help="ordered strategies, when a row is dead-lettered: hold the rest of its key until the dead letter is "
+        "retried or discarded (quarantine), or publish them without it (skip); default $OUTBOX_ON_POISON or "
+        "quarantine",
+    )
+    p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+    p.set_defaults(func=cmd_relay)
+
+    p = sub.add_parser(
+        "status",
+        help="why a partition is not moving: owner, position, pending, held, backoff, dead letters, blocker",
+    )
+    add_db_args(p)
+    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="as this strategy sees the outbox")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("lag", help="pending rows per topic and virtual partition")
+    add_db_args(p)
+    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="pending as this strategy sees it")
+    p.add_argument("--cap", type=int, help="count at most this many rows per partition (cheap on huge backlogs)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_lag)
+
+    p = sub.add_parser(
+        "replay",
+        help="publish again: sent rows (mark-sent mode) by filter, or rewind one partition's position",
+        description="Without --partition: mark matching sent rows pending again (row strategies, mark-sent mode). "
+        "With --topic and --partition: move that partition's position back (partitioned, serialized).",
+    )
+    add_db_args(p)
+    p.add_argument("--topic")
+    p.add_argument("--key")
+    p.add_argument("--id-from", type=int, help="ids from (inclusive)")
+    p.add_argument("--id-to", type=int, help="ids to (inclusive)")
+    p.add_argument("--created-from", type=timestamp_arg, help="created at or after (ISO-8601, UTC by default)")
+    p.add_argument("--created-to", type=timestamp_arg, help="created before (ISO-8601, UTC by default)")
+    p.add_argument("--all", action="store_true", help="replay every sent row (no filter)")
+    p.add_argument("--partition", type=int, help="rewind this virtual partition of --topic")
+    p.add_argument("--to-id", type=int, help="rewind to just after this id (0: the whole partition)")
+    p.add_argument("--to-xid", help="with --to-id: the position's transaction id")
+    p.add_argument("--since", type=timestamp_arg, help="rewind to just before the rows created since then")
+    p.add_argument("--force", action="store_true", help="rewind even while a live worker leases the partition")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("dead-letters", help="list dead letters or put them back into the outbox")
+    add_db_args(p)
+    p.add_argument("action", choices=("list", "retry", "discard"))
+    p.add_argument("--id", type=int, action="append", help="retry, discard: this dead letter (repeatable)")
+    p.add_argument("--reason", help="discard: why (recorded with the dead letter)")
+    p.add_argument("--topic", help="retry: the dead letters of this topic")
+    p.add_argument("--limit", type=int, default=100, help="list: at most this many")
+    p.add_argument("--include-retried", action="store_true", help="list: retried ones too")
+    p.add_argument("--json", action="store_true", help="list: as JSON")
+    p.set_defaults(func=cmd_dead_letters)
+
+    p = sub.add_parser("release-lease", help="free a stuck partition lease (partitioned, serialized)")
+    add_db_args(p)
+    p.add_argument("topic")
+    p.add_argument("partition", type=int)
+    p.set_defaults(func=cmd_release_lease)
+
+    p = sub.add_parser(
+        "verify",
+        help="check Kafka against the outbox ledger: lost, phantom, duplicates, order, latency",
+        description="Consume the topics (read_committed, every partition, until idle) and match records to the "
+        "outbox ledger by message_id. Exit 0 when nothing is lost, phantom or out of order, 1 otherwise.",
+    )
+    add_db_args(p)
+    p.add_argument("topics", nargs="+", metavar="TOPIC", help="Kafka topics to verify")
+    p.add_argument(
+        "--from",
+        dest="from_offsets",
+        action="append",
+        metavar="TOPIC:PARTITION:OFFSET",
+        help="start this partition here instead of at the beginning (repeatable)",
+    )
+    p.add_argument("--ledger-file", help="message ids, one per line, instead of the outbox table (delete mode)")
+    p.add_argument("--since", type=timestamp_arg, help="table ledger: rows created at or after (ISO-8601, UTC default)")
+    p.add_argument("--id-from", type=int, help="table ledger: rows with id >= N")
+    p.add_argument(
+        "--ordered",
+        choices=("partitioned", "serialized", "advisory"),
+        help="check per-key order as this strategy promises it",
+    )
+    p.add_argument("--idle-s", type=float, default=5.0, help="stop when every partition is idle this long")
+    p.add_argument("--max-seconds", type=float, help="stop consuming after this long even if not idle")
+    p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("bench", help="load N messages and drain them: msg/s, CPU, RSS; naive baseline")
+    from ..bench.command import add_arguments as add_bench_arguments
+
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("dev", help="run PostgreSQL, the broker, demo traffic and dagster dev locally")
+    p.add_argument("--no-dagster", action="store_true", help="start the servers and traffic only")
+    p.add_argument("--rate", type=float, default=None, help="demo traffic, messages per second")
+    p.set_defaults(func=cmd_dev)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except OutboxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except psycopg.OperationalError as exc:
+        dsn = getattr(args, "dsn", None) or ""
+        where = f" ({redact_dsn(dsn)})" if dsn else ""
+        print(f"error: cannot reach PostgreSQL{where}: {str(exc).strip()}", file=sys.stderr)
+        return 2

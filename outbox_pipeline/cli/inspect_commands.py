@@ -1,0 +1,91 @@
+"""Engine room (CLI): looking without touching: `outbox lag` and `outbox status`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+
+from ..errors import OutboxError
+from ..horizon import find_horizon
+from ..lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
+from ..liveness import holders_alive
+from .common import connect, strategy_named, table_of
+
+
+def cmd_lag(args: argparse.Namespace) -> int:
+    strategy_named(args.strategy)
+    if args.cap is not None and args.cap < 1:
+        raise OutboxError("--cap must be >= 1")
+    with connect(args) as conn:
+        lags = partition_lag(conn, table_of(args), args.strategy, cap=args.cap)
+        alive = holders_alive(conn, table_of(args), holders(lags))
+        held = [key for key in held_keys(conn, table_of(args)) if key.rows or not key.released]
+        horizon = find_horizon(conn, table_of(args)) if args.strategy == "partitioned" else None
+    if args.json:
+        print(json.dumps([{**dataclasses.asdict(lag), "holders": _holders_json(lag, alive)} for lag in lags]))
+    else:
+        print(_lagtable_of(lags, args.cap, alive))
+        for key in held:
+            print(key.describe())
+        for line in horizon.describe() if horizon else []:
+            print(line)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .. import status
+
+    strategy_named(args.strategy)
+    with connect(args) as conn:
+        statuses = status.partition_status(conn, table_of(args), args.strategy)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in statuses]))
+    else:
+        print(status.render(statuses))
+    return 0
+
+
+def _holders_json(lag: PartitionLag, alive: Mapping[str, bool | None]) -> dict[str, bool | None]:
+    return {h: alive.get(h) for h in (lag.leased_by or "").split(",") if h}
+
+
+def _lagtable_of(lags: Sequence[PartitionLag], cap: int | None, alive: Mapping[str, bool | None]) -> str:
+    header = (
+        "topic",
+        "partition",
+        "pending",
+        "held",
+        "oldest_s",
+        "position",
+        "held_by",
+        "until",
+        "attempts",
+        "backoff",
+        "last_error",
+    )
+    rows = [
+        (
+            lag.topic,
+            str(lag.partition),
+            f"{lag.pending}+" if cap is not None and lag.pending >= cap else str(lag.pending),
+            str(lag.held),
+            f"{lag.oldest_pending_age_s:.1f}" if lag.oldest_pending_age_s is not None else "-",
+            lag.position or "-",
+            describe_holders(lag.leased_by, alive) if lag.leased_by else "-",
+            lag.until or "-",
+            str(lag.attempts),
+            "yes" if lag.in_backoff else "no",
+            (lag.last_error or "-").replace("\n", " ")[:60],
+        )
+        for lag in lags
+    ]
+    if not rows:
+        return "nothing pending"
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=False)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in (header, *rows)]
+    total = sum(lag.pending for lag in lags)
+    return "\n".join(
+        [*lines, f"total pending: {total}{'+' if cap is not None and any(r[2].endswith('+') for r in rows) else ''}"]
+    )

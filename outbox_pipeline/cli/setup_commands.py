@@ -1,0 +1,111 @@
+"""Engine room (CLI): setting up and feeding an outbox: init-db, enqueue, load, demo-traffic, bench, dev."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+import psycopg
+
+from .. import schema
+from ..config import redact_dsn
+from ..enqueue import enqueue
+from ..errors import OutboxError
+from .common import dsn_of, table_of
+
+
+def cmd_init_db(args: argparse.Namespace) -> int:
+    table = table_of(args)
+    with psycopg.connect(dsn_of(args), autocommit=True) as conn:
+        applied = schema.init_db(conn, table, days_ahead=args.days_ahead)
+        if args.partitions is not None:
+            schema.set_topic_partitions(conn, table, schema.DEFAULT_TOPIC_ROW, args.partitions)
+        for topic_spec in args.topic or []:
+            name, _, count = topic_spec.partition(":")
+            schema.set_topic_partitions(conn, table, name, int(count))
+        version = schema.current_version(conn, table)
+    names = ", ".join(f"{m.version} ({m.name})" for m in applied) or "none (already current)"
+    print(f"schema {table.schema!r} at version {version}; applied: {names}")
+    return 0
+
+
+def cmd_enqueue(args: argparse.Namespace) -> int:
+    try:
+        payload = json.loads(args.payload)
+    except json.JSONDecodeError as exc:
+        raise OutboxError(f"--payload is not valid JSON: {exc}") from None
+    headers = dict(h.split("=", 1) for h in args.header or [])
+    with psycopg.connect(dsn_of(args)) as conn:
+        result = enqueue(
+            conn,
+            args.topic,
+            payload,
+            key=args.key,
+            headers=headers,
+            type=args.type,
+            priority=args.priority,
+            partition=args.partition,
+            serialized=args.serialized,
+            table=table_of(args),
+        )
+    print(json.dumps({"id": result.id, "message_id": str(result.message_id)}))
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from ..demo import load, print_progress
+
+    elapsed = load(
+        dsn_of(args),
+        table_of(args),
+        args.count,
+        payload_bytes=args.size,
+        topics=args.topics.split(","),
+        keys=args.keys,
+        rows_per_transaction=args.rows_per_transaction,
+        route_in_db=args.route_in_db,
+        progress=print_progress,
+    )
+    sys.stderr.write("\n")
+    rate = args.count / elapsed if elapsed > 0 else 0.0
+    print(f"loaded {args.count:,} messages of {args.size} B in {elapsed:.2f} s ({rate:,.0f} msg/s)")
+    return 0
+
+
+def cmd_demo_traffic(args: argparse.Namespace) -> int:
+    from ..demo import TrafficSpec, run_traffic
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    spec = TrafficSpec(
+        rate=args.rate,
+        topics=tuple(args.topics.split(",")),
+        keys=args.keys,
+        rollback_every=args.rollback_every,
+        long_tx_every_s=args.long_tx_every,
+    )
+    print(f"demo traffic: {spec.rate} msg/s to {', '.join(spec.topics)} in {redact_dsn(dsn_of(args))}", flush=True)
+    stats = run_traffic(dsn_of(args), table_of(args), spec, stop)
+    print(f"demo traffic stopped: {stats}", flush=True)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..bench.command import run
+
+    return run(args)
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from ..localstack.dev import DevSettings, run_dev
+
+    return run_dev(DevSettings.from_env(with_dagster=not args.no_dagster, traffic_rate=args.rate))
+
+
+# -- relay ------------------------------------------------------------------------------------
+
+# `outbox relay --until-empty` stopped by --max-seconds with rows still pending (1: a worker crashed,
