@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -194,3 +195,8 @@ def redact_kafka_error(exc: BaseException, config: Mapping[str, object]) -> str:
         if shown == REDACTED and value:
             message = message.replace(value, REDACTED)
     return message
+
+
+def default_worker_id() -> str:
+    """A Deployment's pods get new names: hostname and pid tell a restarted worker from its predecessor."""
+    return f"{socket.gethostname()}-{os.getpid()}"

@@ -8,8 +8,8 @@ order holds. Its life cycle, and who runs each step:
    (``bulk-drain:<run id>``, the offsets row's ``locked_by``/``available_after``, taken with ``FOR UPDATE
    SKIP LOCKED`` like the relay's own lease, so the relay skips those partitions until they are released)
    and freeze each partition's end position, read under one snapshot, so every task's range is finite.
-2. ``fetch_range`` (one task per partition): the rows in (start, end] in the strategy's order, by keyset
-   pages in autocommit (no transaction held open for the drain's duration, which would hold back the
+2. ``fetch_range`` (drain_ranges.py, one task per partition): the rows in (start, end] in the strategy's
+   order, by keyset pages in autocommit (no transaction held open for the drain's duration, which would hold back the
    ``partitioned`` snapshot rule and vacuum), renewing the lease as it goes.
 3. ``publish_range`` (the same task): every row to Kafka with an idempotent producer, every delivery
    confirmed; any failure raises, so the task fails.
@@ -28,8 +28,7 @@ per-partition order to preserve.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import psycopg
@@ -38,9 +37,7 @@ from psycopg import sql
 from .config import OutboxTable
 from .errors import OutboxError
 from .lag import partition_lag
-from .publisher import KafkaPublisher
 from .strategies import strategy_class
-from .strategies.base import RECORD_COLUMNS, OutboxRecord, fetch_records
 from .strategies.offsets import partition_pairs
 from .strategies.positions import PositionStrategy
 
@@ -48,15 +45,6 @@ OWNER_PREFIX = "bulk-drain:"
 DRAIN_STRATEGIES = ("partitioned", "serialized")
 DEFAULT_LEASE_S = 3600.0
 DEFAULT_FETCH_ROWS = 10_000
-
-# The end of a frozen range, per strategy, on message row ``m``: together with the strategy's own
-# ``work_condition`` (past the start) it bounds a task's rows. Rows up to a ``partitioned`` end were
-# all committed when the end was read (their xid is below that snapshot's xmin), so the range never
-# grows; ``serialized`` relies on commit-ordered ids exactly as its relay does.
-_UP_TO_END = {
-    "partitioned": "(m.transaction_id, m.id) <= (%(end_xid)s::xid8, %(end_id)s::bigint)",
-    "serialized": "m.id <= %(end_id)s::bigint",
-}
 
 
 class DrainError(OutboxError):
@@ -76,7 +64,7 @@ def drain_owner(run_id: str) -> str:
     return f"{OWNER_PREFIX}{run_id}"
 
 
-def _position_class(strategy: str) -> type[PositionStrategy]:
+def position_class(strategy: str) -> type[PositionStrategy]:
     if strategy not in DRAIN_STRATEGIES:
         raise DrainError(
             f"bulk drain works with the position strategies ({', '.join(DRAIN_STRATEGIES)}), not {strategy!r}: "
@@ -189,7 +177,7 @@ def plan_drain(
     Partitions an online relay holds (or that back off after a failure) are skipped, not waited for.
     ``conn`` must be in autocommit mode; the lease and the ends are one transaction.
     """
-    cls = _position_class(strategy)
+    cls = position_class(strategy)
     if not owner.startswith(OWNER_PREFIX):
         raise DrainError(f"a drain owner starts with {OWNER_PREFIX!r}, got {owner!r}")
     _discover(conn, table)
@@ -267,130 +255,6 @@ def _discover(conn: psycopg.Connection, table: OutboxTable) -> None:
             ON CONFLICT (topic, partition) DO NOTHING
             """
         ).format(pairs=partition_pairs(table), offsets=table.offsets)
-    )
-
-
-# -- fetch and publish (one task per range) --------------------------------------------------------
-
-
-def fetch_range(
-    conn: psycopg.Connection,
-    plan: DrainPlan,
-    rng: DrainRange,
-    *,
-    page_rows: int = DEFAULT_FETCH_ROWS,
-) -> Iterator[list[OutboxRecord]]:
-    """The range's rows in publishing order, a page at a time; raises LeaseLostError if the lease goes.
-
-    ``conn`` in autocommit: each page is its own statement, so nothing holds a snapshot for the drain.
-    The lease is renewed every third of its length, and checked before the first page.
-    """
-    cls = _position_class(plan.strategy)
-    table = plan.table
-    conn.execute("SET enable_sort = off")
-    query = sql.SQL(
-        """
-        SELECT {columns}
-        FROM {messages} m,
-             (SELECT %(topic)s::text AS topic, %(partition)s::int AS partition,
-                     %(xid)s::xid8 AS last_processed_transaction_id, %(id)s::bigint AS last_processed_id) o
-        WHERE m.topic = o.topic AND m.partition = o.partition AND {work} AND {up_to_end}
-        ORDER BY {order}
-        LIMIT %(limit)s
-        """
-    ).format(
-        columns=sql.SQL(RECORD_COLUMNS),
-        messages=table.messages,
-        work=sql.SQL(cls.work_condition),
-        up_to_end=sql.SQL(_UP_TO_END[plan.strategy]),
-        order=sql.SQL(cls.read_order),
-    )
-    params: dict[str, object] = {
-        "topic": rng.topic,
-        "partition": rng.partition,
-        "xid": rng.start_xid,
-        "id": rng.start_id,
-        "end_xid": rng.end_xid,
-        "end_id": rng.end_id,
-        "limit": page_rows,
-    }
-    renewed = float("-inf")
-    while True:
-        if time.monotonic() - renewed > plan.lease_s / 3:
-            renew_lease(conn, plan, rng)
-            renewed = time.monotonic()
-        page = fetch_records(conn, query, params, prepare=True)
-        if not page:
-            return
-        yield page
-        if len(page) < page_rows:
-            return
-        params["xid"], params["id"] = page[-1].transaction_id, page[-1].id
-
-
-def renew_lease(conn: psycopg.Connection, plan: DrainPlan, rng: DrainRange) -> None:
-    cur = conn.execute(
-        sql.SQL(
-            """
-            UPDATE {offsets} SET available_after = now() + make_interval(secs => %(lease)s), updated_at = now()
-            WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(owner)s
-              AND last_processed_transaction_id = %(xid)s::xid8 AND last_processed_id = %(id)s
-            """
-        ).format(offsets=plan.table.offsets),
-        {
-            "lease": plan.lease_s,
-            "topic": rng.topic,
-            "partition": rng.partition,
-            "owner": plan.owner,
-            "xid": rng.start_xid,
-            "id": rng.start_id,
-        },
-    )
-    if cur.rowcount != 1:
-        raise LeaseLostError(f"{rng.label} is no longer leased to {plan.owner} at its planned start")
-
-
-def publish_range(
-    publisher: KafkaPublisher, strategy: str, pages: Iterable[Sequence[OutboxRecord]]
-) -> RangeDelivery | None:
-    """Publish pages of one partition's range and wait for every delivery; None for no rows.
-
-    Raises DeliveryError on the first page Kafka did not fully confirm, and DrainError if the rows are
-    not one partition's, in order: the task's input is checked, not trusted, since order is the promise.
-    """
-    started = time.monotonic()
-    rows = size = 0
-    first: OutboxRecord | None = None
-    last_key: tuple[int, ...] | None = None
-    last: OutboxRecord | None = None
-    for page in pages:
-        if not page:
-            continue
-        if first is None:
-            first = page[0]
-        for record in page:
-            key = position_key(strategy, record.transaction_id, record.id)
-            if (record.topic, record.partition) != (first.topic, first.partition):
-                raise DrainError(
-                    f"a task got rows of {first.topic}/{first.partition} and {record.topic}/{record.partition}"
-                )
-            if last_key is not None and key <= last_key:
-                raise DrainError(f"rows of {first.topic}/{first.partition} arrived out of order at id {record.id}")
-            last_key = key
-        outcome = publisher.publish(page)
-        if outcome.failed:
-            failure = outcome.failed[0]
-            raise DeliveryError(
-                f"{len(outcome.failed)} of {len(page)} messages of {first.topic}/{first.partition} were not "
-                f"confirmed (first: outbox id {failure.record.id}: {failure.error})"
-            )
-        rows += len(page)
-        size += sum(len(r.payload) + len(r.key or b"") for r in page)
-        last = page[-1]
-    if first is None or last is None:
-        return None
-    return RangeDelivery(
-        first.topic, first.partition, rows, size, last.transaction_id, last.id, time.monotonic() - started
     )
 
 

@@ -13,21 +13,20 @@ import multiprocessing
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 
-from .config import OutboxTable
+from .config import default_worker_id
 from .publisher import KafkaPublisher
 from .relay import Relay, RelaySettings
+from .relay_stats import RelayInstruments
 from .strategies import strategy_class
-from .strategies.base import AckMode, StrategyConfig
-from .strategies.quarantine import OnPoison
+from .strategies.base import Strategy, StrategyConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +36,42 @@ METRICS_INTERVAL_S = 5.0
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything one relay worker process needs; pickled to a spawned process."""
+    """Everything one relay worker needs; picklable, so a spawned process can be given it."""
 
-    index: int
-    worker_id: str | None  # None: "<hostname>-<pid>" of the worker process
     dsn: str
-    schema: str
-    max_message_bytes: int
     strategy: str
-    mode: AckMode
-    kafka_transactions: bool
-    on_poison: OnPoison
-    kafka_config: Mapping[str, str]
-    settings: RelaySettings
-    metrics_port: int | None
-    log_level: int
+    kafka_config: Mapping[str, object]
+    settings: RelaySettings = field(default_factory=RelaySettings)
+    # table, mode, transactions, poison policy, leases...; its worker_id is replaced by ``worker_id``
+    config: StrategyConfig = field(default_factory=StrategyConfig)
+    worker_id: str | None = None  # None: "<hostname>-<pid>" of the process that builds the relay
+    index: int = 0
+    metrics_port: int | None = None
+    log_level: int = logging.INFO
+
+
+def build_relay(
+    spec: WorkerSpec,
+    stop: threading.Event | None = None,
+    *,
+    publisher: KafkaPublisher | None = None,
+    strategy_cls: type[Strategy] | None = None,
+    instruments: RelayInstruments | None = None,
+) -> Relay:
+    """The one way a relay worker is assembled: the CLI's processes, the bench and the test workers call it.
+
+    ``publisher`` and ``strategy_cls`` replace the defaults built from the spec (the bench's read-only
+    ceiling, the fault suite's instrumented workers).
+    """
+    return Relay(
+        spec.dsn,
+        strategy_cls or strategy_class(spec.strategy),
+        replace(spec.config, worker_id=spec.worker_id or default_worker_id()),
+        publisher or KafkaPublisher(spec.kafka_config),
+        spec.settings,
+        stop,
+        instruments=instruments,
+    )
 
 
 @dataclass(frozen=True)
@@ -85,15 +105,9 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    worker_id = spec.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    table = OutboxTable(schema=spec.schema, max_message_bytes=spec.max_message_bytes)
-    config = StrategyConfig(
-        table=table,
-        worker_id=worker_id,
-        mode=spec.mode,
-        kafka_transactions=spec.kafka_transactions,
-        on_poison=spec.on_poison,
-    )
+    relay_spec = replace(spec, worker_id=spec.worker_id or default_worker_id())
+    worker_id = relay_spec.worker_id or ""
+    table = spec.config.table
     served = None
     if spec.metrics_port is not None:
         from .metrics import serve_worker_metrics
@@ -102,15 +116,7 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
         served = serve_worker_metrics(
             spec.metrics_port + spec.index, spec.dsn, table, spec.strategy, sample_lag=spec.index == 0
         )
-    relay = Relay(
-        spec.dsn,
-        strategy_class(spec.strategy),
-        config,
-        KafkaPublisher(spec.kafka_config),
-        spec.settings,
-        stop,
-        instruments=served.metrics if served else None,
-    )
+    relay = build_relay(relay_spec, stop, instruments=served.metrics if served else None)
     done = threading.Event()
 
     def report() -> None:

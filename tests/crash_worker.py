@@ -9,9 +9,9 @@ import sys
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.publisher import KafkaPublisher, PendingBatch
-from outbox_pipeline.relay import Relay, RelaySettings
-from outbox_pipeline.strategies import strategy_class
+from outbox_pipeline.relay import RelaySettings
 from outbox_pipeline.strategies.base import PublishOutcome, StrategyConfig
+from outbox_pipeline.workers import WorkerSpec, build_relay
 
 
 class DiesAfterPublish(KafkaPublisher):
@@ -23,13 +23,15 @@ class DiesAfterPublish(KafkaPublisher):
 
 
 def main(dsn: str, schema: str, bootstrap: str, strategy: str, worker_id: str, batch: int) -> None:
-    relay = Relay(
+    spec = WorkerSpec(
         dsn,
-        strategy_class(strategy),
-        StrategyConfig(table=OutboxTable(schema=schema), worker_id=worker_id),
-        DiesAfterPublish({"bootstrap.servers": bootstrap}),
+        strategy,
+        {"bootstrap.servers": bootstrap},
         RelaySettings(batch_size=batch, until_empty=True, listen=False),
+        StrategyConfig(table=OutboxTable(schema=schema)),
+        worker_id=worker_id,
     )
+    relay = build_relay(spec, publisher=DiesAfterPublish(spec.kafka_config))
     relay.run()
 
 

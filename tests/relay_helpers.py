@@ -12,11 +12,10 @@ import psycopg
 from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.relay import Relay, RelaySettings
 from outbox_pipeline.relay_stats import RelayStats
-from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.workers import WorkerSpec, build_relay
 
 from .kafka_helpers import Record
 
@@ -35,12 +34,18 @@ def make_relay(
     listen: bool = False,
     **config: object,
 ) -> Relay:
-    strategy_config = replace(StrategyConfig(table=table), **config)  # type: ignore[arg-type]
-    publisher = KafkaPublisher({"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})})
-    settings = RelaySettings(
-        batch_size=batch_size, until_empty=until_empty, max_seconds=max_seconds, listen=listen, poll_interval_s=0.05
+    worker_id = config.pop("worker_id", None)
+    spec = WorkerSpec(
+        dsn,
+        strategy,
+        {"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})},
+        RelaySettings(
+            batch_size=batch_size, until_empty=until_empty, max_seconds=max_seconds, listen=listen, poll_interval_s=0.05
+        ),
+        replace(StrategyConfig(table=table), **config),  # type: ignore[arg-type]
+        worker_id=worker_id,  # type: ignore[arg-type]
     )
-    return Relay(dsn, strategy_class(strategy), strategy_config, publisher, settings, stop)
+    return build_relay(spec, stop)
 
 
 def drain(dsn: str, table: OutboxTable, bootstrap: str, strategy: str, **kwargs: Any) -> RelayStats:

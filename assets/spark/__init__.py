@@ -13,12 +13,9 @@ from typing import Any
 _EXPORTS = {
     **dict.fromkeys(
         [
-            "DEFAULT_BULK_DRAIN_THRESHOLD",
-            "ENV_BULK_DRAIN_THRESHOLD",
             "BulkDrainConfig",
             "bulk_drain",
             "bulk_drain_job",
-            "bulk_drain_threshold",
         ],
         ".bulk_drain_asset",
     ),

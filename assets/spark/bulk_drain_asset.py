@@ -1,11 +1,11 @@
 """Dagster room: the ``bulk_drain`` asset, a PySpark drain of a large backlog, and ``bulk_drain_job``.
 
 Run by hand from the UI or requested by the lag sensor (by job name) when the backlog passes
-``OUTBOX_BULK_DRAIN_THRESHOLD`` rows. The engine plans and commits on the driver (this process), Spark
-publishes one virtual partition per task; see ``outbox_pipeline.drain`` for the protocol.
+``OUTBOX_BULK_DRAIN_THRESHOLD`` rows (declared in orchestration/settings.py). The engine plans and commits on
+the driver (this process), Spark publishes one virtual partition per task; see ``outbox_pipeline.drain``
+for the protocol.
 """
 
-import os
 import time
 
 import dagster as dg
@@ -27,14 +27,6 @@ from outbox_pipeline.liveness import liveness_from_env, present
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
-
-ENV_BULK_DRAIN_THRESHOLD = "OUTBOX_BULK_DRAIN_THRESHOLD"
-DEFAULT_BULK_DRAIN_THRESHOLD = 1_000_000
-
-
-def bulk_drain_threshold() -> int:
-    """Pending rows above which the lag sensor should request ``bulk_drain_job`` (env, default 1M)."""
-    return int(os.environ.get(ENV_BULK_DRAIN_THRESHOLD) or DEFAULT_BULK_DRAIN_THRESHOLD)
 
 
 class BulkDrainConfig(dg.Config):

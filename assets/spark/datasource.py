@@ -44,10 +44,9 @@ from outbox_pipeline.drain import (
     DrainRange,
     RangeDelivery,
     commit_drain,
-    fetch_range,
-    publish_range,
     release_drain,
 )
+from outbox_pipeline.drain_ranges import fetch_range, publish_range
 from outbox_pipeline.maintenance import (
     ARCHIVE_COLUMNS,
     CHECKSUM_COLUMNS,

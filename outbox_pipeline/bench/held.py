@@ -20,11 +20,10 @@ from psycopg import sql
 from ..config import OutboxTable
 from ..enqueue import Message, enqueue_many
 from ..lag import held_keys
-from ..publisher import KafkaPublisher
-from ..relay import Relay, RelaySettings
+from ..relay import RelaySettings
 from ..schema import init_db, set_topic_partitions
-from ..strategies import strategy_class
 from ..strategies.base import StrategyConfig
+from ..workers import WorkerSpec, build_relay
 from .retained import LatencyStep, time_claims
 from .runner import Servers
 
@@ -75,14 +74,15 @@ def _hold(servers: Servers, conn: psycopg.Connection, table: OutboxTable, topic:
         enqueue_many(conn, [poison], serialized=True, table=table)
     _write(conn, table, topic, held, held=True)
     _write(conn, table, topic, max(held, 1000), held=False)
-    relay = Relay(
+    spec = WorkerSpec(
         servers.dsn,
-        strategy_class(strategy),
-        StrategyConfig(table=table, worker_id="bench-held"),
-        KafkaPublisher({"bootstrap.servers": servers.bootstrap, "message.max.bytes": MAX_MESSAGE_BYTES}),
+        strategy,
+        {"bootstrap.servers": servers.bootstrap, "message.max.bytes": MAX_MESSAGE_BYTES},
         RelaySettings(batch_size=5000, until_empty=True, max_seconds=300, listen=False),
+        StrategyConfig(table=table),
+        worker_id="bench-held",
     )
-    relay.run()
+    build_relay(spec).run()
 
 
 def _write(conn: psycopg.Connection, table: OutboxTable, topic: str, count: int, *, held: bool) -> None:

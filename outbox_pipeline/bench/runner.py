@@ -29,11 +29,11 @@ from psycopg import sql
 from ..config import OutboxTable
 from ..demo import load
 from ..publisher import KafkaPublisher
-from ..relay import Relay, RelaySettings
+from ..relay import RelaySettings
 from ..schema import init_db, set_topic_partitions
-from ..strategies import strategy_class
 from ..strategies.base import StrategyConfig
 from ..verify import verify
+from ..workers import WorkerSpec, build_relay
 from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
 from .naive import NAIVE_BATCH, prepare_naive_schema, run_naive
 from .procstat import own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
@@ -132,15 +132,16 @@ def _worker(
             # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
             published = produce_all(publisher, records, max(1, len(records)))
         else:
-            publisher = (
-                ConfirmingPublisher() if spec.kind == "read-only" else KafkaPublisher({"bootstrap.servers": bootstrap})
-            )
-            relay = Relay(
-                dsn,
-                strategy_class(spec.strategy),
-                StrategyConfig(table=table, worker_id=f"bench-{index}", mode=spec.mode),  # type: ignore[arg-type]
-                publisher,
-                RelaySettings(batch_size=spec.batch_size, until_empty=True, listen=False),
+            relay = build_relay(
+                WorkerSpec(
+                    dsn,
+                    spec.strategy,
+                    {"bootstrap.servers": bootstrap},
+                    RelaySettings(batch_size=spec.batch_size, until_empty=True, listen=False),
+                    StrategyConfig(table=table, mode=spec.mode),  # type: ignore[arg-type]
+                    worker_id=f"bench-{index}",
+                ),
+                publisher=ConfirmingPublisher() if spec.kind == "read-only" else None,
             )
             relay.strategy  # noqa: B018 - connect before the clock starts
             if spec.kind == "ours":

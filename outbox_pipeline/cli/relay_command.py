@@ -14,6 +14,7 @@ from ..config import redact_dsn
 from ..errors import OutboxError
 from ..liveness import liveness_from_env
 from ..relay import RelaySettings
+from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
 from ..strategies.quarantine import on_poison_from_env
 from ..workers import WorkerResult, WorkerSpec, run_worker_processes
@@ -41,19 +42,21 @@ def cmd_relay(args: argparse.Namespace) -> int:
         max_seconds=args.max_seconds,
         liveness=liveness_from_env(),
     )
+    config = StrategyConfig(
+        table=table,
+        mode=args.mode,
+        kafka_transactions=args.kafka_transactions,
+        on_poison=args.on_poison or on_poison_from_env(),
+    )
     specs = [
         WorkerSpec(
-            index=n,
-            worker_id=f"{args.worker_id}-{n}" if args.worker_id else None,
             dsn=dsn,
-            schema=table.schema,
-            max_message_bytes=table.max_message_bytes,
             strategy=args.strategy,
-            mode=args.mode,
-            kafka_transactions=args.kafka_transactions,
-            on_poison=args.on_poison or on_poison_from_env(),
             kafka_config=kafka,
             settings=settings,
+            config=config,
+            worker_id=f"{args.worker_id}-{n}" if args.worker_id else None,
+            index=n,
             metrics_port=args.metrics_port,
             log_level=logging.DEBUG if args.verbose else logging.INFO,
         )

@@ -9,8 +9,6 @@ relay loop (``outbox_pipeline.relay``) is the same for every strategy.
 from __future__ import annotations
 
 import abc
-import os
-import socket
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -18,7 +16,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import psycopg
 from psycopg import sql
 
-from ..config import OutboxTable
+from ..config import OutboxTable, default_worker_id
 
 AckMode = Literal["delete", "mark-sent"]
 
@@ -130,7 +128,7 @@ class AckResult:
 @dataclass(frozen=True)
 class StrategyConfig:
     table: OutboxTable = field(default_factory=OutboxTable)
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    worker_id: str = field(default_factory=default_worker_id)
     mode: AckMode = "delete"
     # Longer than a publish can take (message.timeout.ms + grace), so a healthy worker keeps its lease.
     lease_s: float = 60.0

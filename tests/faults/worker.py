@@ -22,14 +22,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.publisher import KafkaPublisher, PendingBatch
-from outbox_pipeline.relay import Relay, RelaySettings
+from outbox_pipeline.relay import RelaySettings
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
+from outbox_pipeline.workers import WorkerSpec, build_relay
 
 
 class Events:
@@ -46,7 +47,7 @@ class InstrumentedPublisher(KafkaPublisher):
     """Logs each batch handed to the producer (`produce`) and confirmed (`delivered`), for both paths the relay
     takes: ``start``/``finish`` (pipelined) and ``publish`` (Kafka transactions)."""
 
-    def __init__(self, config: dict[str, object], events: Events, stop_after_publish: int | None) -> None:
+    def __init__(self, config: Mapping[str, object], events: Events, stop_after_publish: int | None) -> None:
         super().__init__(config)
         self.events = events
         self.stop_after_publish = stop_after_publish
@@ -112,15 +113,19 @@ def main(spec: dict[str, Any]) -> None:
     events = Events(spec["events"])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = StrategyConfig(
-        table=OutboxTable(schema=spec["schema"]), worker_id=spec["worker_id"], **spec.get("config", {})
+    worker = WorkerSpec(
+        spec["dsn"],
+        spec["strategy"],
+        {"bootstrap.servers": spec["bootstrap"], **spec.get("producer", {})},
+        RelaySettings(**{"batch_size": spec["batch_size"], **spec.get("settings", {})}),
+        StrategyConfig(table=OutboxTable(schema=spec["schema"]), **spec.get("config", {})),
+        worker_id=spec["worker_id"],
     )
-    settings = RelaySettings(**{"batch_size": spec["batch_size"], **spec.get("settings", {})})
-    publisher = InstrumentedPublisher(
-        {"bootstrap.servers": spec["bootstrap"], **spec.get("producer", {})}, events, spec.get("stop_after_publish")
-    )
-    relay = Relay(
-        spec["dsn"], instrumented(strategy_class(spec["strategy"]), events), config, publisher, settings, stop
+    relay = build_relay(
+        worker,
+        stop,
+        publisher=InstrumentedPublisher(worker.kafka_config, events, spec.get("stop_after_publish")),
+        strategy_cls=instrumented(strategy_class(spec["strategy"]), events),
     )
     events("start")
     try:
