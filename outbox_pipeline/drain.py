@@ -38,7 +38,7 @@ from .config import OutboxTable
 from .errors import OutboxError
 from .lag import partition_lag
 from .strategies import strategy_class
-from .strategies.offsets import partition_pairs
+from .strategies.offsets import discover
 from .strategies.positions import PositionStrategy
 
 OWNER_PREFIX = "bulk-drain:"
@@ -180,7 +180,7 @@ def plan_drain(
     cls = position_class(strategy)
     if not owner.startswith(OWNER_PREFIX):
         raise DrainError(f"a drain owner starts with {OWNER_PREFIX!r}, got {owner!r}")
-    _discover(conn, table)
+    discover(conn, table)
     work = sql.SQL(cls.work_condition)
     with conn.transaction():
         conn.execute("SET LOCAL enable_sort = off")  # index order, never a sort of the backlog
@@ -242,20 +242,6 @@ def plan_drain(
         if idle:  # only if an operator moved the position between the two statements
             _release(conn, table, owner, idle)
     return DrainPlan(owner, strategy, table.schema, lease_s, ranges)
-
-
-def _discover(conn: psycopg.Connection, table: OutboxTable) -> None:
-    """Give every (topic, partition) with rows an offsets row, as the relay does on discovery."""
-    conn.execute(
-        sql.SQL(
-            """
-            WITH RECURSIVE {pairs}
-            INSERT INTO {offsets} (topic, partition)
-            SELECT topic, partition FROM pairs
-            ON CONFLICT (topic, partition) DO NOTHING
-            """
-        ).format(pairs=partition_pairs(table), offsets=table.offsets)
-    )
 
 
 # -- commit or release (driver) --------------------------------------------------------------------

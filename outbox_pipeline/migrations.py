@@ -15,6 +15,7 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .routing import create_partition_count_guard, create_routing_functions, create_sql_writers
+from .strategies.base import MESSAGE_BODY_COLUMNS
 from .strategies.quarantine import create_quarantine_tables
 
 # Kafka topic names: [a-zA-Z0-9._-], 1..249 characters, and not "." or "..".
@@ -107,13 +108,7 @@ def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
                 message_id       uuid        NOT NULL,
                 topic            text        NOT NULL,
                 key              text,
-                type             text,
-                payload          jsonb       NOT NULL,
-                headers          jsonb       NOT NULL,
-                partition        integer     NOT NULL,
-                priority         smallint    NOT NULL,
-                transaction_id   xid8        NOT NULL,
-                created_at       timestamptz NOT NULL,
+                {body}
                 attempts         integer     NOT NULL,
                 last_error       text        NOT NULL,
                 dead_lettered_at timestamptz NOT NULL DEFAULT now(),
@@ -121,7 +116,7 @@ def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
                 retried_at       timestamptz
             )
             """
-        ).format(dead_letters=t.dead_letters),
+        ).format(dead_letters=t.dead_letters, body=sql.SQL(MESSAGE_BODY_COLUMNS.strip())),
         sql.SQL(
             """
             CREATE TABLE {topics} (

@@ -56,6 +56,13 @@ def _in_list(rows: list[Row]) -> tuple[sql.Composable, list[object]]:
     return sql.SQL(", ").join(sql.Placeholder() * len(ids)), ids
 
 
+def _send_and_delete(conn: Conn, t: OutboxTable, producer: Producer, rows: list[Row]) -> None:
+    """SendBatchToKafka, then DeleteMessages by an IN list of the batch's ids."""
+    _send(producer, rows)
+    marks, ids = _in_list(rows)
+    conn.execute(sql.SQL("DELETE FROM {} WHERE id IN ({})").format(t.messages, marks), ids)
+
+
 def variant_1(conn: Conn, t: OutboxTable, producer: Producer, worker: str) -> int:
     """One long transaction: SELECT ... FOR UPDATE SKIP LOCKED, send, DELETE, COMMIT."""
     with conn.transaction():
@@ -63,9 +70,7 @@ def variant_1(conn: Conn, t: OutboxTable, producer: Producer, worker: str) -> in
             sql.SQL("SELECT * FROM {} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED").format(t.messages), (NAIVE_BATCH,)
         ).fetchall()
         if rows:
-            _send(producer, rows)
-            marks, ids = _in_list(rows)
-            conn.execute(sql.SQL("DELETE FROM {} WHERE id IN ({})").format(t.messages, marks), ids)
+            _send_and_delete(conn, t, producer, rows)
     return len(rows)
 
 
@@ -77,9 +82,7 @@ def variant_1_1(conn: Conn, t: OutboxTable, producer: Producer, worker: str) -> 
             sql.SQL("SELECT * FROM {} ORDER BY id LIMIT %s").format(t.messages), (NAIVE_BATCH,)
         ).fetchall()
         if rows:
-            _send(producer, rows)
-            marks, ids = _in_list(rows)
-            conn.execute(sql.SQL("DELETE FROM {} WHERE id IN ({})").format(t.messages, marks), ids)
+            _send_and_delete(conn, t, producer, rows)
     finally:
         conn.execute("SELECT pg_advisory_unlock(%s, %s)", ADVISORY_KEY)
     return len(rows)
@@ -100,9 +103,7 @@ def variant_2(conn: Conn, t: OutboxTable, producer: Producer, worker: str) -> in
         (NAIVE_BATCH,),
     ).fetchall()
     if rows:
-        _send(producer, rows)
-        marks, ids = _in_list(rows)
-        conn.execute(sql.SQL("DELETE FROM {} WHERE id IN ({})").format(t.messages, marks), ids)
+        _send_and_delete(conn, t, producer, rows)
     return len(rows)
 
 

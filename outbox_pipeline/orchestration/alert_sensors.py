@@ -11,6 +11,7 @@ an alert the webhook did not accept is sent again on the next tick.
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import dagster as dg
@@ -92,39 +93,61 @@ def lag_alert(verdict: LagVerdict, state: AlertState) -> Alert | None:
     return None
 
 
-def build_lag_slo_sensor(
-    settings: OrchestrationSettings | None = None,
-    *,
-    name: str = "outbox_lag_slo_sensor",
-    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+Evaluate = Callable[
+    [OrchestrationSettings, dg.SensorEvaluationContext, PostgresResource, AlertResource], dg.SensorResult
+]
+
+
+def _check_sensor(
+    name: str,
+    settings: OrchestrationSettings | None,
+    default_status: dg.DefaultSensorStatus,
+    description: str,
+    evaluate: Evaluate,
 ) -> dg.SensorDefinition:
+    """A sensor that launches no run: it evaluates a check at an interval and alerts through ``alerts``."""
     cfg = settings or OrchestrationSettings.from_env()
 
     @dg.sensor(
         name=name,
         minimum_interval_seconds=cfg.check_interval_s,
         default_status=default_status,
-        description=f"Evaluates {LAG_SLO_CHECK} every {cfg.check_interval_s} s (no run) and alerts when it "
-        "fails and when it recovers.",
+        description=description.format(interval_s=cfg.check_interval_s),
     )
-    def outbox_lag_slo_sensor(
+    def check_sensor(
         context: dg.SensorEvaluationContext, postgres: PostgresResource, alerts: AlertResource
     ) -> dg.SensorResult:
-        verdict = read_lag(postgres, cfg)
-        state = AlertState.from_cursor(context.cursor)
-        alert = lag_alert(verdict, state)
-        if alert is not None and alerts.send(alert, context.log):
-            state = AlertState(verdict.severity, alert.at if alert.status == "firing" else None)
-        return dg.SensorResult(
-            skip_reason=verdict.summary(),
-            cursor=state.to_cursor(),
-            asset_events=[
-                dg.AssetObservation(asset_key=BACKLOG_KEY, metadata=backlog_metadata(verdict)),
-                check_evaluation(verdict),
-            ],
-        )
+        return evaluate(cfg, context, postgres, alerts)
 
-    return outbox_lag_slo_sensor
+    return check_sensor
+
+
+def _evaluate_lag(
+    cfg: OrchestrationSettings, context: dg.SensorEvaluationContext, postgres: PostgresResource, alerts: AlertResource
+) -> dg.SensorResult:
+    verdict = read_lag(postgres, cfg)
+    state = AlertState.from_cursor(context.cursor)
+    alert = lag_alert(verdict, state)
+    if alert is not None and alerts.send(alert, context.log):
+        state = AlertState(verdict.severity, alert.at if alert.status == "firing" else None)
+    return dg.SensorResult(
+        skip_reason=verdict.summary(),
+        cursor=state.to_cursor(),
+        asset_events=[
+            dg.AssetObservation(asset_key=BACKLOG_KEY, metadata=backlog_metadata(verdict)),
+            check_evaluation(verdict),
+        ],
+    )
+
+
+def build_lag_slo_sensor(
+    settings: OrchestrationSettings | None = None,
+    *,
+    name: str = "outbox_lag_slo_sensor",
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+) -> dg.SensorDefinition:
+    description = f"Evaluates {LAG_SLO_CHECK} every {{interval_s}} s (no run) and alerts when it fails and recovers."
+    return _check_sensor(name, settings, default_status, description, _evaluate_lag)
 
 
 def dead_letter_alert(backlog: DeadLetterBacklog, state: AlertState) -> Alert | None:
@@ -153,36 +176,32 @@ def dead_letter_alert(backlog: DeadLetterBacklog, state: AlertState) -> Alert | 
     return None
 
 
+def _evaluate_dead_letters(
+    _cfg: OrchestrationSettings, context: dg.SensorEvaluationContext, postgres: PostgresResource, alerts: AlertResource
+) -> dg.SensorResult:
+    backlog = read_dead_letters(postgres)
+    state = AlertState.from_cursor(context.cursor)
+    alert = dead_letter_alert(backlog, state)
+    if alert is not None and alerts.send(alert, context.log):
+        state = AlertState("error", alert.at) if alert.status == "firing" else AlertState()
+    return dg.SensorResult(
+        skip_reason=f"{backlog.open} dead letters",
+        cursor=state.to_cursor(),
+        asset_events=[dead_letter_evaluation(backlog)],
+    )
+
+
 def build_dead_letter_sensor(
     settings: OrchestrationSettings | None = None,
     *,
     name: str = "outbox_dead_letter_alert",
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:
-    cfg = settings or OrchestrationSettings.from_env()
-
-    @dg.sensor(
-        name=name,
-        minimum_interval_seconds=cfg.check_interval_s,
-        default_status=default_status,
-        description=f"Evaluates {DEAD_LETTER_CHECK} every {cfg.check_interval_s} s (no run) and alerts once "
-        "when messages are dead-lettered, and once when none is left to retry.",
+    description = (
+        f"Evaluates {DEAD_LETTER_CHECK} every {{interval_s}} s (no run) and alerts once when messages are "
+        "dead-lettered, and once when none is left to retry."
     )
-    def outbox_dead_letter_alert(
-        context: dg.SensorEvaluationContext, postgres: PostgresResource, alerts: AlertResource
-    ) -> dg.SensorResult:
-        backlog = read_dead_letters(postgres)
-        state = AlertState.from_cursor(context.cursor)
-        alert = dead_letter_alert(backlog, state)
-        if alert is not None and alerts.send(alert, context.log):
-            state = AlertState("error", alert.at) if alert.status == "firing" else AlertState()
-        return dg.SensorResult(
-            skip_reason=f"{backlog.open} dead letters",
-            cursor=state.to_cursor(),
-            asset_events=[dead_letter_evaluation(backlog)],
-        )
-
-    return outbox_dead_letter_alert
+    return _check_sensor(name, settings, default_status, description, _evaluate_dead_letters)
 
 
 def _root_cause(error: SerializableErrorInfo) -> str:

@@ -33,6 +33,32 @@ RECORD_COLUMNS = """
 """
 
 
+# The columns a copy of an outbox row keeps besides its ids, topic and key (dead letters, rows held behind one).
+MESSAGE_BODY_COLUMNS = """
+    type           text,
+    payload        jsonb       NOT NULL,
+    headers        jsonb       NOT NULL,
+    partition      integer     NOT NULL,
+    priority       smallint    NOT NULL,
+    transaction_id xid8        NOT NULL,
+    created_at     timestamptz NOT NULL,
+"""
+
+# Dead-lettering the rows of a CTE named ``moved`` (the failed rows with their ``error``): one statement for the
+# relay's own rows (rows.py) and for rows held behind a dead letter (quarantine.py).
+DEAD_LETTER_MOVED = """
+    INSERT INTO {dead_letters} (
+        id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
+        created_at, attempts, last_error, dead_lettered_by)
+    SELECT id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
+           created_at, attempts + 1, error, %(worker)s
+    FROM moved
+    ON CONFLICT (id) DO UPDATE SET
+        attempts = excluded.attempts, last_error = excluded.last_error, dead_lettered_at = now(),
+        dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
+"""
+
+
 class OutboxRecord(NamedTuple):
     """One row to publish. A named tuple, not a dataclass: built once per row on the hot path, where a
     frozen dataclass's __init__ cost more than fetching the row."""

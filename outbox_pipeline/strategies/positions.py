@@ -278,7 +278,9 @@ class PositionStrategy(Strategy):
             self._quarantine.move_to_held(to_hold, delete=False)
             # A transport failure leaves the head's attempts as they were (see FailureKind).
             attempts = head_attempts + stopped_at.counts if stopped_at else 0
-            owned = self._advance(lease, advanced, stopped_at, attempts, keep_lease)
+            owned = offsets.advance(
+                self.conn, self.config, self.name, lease, advanced, stopped_at, attempts, keep_lease
+            )
             if not owned:
                 raise psycopg.Rollback()  # undo the dead letters too (the transaction block swallows it)
         if chain is not None:
@@ -307,16 +309,6 @@ class PositionStrategy(Strategy):
         if not owned:
             return AckResult(lost_ownership=len(outcome.delivered))
         return AckResult(acked=acked, retried=retried, dead_lettered=dead)
-
-    def _advance(
-        self,
-        lease: PartitionLease,
-        to: OutboxRecord | None,
-        failure: DeliveryFailure | None,
-        attempts: int,
-        keep_lease: bool = False,
-    ) -> bool:
-        return offsets.advance(self.conn, self.config, self.name, lease, to, failure, attempts, keep_lease)
 
     def _dead_letter(self, failures: list[DeliveryFailure]) -> None:
         offsets.dead_letter(self.conn, self.config, failures)

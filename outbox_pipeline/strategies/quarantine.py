@@ -25,7 +25,16 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import ConfigurationError
-from .base import RECORD_COLUMNS, DeliveryFailure, OutboxRecord, PublishOutcome, StrategyConfig, fetch_records
+from .base import (
+    DEAD_LETTER_MOVED,
+    MESSAGE_BODY_COLUMNS,
+    RECORD_COLUMNS,
+    DeliveryFailure,
+    OutboxRecord,
+    PublishOutcome,
+    StrategyConfig,
+    fetch_records,
+)
 
 # What an ordered strategy does with the rest of a key when one of its rows is dead-lettered:
 # "quarantine" holds them until an operator retries or discards the dead letter; "skip" publishes them
@@ -79,19 +88,13 @@ def create_quarantine_tables(conn: psycopg.Connection, t: OutboxTable) -> None:
                 message_id     uuid        NOT NULL,
                 topic          text        NOT NULL,
                 key            text        NOT NULL,
-                type           text,
-                payload        jsonb       NOT NULL,
-                headers        jsonb       NOT NULL,
-                partition      integer     NOT NULL,
-                priority       smallint    NOT NULL,
-                transaction_id xid8        NOT NULL,
-                created_at     timestamptz NOT NULL,
+                {body}
                 attempts       integer     NOT NULL DEFAULT 0,
                 last_error     text,
                 held_at        timestamptz NOT NULL DEFAULT now()
             )
             """
-        ).format(held=t.held)
+        ).format(held=t.held, body=sql.SQL(MESSAGE_BODY_COLUMNS.strip()))
     )
     conn.execute(sql.SQL("CREATE INDEX outbox_held_key ON {} (topic, key, transaction_id, id)").format(t.held))
     for column in ("discarded_at timestamptz", "discarded_by text", "discard_reason text"):
@@ -265,22 +268,18 @@ class Quarantine:
                     DELETE FROM {held} x USING unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
                     WHERE x.id = f.id RETURNING x.*, f.error
                 ), dead AS (
-                    INSERT INTO {dead_letters} (
-                        id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
-                        created_at, attempts, last_error, dead_lettered_by)
-                    SELECT id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
-                           created_at, attempts + 1, error, %(worker)s
-                    FROM moved
-                    ON CONFLICT (id) DO UPDATE SET
-                        attempts = excluded.attempts, last_error = excluded.last_error, dead_lettered_at = now(),
-                        dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
+                    {dead_letter}
                     RETURNING id, topic, key
                 )
                 UPDATE {holds} h SET dead_letter_id = dead.id, held_since = now(), released_at = NULL,
                                      release = NULL, released_by = NULL, available_after = now()
                 FROM dead WHERE h.topic = dead.topic AND h.key = dead.key
                 """
-            ).format(held=self.table.held, dead_letters=self.table.dead_letters, holds=self.table.holds),
+            ).format(
+                held=self.table.held,
+                dead_letter=sql.SQL(DEAD_LETTER_MOVED).format(dead_letters=self.table.dead_letters),
+                holds=self.table.holds,
+            ),
             {
                 "ids": [f.record.id for f in dead],
                 "errors": [f.error for f in dead],

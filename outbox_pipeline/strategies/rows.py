@@ -15,6 +15,7 @@ import psycopg
 from psycopg import sql
 
 from .base import (
+    DEAD_LETTER_MOVED,
     RECORD_COLUMNS,
     AckResult,
     DeliveryFailure,
@@ -241,17 +242,13 @@ def dead_letter(
                 WHERE m.id = f.id {owner}
                 RETURNING m.*, f.error
             )
-            INSERT INTO {dead_letters} AS d (
-                id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
-                created_at, attempts, last_error, dead_lettered_by)
-            SELECT id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
-                   created_at, attempts + 1, error, %(worker)s
-            FROM moved
-            ON CONFLICT (id) DO UPDATE SET
-                attempts = excluded.attempts, last_error = excluded.last_error,
-                dead_lettered_at = now(), dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
+            {dead_letter}
             """
-        ).format(messages=config.table.messages, dead_letters=config.table.dead_letters, owner=_owner_clause(owner)),
+        ).format(
+            messages=config.table.messages,
+            dead_letter=sql.SQL(DEAD_LETTER_MOVED).format(dead_letters=config.table.dead_letters),
+            owner=_owner_clause(owner),
+        ),
         {
             "ids": [f.record.id for f in failures],
             "errors": [f.error for f in failures],
