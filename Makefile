@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: dev test install clean tools
+.PHONY: dev test lint install clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,7 +34,13 @@ tools:
 	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)); } || \
 	  echo "chromium not installed: the dagster dev screenshot test will be skipped"
 
-test: $(STAMP) tools
+# Lint and types first: CI (`.ci/run` = `make test`) fails on a style or type error before any test runs.
+lint: $(STAMP)
+	$(BIN)/ruff check outbox_pipeline resources assets tests
+	$(BIN)/ruff format --check outbox_pipeline resources assets tests
+	$(BIN)/mypy
+
+test: $(STAMP) tools lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -189,7 +189,7 @@ def redact_kafka_error(exc: BaseException, config: Mapping[str, object]) -> str:
     """A librdkafka error's text with every secret value of ``config`` replaced: librdkafka may quote the
     value it rejects, and a wrong password is still a password."""
     error = exc.args[0] if exc.args else None
-    message = str(error.str()) if hasattr(error, "str") else str(exc)
+    message = str(error.str()) if error is not None and hasattr(error, "str") else str(exc)
     for name, shown in redact_kafka_config(config).items():
         value = str(config[name])
         if shown == REDACTED and value:

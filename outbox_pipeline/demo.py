@@ -20,8 +20,8 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .enqueue import Message, enqueue_many
+from .migrations import DEFAULT_TOPIC_ROW
 from .partitioning import partition_for
-from .schema import DEFAULT_TOPIC_ROW
 
 log = logging.getLogger(__name__)
 

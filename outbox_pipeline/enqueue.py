@@ -22,9 +22,9 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .errors import InvalidMessageError
+from .migrations import DEFAULT_TOPIC_ROW, NOTIFY_SETTING, TOPIC_PATTERN
 from .partitioning import key_hash
 from .routing import RESERVED_HEADERS, SERIALIZED_LOCK_CLASS
-from .schema import DEFAULT_TOPIC_ROW, NOTIFY_SETTING, TOPIC_PATTERN
 
 # Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
 BYTES_HEADER_FIELD = "base64"

@@ -28,7 +28,8 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .schema import MIGRATION_LOCK_CLASS, PARTITION_STORAGE, ensure_partitions, partition_name
+from .migrations import MIGRATION_LOCK_CLASS
+from .schema import PARTITION_STORAGE, ensure_partitions, partition_name
 from .strategies import STRATEGY_NAMES
 
 _DAY_PARTITION = re.compile(r"^outbox_messages_p(\d{8})$")

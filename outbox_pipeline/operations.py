@@ -16,8 +16,8 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .enqueue import SERIALIZED_LOCK_CLASS
 from .errors import OutboxError
+from .routing import SERIALIZED_LOCK_CLASS
 
 # -- replay rows kept in mark-sent mode ------------------------------------------------------------
 

@@ -21,9 +21,10 @@ from psycopg import sql
 
 from .lag import explain_pending, partition_lag
 from .liveness import Liveness, WorkerPresence
+from .migrations import notify_channel
 from .publisher import KafkaPublisher, PendingBatch
 from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
-from .schema import notify_channel, require_current
+from .schema import require_current
 from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
 from .strategies.sharing import UNSCOPED_KIND
 

@@ -274,7 +274,7 @@ def create_partition_count_guard(
     conn: psycopg.Connection, t: OutboxTable, *, default_row: str, with_holds: bool
 ) -> None:
     """The guard's function (migration 7; migration 8 replaces it ``with_holds``, once the hold tables exist)."""
-    held = sql.SQL("0")
+    held: sql.Composable = sql.SQL("0")
     if with_holds:
         held = sql.SQL(
             """

@@ -14,18 +14,7 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .errors import OutboxError, SchemaError
-from .migrations import (  # noqa: F401 - the names users of the schema know it by
-    DEFAULT_DAYS_AHEAD,
-    DEFAULT_TOPIC_ROW,
-    DEFAULT_VIRTUAL_PARTITIONS,
-    LATEST_VERSION,
-    MIGRATION_LOCK_CLASS,
-    MIGRATIONS,
-    NOTIFY_SETTING,
-    TOPIC_PATTERN,
-    Migration,
-    notify_channel,
-)
+from .migrations import DEFAULT_DAYS_AHEAD, LATEST_VERSION, MIGRATION_LOCK_CLASS, MIGRATIONS, Migration
 
 
 def init_db(

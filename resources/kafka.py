@@ -11,7 +11,8 @@ import os
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from outbox_pipeline.config import ConfigurationError, kafka_config_from_env, redact_kafka_config
+from outbox_pipeline.config import kafka_config_from_env, redact_kafka_config
+from outbox_pipeline.errors import ConfigurationError
 from outbox_pipeline.publisher import KafkaPublisher, check_producer_config
 
 

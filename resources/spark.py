@@ -76,5 +76,5 @@ class SparkResource(dg.ConfigurableResource):
             # Imported here: loading the Dagster definitions should not load Spark.
             from dagster_pyspark.resources import spark_session_from_config
 
-            self._session = spark_session_from_config(self.spark_config())
+            self._session = spark_session_from_config(self.spark_config())  # type: ignore[no-untyped-call]
         return self._session

@@ -10,7 +10,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.schema import LATEST_VERSION, current_version, init_db, partition_name
+from outbox_pipeline.migrations import LATEST_VERSION
+from outbox_pipeline.schema import current_version, init_db, partition_name
 
 
 def _partitions(conn: psycopg.Connection, table: OutboxTable) -> set[str]:

@@ -25,7 +25,7 @@ from outbox_pipeline.maintenance import (
     id_slices,
     move_default_rows,
 )
-from outbox_pipeline.schema import DEFAULT_DAYS_AHEAD
+from outbox_pipeline.migrations import DEFAULT_DAYS_AHEAD
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
 

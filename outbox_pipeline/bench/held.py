@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import psycopg
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from psycopg import sql
 
 from ..config import OutboxTable

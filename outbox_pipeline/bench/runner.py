@@ -111,7 +111,14 @@ class _WorkerReport:
 
 
 def _worker(
-    spec: RunSpec, dsn: str, schema: str, bootstrap: str, index: int, ready: Semaphore, go: Event, out: Queue
+    spec: RunSpec,
+    dsn: str,
+    schema: str,
+    bootstrap: str,
+    index: int,
+    ready: Semaphore,
+    go: Event,
+    out: Queue[_WorkerReport],
 ) -> None:
     """One benchmark worker process: set up, say it is ready, wait for the start signal, drain, report."""
     table = OutboxTable(schema=schema)
@@ -226,7 +233,7 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Semaphore(0)
     go = ctx.Event()
-    out: Queue = ctx.Queue()
+    out: Queue[_WorkerReport] = ctx.Queue()
     processes = [
         ctx.Process(target=_worker, args=(spec, servers.dsn, table.schema, servers.bootstrap, i, ready, go, out))
         for i in range(spec.workers)

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import psycopg
 
-from .. import schema
 from ..config import redact_dsn
 from ..errors import OutboxError
+from ..migrations import DEFAULT_DAYS_AHEAD
 from ..relay import RelaySettings
 from ..strategies import STRATEGY_NAMES
 from ..strategies.quarantine import ON_POISON_CHOICES
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init-db", help="create or migrate the outbox schema (idempotent)")
     add_db_args(p)
-    p.add_argument("--days-ahead", type=int, default=schema.DEFAULT_DAYS_AHEAD, help="daily partitions to create ahead")
+    p.add_argument("--days-ahead", type=int, default=DEFAULT_DAYS_AHEAD, help="daily partitions to create ahead")
     p.add_argument("--partitions", type=int, help="default number of virtual partitions per topic")
     p.add_argument("--topic", action="append", metavar="NAME:PARTITIONS", help="virtual partitions of one topic")
     p.set_defaults(func=cmd_init_db)

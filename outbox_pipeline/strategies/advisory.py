@@ -162,7 +162,7 @@ class AdvisoryStrategy(Strategy):
         if not self._quarantine.enabled:
             return []
         dead = split_failures(outcome.failed, self.config.max_attempts)[1]
-        first_dead = {}
+        first_dead: dict[tuple[str, bytes | None], int] = {}
         for failure in sorted(dead, key=lambda f: f.record.id):
             if failure.record.key is not None:
                 first_dead.setdefault((failure.record.topic, failure.record.key), failure.record.id)

@@ -49,7 +49,7 @@ def on_poison_from_env(env: Mapping[str, str] | None = None) -> OnPoison:
     value = (os.environ if env is None else env).get(ENV_ON_POISON, "quarantine").strip().lower()
     if value not in ON_POISON_CHOICES:
         raise ConfigurationError(f"{ENV_ON_POISON} must be 'quarantine' or 'skip', not {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 # The message columns a held row keeps (the record columns the relay publishes, and the dead letters').
@@ -179,7 +179,7 @@ class Quarantine:
             {"ids": keyed},
         )
         self.version += 1
-        return {(f.record.topic, f.record.key) for f in dead if f.record.key is not None}  # type: ignore[misc]
+        return {(f.record.topic, f.record.key) for f in dead if f.record.key is not None}
 
     def move_to_held(self, records: Sequence[OutboxRecord], *, delete: bool) -> None:
         """Put rows of held keys into ``outbox_held``; ``delete`` takes them out of the message table too (the
