@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +19,7 @@ from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import STRATEGY_NAMES
 
+from .faults.helpers import WorkerProcess
 from .kafka_helpers import KafkaProbe
 from .relay_helpers import drain, make_relay, message_ids
 
@@ -155,30 +154,30 @@ def test_rolled_back_writes_are_never_published(
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 def test_a_worker_killed_between_publish_and_ack_loses_nothing_and_duplicates_at_most_one_batch(
-    strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+    strategy: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    tmp_path: Path,
 ) -> None:
     topic = new_topic()
     set_topic_partitions(db, table, topic, 1)
     written = _write(db, table, strategy, [Message(topic, {"n": i}, key=f"k{i % 4}") for i in range(120)])
     batch = 25
-    crash = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).with_name("crash_worker.py")),
-            db.info.dsn,
-            table.schema,
-            kafka.bootstrap_servers,
-            strategy,
-            "worker-a",
-            str(batch),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).parents[1],
-    )
-    assert crash.returncode == -signal.SIGKILL, crash.stderr
-    assert f"published {batch}" in crash.stdout
+    spec = {
+        "dsn": db.info.dsn,
+        "schema": table.schema,
+        "bootstrap": kafka.bootstrap_servers,
+        "strategy": strategy,
+        "worker_id": "worker-a",
+        "batch_size": batch,
+        "settings": {"until_empty": True, "listen": False},
+        "kill_after_publish": 1,
+    }
+    crash = WorkerProcess(spec, tmp_path, "worker-a").start()
+    assert crash.wait(120) == -signal.SIGKILL, crash.log()
+    assert [e.numbers for e in crash.events() if e.step == "delivered"][0] == (batch, 0)
     # The same worker restarts (same id: leases held by its dead self are taken back at once).
     drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, batch_size=batch, worker_id="worker-a")
     arrived = message_ids(kafka.consume(topic, expect=120 + batch, idle_s=2.0))

@@ -42,6 +42,9 @@ BENCH_PG_SETTINGS = {
     "max_wal_size": "8GB",
     "checkpoint_timeout": "30min",
     "work_mem": "64MB",
+    # Where PostgreSQL's time goes, per statement (`--statements`); loaded always, so runs stay comparable.
+    "shared_preload_libraries": "pg_stat_statements",
+    "pg_stat_statements.track": "all",
 }
 
 
@@ -81,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--matrix: only these strategies (default: all)",
     )
     parser.add_argument("--verify", action="store_true", help="check every message_id arrived (outbox verify)")
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="after each run, PostgreSQL's top statements by total time during the drain (pg_stat_statements)",
+    )
     parser.add_argument("--embedded", action="store_true", help="use the embedded stack even if servers are set")
     parser.add_argument(
         "--retained",
@@ -170,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         rows_per_transaction=args.rows_per_transaction,
         mode=args.mode,
         verify=args.verify,
+        statements=args.statements,
     )
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
     with servers(args.embedded) as found:

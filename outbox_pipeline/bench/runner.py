@@ -37,6 +37,7 @@ from ..workers import WorkerSpec, build_relay
 from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
 from .naive import NAIVE_BATCH, prepare_naive_schema, run_naive
 from .procstat import own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
+from .statements import reset_statements, top_statements
 from .talk_table import add_talk_offsets, create_talk_table, index_talk_table
 
 
@@ -72,6 +73,7 @@ class RunSpec:
     rows_per_transaction: int = 100
     mode: str = "delete"
     verify: bool = False
+    statements: bool = False  # print pg_stat_statements' top statements of the drain
 
     @property
     def naive(self) -> bool:
@@ -244,6 +246,8 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
     # signal, as the talk's code does.
     for _ in processes:
         ready.acquire()
+    if spec.statements:
+        reset_statements(servers.dsn)
     pg_before = tree_cpu_s(servers.postgres_pid) if servers.postgres_pid else None
     broker_before = process_cpu_s(servers.broker_pid) if servers.broker_pid else None
     started = time.time()
@@ -257,6 +261,8 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
     broker_cpu = (
         process_cpu_s(servers.broker_pid) - broker_before if servers.broker_pid and broker_before is not None else None
     )
+    if spec.statements:
+        progress(top_statements(servers.dsn))
     errors = [r.error for r in reports if r.error]
     published = sum(r.published for r in reports)
     verified: bool | None = None

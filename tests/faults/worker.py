@@ -4,6 +4,8 @@ Run as ``python tests/faults/worker.py SPEC_JSON``. It appends one line per step
 (``<monotonic time> <step> [numbers]``; CLOCK_MONOTONIC is system-wide, so the test can compare times),
 which tells the test where a SIGKILL landed and how often the worker claimed during an outage, and writes
 its cumulative RelayStats as JSON to ``stats`` when it ends (SIGTERM stops it after the batch in hand).
+With ``kill_after_publish`` it kills itself (SIGKILL) once that many batches are confirmed by Kafka and
+before their ack: the worst moment for at-least-once.
 With ``stop_after_publish`` it freezes itself (SIGSTOP) once that many batches are confirmed by Kafka,
 before their ack: a worker hung past its lease, resumed by the test with SIGCONT. (The relay pipelines: by
 then it may have claimed its next batch, and it publishes that one before acking the confirmed one.)
@@ -47,10 +49,17 @@ class InstrumentedPublisher(KafkaPublisher):
     """Logs each batch handed to the producer (`produce`) and confirmed (`delivered`), for both paths the relay
     takes: ``start``/``finish`` (pipelined) and ``publish`` (Kafka transactions)."""
 
-    def __init__(self, config: Mapping[str, object], events: Events, stop_after_publish: int | None) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, object],
+        events: Events,
+        stop_after_publish: int | None,
+        kill_after_publish: int | None = None,
+    ) -> None:
         super().__init__(config)
         self.events = events
         self.stop_after_publish = stop_after_publish
+        self.kill_after_publish = kill_after_publish
         self.publishes = 0
 
     def start(self, records: Sequence[OutboxRecord], *args: Any, **kwargs: Any) -> PendingBatch:
@@ -69,6 +78,9 @@ class InstrumentedPublisher(KafkaPublisher):
     def _confirmed(self, outcome: PublishOutcome) -> PublishOutcome:
         self.events("delivered", len(outcome.delivered), len(outcome.failed))
         self.publishes += 1
+        if self.publishes == self.kill_after_publish:
+            self.events("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.publishes == self.stop_after_publish:
             self.events("frozen")
             os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us with SIGCONT
@@ -124,7 +136,9 @@ def main(spec: dict[str, Any]) -> None:
     relay = build_relay(
         worker,
         stop,
-        publisher=InstrumentedPublisher(worker.kafka_config, events, spec.get("stop_after_publish")),
+        publisher=InstrumentedPublisher(
+            worker.kafka_config, events, spec.get("stop_after_publish"), spec.get("kill_after_publish")
+        ),
         strategy_cls=instrumented(strategy_class(spec["strategy"]), events),
     )
     events("start")
