@@ -18,10 +18,11 @@ from psycopg import sql
 from .config import OutboxTable
 from .lag import PartitionLag, explain_pending, partition_lag
 from .publisher import KafkaPublisher
-from .relay import Relay, RelaySettings
+from .relay import RelaySettings
 from .strategies import strategy_class
 from .strategies.base import StrategyConfig
 from .strategies.positions import PositionStrategy
+from .workers import WorkerSpec, build_relay
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ def relay_partition(
     table = config.table
     scoped = replace(config, partitions=frozenset({(topic, partition)}))
     before = lag_of(conn, table, strategy, topic, partition)
-    relay = Relay(dsn, strategy_class(strategy), scoped, publisher, replace(settings, until_idle=True), stop)
+    spec = WorkerSpec(dsn, strategy, {}, replace(settings, until_idle=True), scoped, worker_id=scoped.worker_id)
+    relay = build_relay(spec, stop, publisher=publisher)
     stats = relay.run()
     after = lag_of(conn, table, strategy, topic, partition)
     reasons = tuple(explain_pending(conn, table, strategy, scoped.partitions)) if after and after.pending else ()

@@ -24,11 +24,11 @@ import psycopg
 
 from .lag import PartitionLag, partition_lag
 from .publisher import KafkaPublisher
-from .relay import Relay, RelaySettings
+from .relay import RelaySettings
 from .relay_stats import RelayInstruments, RelayStats
-from .strategies import strategy_class
 from .strategies.base import PublishOutcome, StrategyConfig
 from .strategies.sharing import deal
+from .workers import WorkerSpec, build_relay
 
 Pair = tuple[str, int]
 # Per-partition count cap of the lag read at each report: exact below it, "at least" above.
@@ -123,15 +123,15 @@ class StreamRun:
         self.config = config
         self.report_every_s = report_every_s
         self._tally = _Tally()
-        self.relay = Relay(
+        spec = WorkerSpec(
             dsn,
-            strategy_class(strategy),
-            config,
-            publisher,
+            strategy,
+            {},
             replace(settings, until_empty=False, until_idle=False),
-            observer=self._tally.observe,
-            instruments=instruments,
+            config,
+            worker_id=config.worker_id,
         )
+        self.relay = build_relay(spec, publisher=publisher, instruments=instruments, observer=self._tally.observe)
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         # Set when the relay thread has finished (deregistered). Waited on instead of Thread.join: a join

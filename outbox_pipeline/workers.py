@@ -15,7 +15,7 @@ import queue
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
@@ -26,7 +26,7 @@ from .publisher import KafkaPublisher
 from .relay import Relay, RelaySettings
 from .relay_stats import RelayInstruments
 from .strategies import strategy_class
-from .strategies.base import Strategy, StrategyConfig
+from .strategies.base import PublishOutcome, Strategy, StrategyConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,12 @@ def build_relay(
     publisher: KafkaPublisher | None = None,
     strategy_cls: type[Strategy] | None = None,
     instruments: RelayInstruments | None = None,
+    observer: Callable[[PublishOutcome], None] | None = None,
 ) -> Relay:
     """The one way a relay worker is assembled: the CLI's processes, the bench and the test workers call it.
 
-    ``publisher`` and ``strategy_cls`` replace the defaults built from the spec (the bench's read-only
-    ceiling, the fault suite's instrumented workers).
+    ``publisher`` and ``strategy_cls`` replace the defaults built from the spec (a Dagster resource's publisher,
+    the bench's read-only ceiling, the fault suite's instrumented workers); ``observer`` sees every outcome.
     """
     return Relay(
         spec.dsn,
@@ -71,6 +72,7 @@ def build_relay(
         spec.settings,
         stop,
         instruments=instruments,
+        observer=observer,
     )
 
 

@@ -158,16 +158,6 @@ def unsent_ids(conn: psycopg.Connection, table: OutboxTable) -> set[str]:
     return {r[0] for r in rows}
 
 
-def positions(conn: psycopg.Connection, table: OutboxTable) -> dict[tuple[str, int], tuple[int, int, str | None]]:
-    """(topic, partition) -> (last_processed_transaction_id, last_processed_id, locked_by)."""
-    rows = conn.execute(
-        sql.SQL(
-            "SELECT topic, partition, last_processed_transaction_id::text::bigint, last_processed_id, locked_by FROM {}"
-        ).format(table.offsets)
-    ).fetchall()
-    return {(r[0], r[1]): (r[2], r[3], r[4]) for r in rows}
-
-
 def dead_letters(conn: psycopg.Connection, table: OutboxTable) -> dict[str, tuple[int, str]]:
     """message_id -> (attempts, last_error)."""
     rows = conn.execute(

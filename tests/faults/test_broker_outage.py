@@ -24,6 +24,7 @@ from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.schema import set_topic_partitions
 
 from ..kafka_helpers import KafkaProbe
+from ..probes import positions
 from .conftest import ProxiedBroker
 from .helpers import (
     FAST_FAILING_PRODUCER,
@@ -34,7 +35,6 @@ from .helpers import (
     consume,
     dead_letters,
     pending,
-    positions,
     report,
     steps_between,
     tally,
@@ -101,7 +101,7 @@ class Lane:
             if dead_letters(db, self.table):
                 return "rows were dead-lettered during the outage"
             if self.strategy in POSITION_STRATEGIES:
-                now = {k: v[:2] for k, v in positions(db, self.table).items()}
+                now = {k: v.at for k, v in positions(db, self.table).items()}
                 return None if now == self.snapshot else f"positions moved: {self.snapshot} -> {now}"
             acked = set(self.during) - unsent_ids(db, self.table)
         return f"{len(acked)} rows acked" if acked else None
@@ -174,7 +174,7 @@ def test_broker_outage_backs_off_acks_nothing_then_resumes_and_loses_nothing(
     try:
         for lane in lanes:
             with psycopg.connect(lane.dsn, autocommit=True) as db:
-                lane.snapshot = {k: v[:2] for k, v in positions(db, lane.table).items()}
+                lane.snapshot = {k: v.at for k, v in positions(db, lane.table).items()}
             lane.during = write(lane.dsn, lane.table, lane.topic, MESSAGES, serialized=lane.strategy == "serialized")
             lane.committed += lane.during
         violations: dict[str, str] = {}

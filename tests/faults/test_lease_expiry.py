@@ -18,13 +18,13 @@ from outbox_pipeline import OutboxTable
 from outbox_pipeline.schema import set_topic_partitions
 
 from ..kafka_helpers import KafkaProbe
+from ..probes import positions
 from .helpers import (
     IN_FLIGHT_BATCHES,
     POSITION_STRATEGIES,
     WorkerProcess,
     consume,
     pending,
-    positions,
     report,
     tally,
     wait_until,
@@ -42,7 +42,7 @@ def _state(dsn: str, table: OutboxTable, strategy: str) -> object:
     """What an ack changes: positions for the ordered strategies, the rows' delivery state for `lease`."""
     with psycopg.connect(dsn, autocommit=True) as db:
         if strategy in POSITION_STRATEGIES:
-            return {k: v[:2] for k, v in positions(db, table).items()}
+            return {k: v.at for k, v in positions(db, table).items()}
         return db.execute(
             sql.SQL("SELECT id, sent_at, locked_by, attempts FROM {} ORDER BY id").format(table.messages)
         ).fetchall()

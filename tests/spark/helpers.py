@@ -1,4 +1,4 @@
-"""What the Spark tests share: concurrent writers, and the outbox's positions and leases as tests see them."""
+"""What the Spark tests share: concurrent writers and every row's place (positions: tests/probes.py)."""
 
 from __future__ import annotations
 
@@ -49,22 +49,6 @@ class Writers:
                     self.committed.append(str(result.message_id))
                 i += 1
                 self._stop.wait(0.002)  # pacing, so the writers leave CPU to the drain on two cores
-
-
-@dataclass(frozen=True)
-class Position:
-    xid: str
-    id: int
-    locked_by: str | None
-
-
-def positions(db: psycopg.Connection, table: OutboxTable) -> dict[tuple[str, int], Position]:
-    rows = db.execute(
-        sql.SQL(
-            "SELECT topic, partition, last_processed_transaction_id::text, last_processed_id, locked_by FROM {}"
-        ).format(table.offsets)
-    ).fetchall()
-    return {(topic, part): Position(xid, last_id, owner) for topic, part, xid, last_id, owner in rows}
 
 
 def row_positions(db: psycopg.Connection, table: OutboxTable) -> dict[int, tuple[str, int, int]]:

@@ -19,8 +19,9 @@ from outbox_pipeline.schema import set_topic_partitions
 from resources.kafka import KafkaResource
 
 from ..kafka_helpers import KafkaProbe, Record
+from ..probes import positions
 from ..relay_helpers import committed_message_ids, drain, message_ids, order_by_key
-from .helpers import Writers, positions, row_positions
+from .helpers import Writers, row_positions
 
 pytestmark = pytest.mark.spark
 

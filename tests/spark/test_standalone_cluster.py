@@ -25,8 +25,8 @@ from outbox_pipeline.localstack import free_port, wait_for_tcp
 from outbox_pipeline.schema import set_topic_partitions
 
 from ..kafka_helpers import KafkaProbe
+from ..probes import positions
 from ..relay_helpers import committed_message_ids, message_ids
-from .helpers import positions
 
 pytestmark = pytest.mark.spark
 
