@@ -62,30 +62,39 @@ class ConfirmingPublisher(KafkaPublisher):
 _SEQ = re.compile(rb'"seq":\s*(\d+)')
 
 
-def count_back(bootstrap: str, topics: list[str], expected: int, idle_s: float = 3.0) -> tuple[int, int]:
+def count_back(bootstrap: str, topics: list[str], expected: int, max_s: float = 300.0) -> tuple[int, int]:
     """(distinct messages, records) that arrived in ``topics``, told apart by the payload's ``seq``.
 
-    For tables without a message_id (the talk's): every loaded ``seq`` 0..expected-1 must be there.
+    For tables without a message_id (the talk's): every loaded ``seq`` 0..expected-1 must be there. Called
+    after the drain, when nothing is produced any more: it reads each partition up to its high watermark
+    (an idle gap while the machine is busy must not end the count early), for at most ``max_s``.
     """
     consumer = make_consumer({"bootstrap.servers": bootstrap})
     try:
         metadata = consumer.list_topics(timeout=15)
-        consumer.assign(
-            [TopicPartition(t, p, OFFSET_BEGINNING) for t in topics for p in sorted(metadata.topics[t].partitions)]
-        )
+        assignment = [
+            TopicPartition(t, p, OFFSET_BEGINNING) for t in topics for p in sorted(metadata.topics[t].partitions)
+        ]
+        ends = {
+            (tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=15, cached=False)[1]
+            for tp in assignment
+        }
+        remaining = {key for key, end in ends.items() if end > 0}
+        consumer.assign(assignment)
         seen: set[int] = set()
         records = 0
-        quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < idle_s:
-            batch = consumer.consume(10_000, timeout=0.5)
-            if batch:
-                quiet_since = time.monotonic()
-            for message in batch:
-                if message.error() is None:
-                    records += 1
-                    found = _SEQ.search(message.value() or b"")
-                    if found:
-                        seen.add(int(found.group(1)))
+        deadline = time.monotonic() + max_s
+        while remaining and time.monotonic() < deadline:
+            for message in consumer.consume(10_000, timeout=0.5):
+                if message.error() is not None:
+                    continue
+                records += 1
+                found = _SEQ.search(message.value() or b"")
+                if found:
+                    seen.add(int(found.group(1)))
+                key = (message.topic() or "", message.partition() or 0)
+                if (message.offset() or 0) + 1 >= ends.get(key, 0):
+                    remaining.discard(key)
         distinct = sum(1 for seq in seen if seq < expected)
         return distinct, records
     finally:
