@@ -85,7 +85,7 @@ class FairPick:
         )
 
 
-def oldest_share(conn: psycopg.Connection, config: StrategyConfig, pick: FairPick, limit: int) -> int:
+def oldest_share(conn: psycopg.Connection, config: StrategyConfig, one_priority: sql.Composed, limit: int) -> int:
     """How many rows of a batch to take oldest-first: none when all pending rows share one priority.
 
     Then the priority order is the id order and one read serves both, instead of two reads that each
@@ -94,7 +94,7 @@ def oldest_share(conn: psycopg.Connection, config: StrategyConfig, pick: FairPic
     nothing can starve within a batch that is all one priority.
     """
     share = int(limit * config.oldest_share)
-    if share and conn.execute(pick.one_priority, prepare=True).fetchone() == (True,):
+    if share and conn.execute(one_priority, prepare=True).fetchone() == (True,):
         return 0
     return share
 
@@ -111,7 +111,7 @@ def claim_fair(
     """
     params: dict[str, object] = {"exclude": list(avoid)}
     records: list[OutboxRecord] = []
-    oldest = oldest_share(conn, config, pick, limit)
+    oldest = oldest_share(conn, config, pick.one_priority, limit)
     if oldest:
         records = fetch_records(conn, pick.oldest, {**params, "limit": oldest}, prepare=True)
     rest = limit - len(records)
