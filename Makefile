@@ -27,7 +27,7 @@ tools:
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    (apt-get install -y -qq pgbouncer >/dev/null 2>&1 || \
 	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq pgbouncer >/dev/null 2>&1)); } || \
-	  echo "pgbouncer not installed: tests/test_pgbouncer.py will be skipped"
+	  echo "pgbouncer not installed: tests/engine/test_pgbouncer.py will be skipped"
 	@command -v chromium >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    (apt-get install -y -qq chromium >/dev/null 2>&1 || \

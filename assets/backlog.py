@@ -77,9 +77,10 @@ def check_evaluation(verdict: LagVerdict) -> dg.AssetCheckEvaluation:
     kinds={"postgres"},
     description="Pending outbox rows per topic and virtual partition, as the relay strategy sees them.",
 )
-def outbox_backlog(context: dg.AssetExecutionContext, postgres: PostgresResource) -> dg.MaterializeResult:
-    settings = OrchestrationSettings.from_env()
-    verdict = read_lag(postgres, settings)
+def outbox_backlog(
+    context: dg.AssetExecutionContext, postgres: PostgresResource, orchestration: OrchestrationSettings
+) -> dg.MaterializeResult:
+    verdict = read_lag(postgres, orchestration)
     context.log.info("%s", verdict.summary())
     return dg.MaterializeResult(metadata=backlog_metadata(verdict))
 
@@ -90,9 +91,8 @@ def outbox_backlog(context: dg.AssetExecutionContext, postgres: PostgresResource
     description="WARN/ERROR when the oldest pending row or the pending row count is above its threshold "
     "(OUTBOX_LAG_WARN_AGE_S, OUTBOX_LAG_ERROR_AGE_S, OUTBOX_LAG_WARN_PENDING, OUTBOX_LAG_ERROR_PENDING).",
 )
-def outbox_lag_slo(postgres: PostgresResource) -> dg.AssetCheckResult:
-    settings = OrchestrationSettings.from_env()
-    verdict = read_lag(postgres, settings)
+def outbox_lag_slo(postgres: PostgresResource, orchestration: OrchestrationSettings) -> dg.AssetCheckResult:
+    verdict = read_lag(postgres, orchestration)
     evaluation = check_evaluation(verdict)
     return dg.AssetCheckResult(
         passed=evaluation.passed,

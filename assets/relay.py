@@ -17,7 +17,6 @@ from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.partition_run import PartitionRunReport, end_backoff, relay_partition
 from outbox_pipeline.relay import RelaySettings
 from outbox_pipeline.strategies.base import StrategyConfig
-from outbox_pipeline.strategies.quarantine import on_poison_from_env
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 
@@ -49,10 +48,14 @@ class RelayRunConfig(dg.Config):
     description="Outbox rows of one (topic, virtual partition) relayed to Kafka; one run per partition.",
 )
 def relayed_outbox(
-    context: dg.AssetExecutionContext, config: RelayRunConfig, postgres: PostgresResource, kafka: KafkaResource
+    context: dg.AssetExecutionContext,
+    config: RelayRunConfig,
+    postgres: PostgresResource,
+    kafka: KafkaResource,
+    orchestration: OrchestrationSettings,
 ) -> dg.MaterializeResult:
     topic, partition = parse_partition_key(context.partition_key)
-    settings = OrchestrationSettings.from_env()
+    settings = orchestration
     strategy = config.strategy or settings.strategy
     # Retries of this run (op retries, run retries, a rerun from the UI) share the root run id, so they
     # share the worker id and take back this run's lease at once; other runs wait for it to end.
@@ -64,7 +67,7 @@ def relayed_outbox(
         lease_s=config.lease_s,
         backoff_max_s=config.backoff_max_s,
         kafka_transactions=config.kafka_transactions,
-        on_poison=on_poison_from_env(),
+        on_poison=settings.poison,
     )
     relay_settings = RelaySettings(
         batch_size=config.batch_size, listen=False, max_seconds=config.max_seconds or settings.relay_max_seconds

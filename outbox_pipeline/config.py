@@ -18,17 +18,12 @@ from functools import cached_property
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from . import settings
 from .errors import ConfigurationError
 
-ENV_PG_DSN = "OUTBOX_PG_DSN"
-ENV_SCHEMA = "OUTBOX_SCHEMA"
-ENV_MAX_MESSAGE_BYTES = "OUTBOX_MAX_MESSAGE_BYTES"
+ENV_PG_DSN = settings.PG_DSN.name
 ENV_KAFKA_PREFIX = "KAFKA_"
-
-DEFAULT_SCHEMA = "outbox"
-# Kafka's default broker/topic limit is 1,048,588 bytes for a whole record batch; leave room for
-# the key, headers and batch overhead so an accepted message is also accepted by a default broker.
-DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
+DEFAULT_SCHEMA = settings.SCHEMA.default
 # PostgreSQL truncates identifiers longer than NAMEDATALEN - 1 bytes; refuse them instead.
 _MAX_IDENTIFIER_BYTES = 63
 
@@ -62,7 +57,7 @@ class OutboxTable:
     """Where the outbox lives and how big one message may be; composes every identifier safely."""
 
     schema: str = DEFAULT_SCHEMA
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = settings.MAX_MESSAGE_BYTES.default
 
     def __post_init__(self) -> None:
         if not self.schema or len(self.schema.encode("utf-8")) > _MAX_IDENTIFIER_BYTES:
@@ -76,13 +71,7 @@ class OutboxTable:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OutboxTable:
-        env = os.environ if env is None else env
-        raw_max = env.get(ENV_MAX_MESSAGE_BYTES, str(DEFAULT_MAX_MESSAGE_BYTES))
-        try:
-            max_bytes = int(raw_max)
-        except ValueError:
-            raise ConfigurationError(f"{ENV_MAX_MESSAGE_BYTES} must be an integer, got {raw_max!r}") from None
-        return cls(schema=env.get(ENV_SCHEMA, DEFAULT_SCHEMA), max_message_bytes=max_bytes)
+        return cls(schema=settings.SCHEMA.read(env), max_message_bytes=settings.MAX_MESSAGE_BYTES.read(env))
 
     def ident(self, name: str) -> sql.Identifier:
         """A schema-qualified identifier for one of the outbox's relations."""
@@ -130,8 +119,7 @@ class OutboxTable:
 
 
 def pg_dsn_from_env(env: Mapping[str, str] | None = None) -> str:
-    env = os.environ if env is None else env
-    dsn = env.get(ENV_PG_DSN, "")
+    dsn = settings.PG_DSN.read(env)
     if not dsn:
         raise ConfigurationError(
             f"{ENV_PG_DSN} is not set: give a libpq DSN such as 'host=127.0.0.1 port=55432 user=postgres "
@@ -168,6 +156,22 @@ def kafka_config_from_env(env: Mapping[str, str] | None = None) -> dict[str, str
     if "bootstrap.servers" not in config:
         raise ConfigurationError("KAFKA_BOOTSTRAP_SERVERS is not set (or pass --bootstrap-servers)")
     return config
+
+
+def settings_in_effect(env: Mapping[str, str] | None = None) -> list[tuple[str, str, str, str]]:
+    """(name, value shown, "set" or "default", meaning) of every catalogued setting, then each ``KAFKA_*``
+    property set; secrets redacted (a DSN keeps everything but its password)."""
+    env = os.environ if env is None else env
+    rows = []
+    for setting in settings.CATALOGUE:
+        value = str(setting.read(env)) if setting.is_set(env) else str(setting.default)
+        if setting.secret and value:
+            value = redact_dsn(value) if setting is settings.PG_DSN else REDACTED
+        rows.append((setting.name, value, "set" if setting.is_set(env) else "default", setting.meaning))
+    for name in sorted(n for n in env if n.startswith(ENV_KAFKA_PREFIX) and len(n) > len(ENV_KAFKA_PREFIX)):
+        prop = name[len(ENV_KAFKA_PREFIX) :].lower().replace("_", ".")
+        rows.append((name, REDACTED if is_secret(prop) else env[name], "set", f"librdkafka property {prop}"))
+    return rows
 
 
 def redact_kafka_config(config: Mapping[str, object]) -> dict[str, object]:

@@ -2,17 +2,15 @@
 
 `dagster dev` loads it through workspace.yaml. Resources take their configuration from the
 environment when a run or tick starts (OUTBOX_PG_DSN, OUTBOX_SCHEMA, KAFKA_*, OUTBOX_ALERT_WEBHOOK_URL,
-SPARK_MASTER);
-sensor intervals, the relay strategy and the lag thresholds are read here (OrchestrationSettings).
+SPARK_MASTER). The orchestration settings (sensor intervals, the relay strategy, lag thresholds) are read
+here once, from the variables ``outbox settings`` lists: the sensors take them, and runs get the same
+values as the ``orchestration`` resource, which the UI shows with what each one means.
 """
-
-import os
 
 import dagster as dg
 
 from assets import outbox_backlog, outbox_dead_letters, outbox_lag_slo, relayed_outbox
 from assets.spark import bulk_drain_job, spark_assets, spark_jobs, spark_schedules
-from outbox_pipeline.config import DEFAULT_SCHEMA
 from outbox_pipeline.orchestration.alert_sensors import (
     build_dead_letter_sensor,
     build_lag_slo_sensor,
@@ -23,22 +21,25 @@ from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
 from outbox_pipeline.orchestration.relay_stream import relay_stream_job
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.settings import PG_DSN, SCHEMA
 from resources import AlertResource, KafkaResource, PostgresResource, SparkResource
 
 
-def build_resources() -> dict[str, dg.ConfigurableResource]:
+def build_resources(orchestration: OrchestrationSettings) -> dict[str, dg.ConfigurableResource]:
     """The resources every definition uses, configured from the environment at execution time."""
     return {
         "postgres": PostgresResource(
-            dsn=dg.EnvVar("OUTBOX_PG_DSN"),
+            dsn=dg.EnvVar(PG_DSN.name),
             # Optional: the default schema unless OUTBOX_SCHEMA names another.
-            schema_name=dg.EnvVar("OUTBOX_SCHEMA") if "OUTBOX_SCHEMA" in os.environ else DEFAULT_SCHEMA,
+            schema_name=dg.EnvVar(SCHEMA.name) if SCHEMA.is_set() else SCHEMA.default,
         ),
         # Every other KAFKA_* variable becomes a librdkafka property, as for the `outbox` CLI.
         "kafka": KafkaResource(bootstrap_servers=dg.EnvVar("KAFKA_BOOTSTRAP_SERVERS"), include_kafka_env=True),
         "alerts": AlertResource(),
         # SPARK_MASTER: local[*] unless it names a cluster (spark://, k8s://, yarn).
         "spark": SparkResource.from_env(),
+        # Read at load (the sensors' intervals are fixed then); the UI shows each value and what it means.
+        "orchestration": orchestration,
     }
 
 
@@ -58,5 +59,5 @@ defs = dg.Definitions(
         build_dead_letter_sensor(settings),
         build_relay_failure_sensor(relay_stream_job, relay_partition_job),
     ],
-    resources=build_resources(),
+    resources=build_resources(settings),
 )

@@ -9,31 +9,26 @@ held behind a dead letter (quarantine) are lag like pending ones, and each held 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from . import settings
 from .errors import ConfigurationError
 from .horizon import Horizon
 from .lag import PartitionLag
 
 Severity = Literal["ok", "warn", "error"]
 
-ENV_WARN_AGE_S = "OUTBOX_LAG_WARN_AGE_S"
-ENV_ERROR_AGE_S = "OUTBOX_LAG_ERROR_AGE_S"
-ENV_WARN_PENDING = "OUTBOX_LAG_WARN_PENDING"
-ENV_ERROR_PENDING = "OUTBOX_LAG_ERROR_PENDING"
-
 
 @dataclass(frozen=True)
 class LagThresholds:
     """WARN above the warn values, ERROR above the error values (age in seconds, rows in the outbox)."""
 
-    warn_age_s: float = 60.0
-    error_age_s: float = 300.0
-    warn_pending: int = 10_000
-    error_pending: int = 100_000
+    warn_age_s: float = settings.LAG_WARN_AGE_S.default
+    error_age_s: float = settings.LAG_ERROR_AGE_S.default
+    warn_pending: int = settings.LAG_WARN_PENDING.default
+    error_pending: int = settings.LAG_ERROR_PENDING.default
 
     def __post_init__(self) -> None:
         if min(self.warn_age_s, self.error_age_s) < 0 or min(self.warn_pending, self.error_pending) < 0:
@@ -43,24 +38,12 @@ class LagThresholds:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LagThresholds:
-        env = os.environ if env is None else env
-        default = cls()
         return cls(
-            warn_age_s=_number(env, ENV_WARN_AGE_S, default.warn_age_s, float),
-            error_age_s=_number(env, ENV_ERROR_AGE_S, default.error_age_s, float),
-            warn_pending=int(_number(env, ENV_WARN_PENDING, default.warn_pending, int)),
-            error_pending=int(_number(env, ENV_ERROR_PENDING, default.error_pending, int)),
+            warn_age_s=settings.LAG_WARN_AGE_S.read(env),
+            error_age_s=settings.LAG_ERROR_AGE_S.read(env),
+            warn_pending=settings.LAG_WARN_PENDING.read(env),
+            error_pending=settings.LAG_ERROR_PENDING.read(env),
         )
-
-
-def _number(env: Mapping[str, str], name: str, default: float, kind: type[float] | type[int]) -> float:
-    raw = env.get(name, "")
-    if not raw:
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ConfigurationError(f"{name} must be a {kind.__name__}, got {raw!r}") from None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ collision between two worker ids can only make a dead worker look alive: expiry 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,15 +30,14 @@ from typing import Literal
 import psycopg
 from psycopg import sql
 
+from . import settings
 from .config import OutboxTable
-from .errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
 # First key of the workers' session locks: distinct from the advisory strategy's ("OA") and the
 # transaction-scoped migration and serialized-writer classes.
 WORKER_LOCK_CLASS = 0x4F57  # "OW"
-ENV_LIVENESS = "OUTBOX_LIVENESS"
 Liveness = Literal["session", "expiry"]
 
 _HOLDS_LOCK = """
@@ -82,10 +80,7 @@ class Reaped:
 def liveness_from_env(env: Mapping[str, str] | None = None) -> Liveness:
     """OUTBOX_LIVENESS: ``session`` (default: crashed workers are detected at once) or ``expiry`` (leases
     only end by expiry; what a transaction-pooling PgBouncer forces anyway)."""
-    value = (os.environ if env is None else env).get(ENV_LIVENESS, "session").strip().lower()
-    if value not in ("session", "expiry"):
-        raise ConfigurationError(f"{ENV_LIVENESS} must be 'session' or 'expiry', not {value!r}")
-    return value  # type: ignore[return-value]
+    return settings.LIVENESS.read(env)  # type: ignore[return-value]
 
 
 class WorkerPresence:

@@ -18,9 +18,9 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-log = logging.getLogger(__name__)
+from outbox_pipeline.settings import ALERT_WEBHOOK_URL
 
-ENV_ALERT_WEBHOOK_URL = "OUTBOX_ALERT_WEBHOOK_URL"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class AlertResource(dg.ConfigurableResource):
     """Where alerts go: always the log; also an HTTP POST of the JSON payload when the URL is set."""
 
     webhook_url_env: str = Field(
-        default=ENV_ALERT_WEBHOOK_URL, description="environment variable holding the webhook URL (empty: log only)"
+        default=ALERT_WEBHOOK_URL.name, description="environment variable holding the webhook URL (empty: log only)"
     )
     timeout_s: float = Field(default=5.0, description="HTTP timeout of one delivery")
 

@@ -15,8 +15,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-ENV_SPARK_MASTER = "SPARK_MASTER"
-DEFAULT_MASTER = "local[*]"
+from outbox_pipeline.settings import SPARK_MASTER
 
 # What the outbox's Spark jobs rely on, overridable like any setting except where noted in the assets.
 _DEFAULT_CONF: dict[str, str] = {
@@ -35,7 +34,9 @@ _LOCAL_CONF: dict[str, str] = {
 class SparkResource(dg.ConfigurableResource):
     """A SparkSession for the outbox's bulk drain and partition maintenance."""
 
-    master: str = Field(default=DEFAULT_MASTER, description="local[*], spark://host:7077, k8s://https://..., yarn")
+    master: str = Field(
+        default=SPARK_MASTER.default, description="local[*], spark://host:7077, k8s://https://..., yarn"
+    )
     app_name: str = Field(default="outbox-pipeline", description="application name shown by the Spark UI")
     spark_conf: dict[str, str] = Field(
         default_factory=dict, description="any Spark property, e.g. spark.executor.memory; wins over the defaults"
@@ -51,7 +52,7 @@ class SparkResource(dg.ConfigurableResource):
     @classmethod
     def from_env(cls, **overrides: Any) -> SparkResource:
         """The master from SPARK_MASTER (``local[*]`` when unset)."""
-        return cls(master=os.environ.get(ENV_SPARK_MASTER) or DEFAULT_MASTER, **overrides)
+        return cls(master=SPARK_MASTER.read(), **overrides)
 
     def spark_config(self) -> dict[str, str]:
         local = self.master.startswith("local")

@@ -8,7 +8,6 @@ ever dropped. See ``outbox_pipeline.maintenance`` for what "relayed" means per s
 """
 
 import datetime as dt
-import os
 from pathlib import Path
 
 import dagster as dg
@@ -26,10 +25,10 @@ from outbox_pipeline.maintenance import (
     move_default_rows,
 )
 from outbox_pipeline.migrations import DEFAULT_DAYS_AHEAD
+from outbox_pipeline.settings import ARCHIVE_URI, HOME
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
 
-ENV_ARCHIVE_URI = "OUTBOX_ARCHIVE_URI"
 DEFAULT_RETENTION_DAYS = 7
 
 maintenance_partitions = dg.DailyPartitionsDefinition(
@@ -42,10 +41,7 @@ maintenance_partitions = dg.DailyPartitionsDefinition(
 
 def default_archive_root() -> str:
     """OUTBOX_ARCHIVE_URI, else ``$OUTBOX_HOME/archive`` (``./.outbox/archive``)."""
-    configured = os.environ.get(ENV_ARCHIVE_URI)
-    if configured:
-        return configured
-    return str((Path(os.environ.get("OUTBOX_HOME", ".outbox")) / "archive").resolve())
+    return ARCHIVE_URI.read() or str((Path(HOME.read()) / "archive").resolve())
 
 
 class MaintenanceConfig(dg.Config):

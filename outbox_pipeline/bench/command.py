@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from .. import settings
 from ..strategies import STRATEGY_NAMES
 from . import held, latency, retained, writers
 from .orchestrated import DagsterRelay
@@ -122,13 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @contextmanager
 def servers(embedded: bool) -> Iterator[Servers]:
-    dsn, bootstrap = os.environ.get("OUTBOX_PG_DSN"), os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    dsn, bootstrap = settings.PG_DSN.read(), os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if dsn and bootstrap and not embedded:
         yield Servers(dsn, bootstrap)
         return
     from ..localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
 
-    home = Path(os.environ.get("OUTBOX_HOME", ".outbox")).resolve()
+    home = Path(settings.HOME.read()).resolve()
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-", dir=home) as scratch:
         pg = LocalPostgres(PostgresSpec(Path(scratch) / "pg", port=free_port(), settings=BENCH_PG_SETTINGS))

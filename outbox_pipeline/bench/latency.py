@@ -26,6 +26,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartiti
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from psycopg import sql
 
+from .. import settings
 from ..config import OutboxTable
 from ..enqueue import Message, enqueue_many
 from ..liveness import live_workers
@@ -201,7 +202,7 @@ def _start_relay(
     servers: Servers, table: OutboxTable, strategy: str, workers: int, max_seconds: float
 ) -> subprocess.Popen[bytes]:
     """`outbox relay` as deployed: its own processes, LISTEN/NOTIFY, default batch size."""
-    env = {**os.environ, "OUTBOX_PG_DSN": servers.dsn, "KAFKA_BOOTSTRAP_SERVERS": servers.bootstrap}
+    env = {**os.environ, settings.PG_DSN.name: servers.dsn, "KAFKA_BOOTSTRAP_SERVERS": servers.bootstrap}
     command = [sys.executable, "-m", "outbox_pipeline.cli", "relay", "--schema", table.schema]
     command += ["--strategy", strategy, "--workers", str(workers), "--max-seconds", str(max_seconds)]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)

@@ -20,6 +20,7 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
+from .. import settings
 from ..config import OutboxTable
 from ..localstack.dev import group_members, wait_group_gone
 from ..localstack.ports import free_port
@@ -50,9 +51,11 @@ class DagsterRelay:
 
     def __init__(self, strategy: str, project: Path | None = None) -> None:
         self.strategy = strategy
-        self.project = (project or Path(os.environ.get("OUTBOX_PROJECT_DIR", os.getcwd()))).resolve()
+        self.project = (project or Path(settings.PROJECT_DIR.read() or os.getcwd())).resolve()
         if not (self.project / "workspace.yaml").exists():
-            raise RuntimeError(f"no workspace.yaml in {self.project}: run from the project (or set OUTBOX_PROJECT_DIR)")
+            raise RuntimeError(
+                f"no workspace.yaml in {self.project}: run from the project (or set {settings.PROJECT_DIR.name})"
+            )
         self.port = free_port()
         self._home = tempfile.TemporaryDirectory(prefix="bench-dagster-")
         self._process: subprocess.Popen[bytes] | None = None
@@ -65,10 +68,10 @@ class DagsterRelay:
         env = {
             **os.environ,
             "DAGSTER_HOME": str(home),
-            "OUTBOX_PG_DSN": servers.dsn,
-            "OUTBOX_SCHEMA": table.schema,
+            settings.PG_DSN.name: servers.dsn,
+            settings.SCHEMA.name: table.schema,
             "KAFKA_BOOTSTRAP_SERVERS": servers.bootstrap,
-            "OUTBOX_RELAY_STRATEGY": self.strategy,
+            settings.RELAY_STRATEGY.name: self.strategy,
         }
         dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
         argv = [dagster, "dev", "-h", "127.0.0.1", "-p", str(self.port), "-w", "workspace.yaml"]

@@ -21,7 +21,7 @@ from ..relay import RelaySettings
 from ..strategies import STRATEGY_NAMES
 from ..strategies.quarantine import ON_POISON_CHOICES
 from .common import add_db_args, timestamp_arg
-from .inspect_commands import cmd_lag, cmd_status
+from .inspect_commands import cmd_lag, cmd_settings, cmd_status
 from .operator_commands import cmd_dead_letters, cmd_release_lease, cmd_replay, cmd_verify
 from .relay_command import EXIT_NOT_EMPTY, cmd_relay
 from .setup_commands import cmd_bench, cmd_demo_traffic, cmd_dev, cmd_enqueue, cmd_init_db, cmd_load
@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="as this strategy sees the outbox")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("settings", help="every environment variable read: value in effect, default, meaning")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_settings)
 
     p = sub.add_parser("lag", help="pending rows per topic and virtual partition")
     add_db_args(p)

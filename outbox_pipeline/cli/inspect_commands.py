@@ -1,4 +1,4 @@
-"""Engine room (CLI): looking without touching: `outbox lag` and `outbox status`."""
+"""Engine room (CLI): looking without touching: `outbox lag`, `outbox status` and `outbox settings`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
+from ..config import settings_in_effect
 from ..errors import OutboxError
 from ..horizon import find_horizon
 from ..lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
@@ -31,6 +32,18 @@ def cmd_lag(args: argparse.Namespace) -> int:
             print(key.describe())
         for line in horizon.describe() if horizon else []:
             print(line)
+    return 0
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    """Every environment variable the project reads: its value in effect, where it came from, what it means."""
+    rows = settings_in_effect()
+    if args.json:
+        print(json.dumps([dict(zip(("name", "value", "source", "meaning"), row, strict=True)) for row in rows]))
+        return 0
+    width = max(len(name) for name, *_ in rows)
+    for name, value, source, meaning in rows:
+        print(f"{name:<{width}}  {value or '(empty)'}  [{source}]\n{'':<{width}}  {meaning}")
     return 0
 
 

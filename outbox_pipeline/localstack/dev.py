@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psycopg
 
+from .. import settings as catalogue
 from ..config import OutboxTable
 from ..demo import DEMO_TOPICS
 from ..schema import init_db, set_topic_partitions
@@ -39,10 +40,10 @@ DEMO_PARTITIONS = 4
 class DevSettings:
     home: Path
     project_dir: Path
-    pg_port: int = 55432
-    kafka_port: int = 19092
-    dagster_port: int = 3000
-    traffic_rate: float = 20.0
+    pg_port: int = catalogue.DEV_PG_PORT.default
+    kafka_port: int = catalogue.DEV_KAFKA_PORT.default
+    dagster_port: int = catalogue.DEV_DAGSTER_PORT.default
+    traffic_rate: float = catalogue.DEMO_RATE.default
     with_dagster: bool = True
     table: OutboxTable = field(default_factory=OutboxTable)
 
@@ -51,14 +52,14 @@ class DevSettings:
         cls, env: Mapping[str, str] | None = None, *, with_dagster: bool = True, traffic_rate: float | None = None
     ) -> DevSettings:
         env = os.environ if env is None else env
-        project = Path(env.get("OUTBOX_PROJECT_DIR", os.getcwd())).resolve()
+        project = Path(catalogue.PROJECT_DIR.read(env) or os.getcwd()).resolve()
         return cls(
-            home=Path(env.get("OUTBOX_HOME", project / ".outbox")).resolve(),
+            home=(project / catalogue.HOME.read(env)).resolve(),
             project_dir=project,
-            pg_port=int(env.get("OUTBOX_DEV_PG_PORT", "55432")),
-            kafka_port=int(env.get("OUTBOX_DEV_KAFKA_PORT", "19092")),
-            dagster_port=int(env.get("OUTBOX_DEV_DAGSTER_PORT", "3000")),
-            traffic_rate=traffic_rate if traffic_rate is not None else float(env.get("OUTBOX_DEMO_RATE", "20")),
+            pg_port=catalogue.DEV_PG_PORT.read(env),
+            kafka_port=catalogue.DEV_KAFKA_PORT.read(env),
+            dagster_port=catalogue.DEV_DAGSTER_PORT.read(env),
+            traffic_rate=traffic_rate if traffic_rate is not None else catalogue.DEMO_RATE.read(env),
             with_dagster=with_dagster,
             table=OutboxTable.from_env(env),
         )
@@ -195,9 +196,11 @@ def run_dev(settings: DevSettings) -> int:
     try:
         # The broker never outlives us, so its port must be free; PostgreSQL may still be running on our
         # data directory after a killed run (then it is reused), so its port is checked by start().
-        ensure_port_free("127.0.0.1", settings.kafka_port, "the broker", hint="set OUTBOX_DEV_KAFKA_PORT")
+        ensure_port_free("127.0.0.1", settings.kafka_port, "the broker", hint=f"set {catalogue.DEV_KAFKA_PORT.name}")
         if settings.with_dagster:
-            ensure_port_free("127.0.0.1", settings.dagster_port, "dagster dev", hint="set OUTBOX_DEV_DAGSTER_PORT")
+            ensure_port_free(
+                "127.0.0.1", settings.dagster_port, "dagster dev", hint=f"set {catalogue.DEV_DAGSTER_PORT.name}"
+            )
         pg.start()
         broker.start()
         (settings.run_dir / "broker.pid").write_text(str(broker.pid))
@@ -243,7 +246,7 @@ def run_dev(settings: DevSettings) -> int:
                     )
         return 0
     except PortInUseError as exc:
-        hint = "" if "OUTBOX_DEV_" in str(exc) else " (set OUTBOX_DEV_PG_PORT to use another port)"
+        hint = "" if "OUTBOX_DEV_" in str(exc) else f" (set {catalogue.DEV_PG_PORT.name} to use another port)"
         print(f"error: {exc}{hint}", file=sys.stderr)
         return 1
     except LocalStackError as exc:

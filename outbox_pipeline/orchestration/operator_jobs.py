@@ -58,10 +58,13 @@ def _timestamp(value: str | None, name: str) -> dt.datetime | None:
 
 @dg.op(description="Replay one outbox partition from a position or a time.")
 def replay_outbox_partition(
-    context: dg.OpExecutionContext, config: ReplayConfig, postgres: PostgresResource
+    context: dg.OpExecutionContext,
+    config: ReplayConfig,
+    postgres: PostgresResource,
+    orchestration: OrchestrationSettings,
 ) -> dg.Output[int]:
     topic, partition = parse_partition_key(context.partition_key)
-    strategy = config.strategy or OrchestrationSettings.from_env().strategy
+    strategy = config.strategy or orchestration.strategy
     since, until = _timestamp(config.since, "since"), _timestamp(config.until, "until")
     with postgres.connect() as conn:
         if issubclass(strategy_class(strategy), PositionStrategy):

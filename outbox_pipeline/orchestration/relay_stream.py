@@ -21,14 +21,14 @@ from pydantic import Field
 
 from outbox_pipeline.metrics import RelayMetrics
 from outbox_pipeline.relay import RelaySettings
+from outbox_pipeline.settings import METRICS_PUSHGATEWAY
 from outbox_pipeline.strategies.base import StrategyConfig
-from outbox_pipeline.strategies.quarantine import on_poison_from_env
 from outbox_pipeline.stream_run import PartitionProgress, StreamReport, StreamRun
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 
 from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, partition_key
-from .settings import ENV_METRICS_PUSHGATEWAY, OrchestrationSettings
+from .settings import OrchestrationSettings
 
 RELAY_STREAM_JOB_NAME = "relay_stream"
 RELAYED_OUTBOX = dg.AssetKey("relayed_outbox")
@@ -64,9 +64,13 @@ class RelayStreamConfig(dg.Config):
 
 @dg.op(description="Relay the outbox for a window as one registered worker, recording each partition's progress.")
 def relay_outbox_stream(
-    context: dg.OpExecutionContext, config: RelayStreamConfig, postgres: PostgresResource, kafka: KafkaResource
+    context: dg.OpExecutionContext,
+    config: RelayStreamConfig,
+    postgres: PostgresResource,
+    kafka: KafkaResource,
+    orchestration: OrchestrationSettings,
 ) -> None:
-    settings = OrchestrationSettings.from_env()
+    settings = orchestration
     strategy = config.strategy or settings.strategy
     window_s = config.window_s or settings.relay_window_s
     worker_id = stream_worker_id(context.run)
@@ -79,7 +83,7 @@ def relay_outbox_stream(
             worker_id=worker_id,
             lease_s=config.lease_s,
             kafka_transactions=config.kafka_transactions,
-            on_poison=on_poison_from_env(),
+            on_poison=settings.poison,
         ),
         kafka.publisher(),
         RelaySettings(batch_size=config.batch_size, max_seconds=window_s, listen=True),
@@ -121,7 +125,7 @@ class MetricsPusher:
             context.log.info(
                 "relay metrics are not exported: %s is not set (a run has no port Prometheus could scrape; the "
                 "outbox_lag_slo check and the relayed_outbox history carry the lag)",
-                ENV_METRICS_PUSHGATEWAY,
+                METRICS_PUSHGATEWAY.name,
             )
             return None
         return cls(url, worker_id, RelayMetrics(strategy), context.log)

@@ -15,7 +15,6 @@ read before this worker created or deleted a hold is given back unpublished (``v
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -23,8 +22,8 @@ from typing import Literal
 import psycopg
 from psycopg import sql
 
+from .. import settings
 from ..config import OutboxTable
-from ..errors import ConfigurationError
 from .base import (
     DEAD_LETTER_MOVED,
     MESSAGE_BODY_COLUMNS,
@@ -41,15 +40,11 @@ from .base import (
 # without it (a hole in the key's stream; retrying the dead letter publishes it after them).
 OnPoison = Literal["quarantine", "skip"]
 ON_POISON_CHOICES: tuple[OnPoison, ...] = ("quarantine", "skip")
-ENV_ON_POISON = "OUTBOX_ON_POISON"
 
 
 def on_poison_from_env(env: Mapping[str, str] | None = None) -> OnPoison:
     """OUTBOX_ON_POISON: ``quarantine`` (default) or ``skip``; see OnPoison. Only the ordered strategies use it."""
-    value = (os.environ if env is None else env).get(ENV_ON_POISON, "quarantine").strip().lower()
-    if value not in ON_POISON_CHOICES:
-        raise ConfigurationError(f"{ENV_ON_POISON} must be 'quarantine' or 'skip', not {value!r}")
-    return value
+    return settings.ON_POISON.read(env)  # type: ignore[return-value]
 
 
 # The message columns a held row keeps (the record columns the relay publishes, and the dead letters').

@@ -15,10 +15,10 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.orchestration.partitions import partition_key
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.schema import set_topic_partitions
 from resources import AlertResource, KafkaResource, PostgresResource
-
-from ..kafka_helpers import KafkaProbe
+from tests.kit.kafka import KafkaProbe
 
 # A frozen or unreachable broker fails a batch within 2 s.
 FAST_FAILING_KAFKA = {"message.timeout.ms": "2000", "request.timeout.ms": "1000", "retry.backoff.ms": "100"}
@@ -36,6 +36,7 @@ def dagster_resources(dsn: str, table: OutboxTable, kafka: KafkaProbe) -> dict[s
         "postgres": PostgresResource(dsn=dsn, schema_name=table.schema),
         "kafka": KafkaResource(bootstrap_servers=kafka.bootstrap_servers, properties=FAST_FAILING_KAFKA),
         "alerts": AlertResource(),
+        "orchestration": OrchestrationSettings(),
     }
 
 

@@ -1,7 +1,7 @@
 """A `relay_stream` run in a process of its own, as a run worker is (so a test can kill -9 it).
 
 Usage: python -m tests.dagster.stream_run_process WINDOW_S REPORT_S [RERUN_OF]; the instance is DAGSTER_HOME's,
-the resources come from OUTBOX_PG_DSN, OUTBOX_SCHEMA and KAFKA_BOOTSTRAP_SERVERS.
+the resources come from OUTBOX_PG_DSN, OUTBOX_SCHEMA, KAFKA_BOOTSTRAP_SERVERS and the orchestration settings.
 """
 
 import os
@@ -10,6 +10,7 @@ import sys
 import dagster as dg
 
 from outbox_pipeline.orchestration.relay_stream import relay_stream_job
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from resources import KafkaResource, PostgresResource
 
 
@@ -19,6 +20,7 @@ def stream_job() -> dg.JobDefinition:
         resources={
             "postgres": PostgresResource(dsn=os.environ["OUTBOX_PG_DSN"], schema_name=os.environ["OUTBOX_SCHEMA"]),
             "kafka": KafkaResource(bootstrap_servers=os.environ["KAFKA_BOOTSTRAP_SERVERS"]),
+            "orchestration": OrchestrationSettings.from_env(),
         },
     )
     return defs.resolve_job_def("relay_stream")

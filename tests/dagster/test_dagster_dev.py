@@ -28,14 +28,15 @@ from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres, free_port
 from outbox_pipeline.localstack.dev import wait_group_gone
 from outbox_pipeline.schema import init_db, set_topic_partitions
+from outbox_pipeline.settings import TEST_ARTIFACTS
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import message_ids
 
-from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import message_ids
 from .conftest import Written, write_outbox_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 # The screenshot lands here (kept after the run; CI can upload it).
-ARTIFACTS = Path(os.environ.get("OUTBOX_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+ARTIFACTS = ROOT / TEST_ARTIFACTS.read()
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 LOCATION = "outbox_pipeline.definitions"
 

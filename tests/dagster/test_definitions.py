@@ -1,12 +1,20 @@
 """The project's Definitions load and hold what an operator finds in the UI, with the sensors running."""
 
+import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
+from assets import outbox_backlog, outbox_lag_slo
 from outbox_pipeline.definitions import defs
+from outbox_pipeline.errors import ConfigurationError
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
+
+from .conftest import Written
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,3 +45,52 @@ def test_loading_the_code_location_imports_neither_pyspark_nor_pyarrow() -> None
     )
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
     assert loaded.stdout.strip() == "[]", loaded.stderr[-2000:]
+
+
+def test_the_orchestration_settings_are_a_resource_showing_each_variable_and_what_it_means() -> None:
+    """The UI's resource page shows the values the deployment runs with; each says which variable sets it."""
+    env = {"OUTBOX_RELAY_RUNS_MAX": "7", "OUTBOX_LAG_WARN_PENDING": "50"}
+    code = (
+        "import json, outbox_pipeline.definitions as d\n"
+        "r = d.defs.resources['orchestration']\n"
+        "described = {n: f.description for n, f in type(r).model_fields.items()}\n"
+        "print(json.dumps({'values': r.model_dump(), 'described': described}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin", **env},
+    )
+    shown = json.loads(out.stdout)
+    assert (shown["values"]["relay_runs_max"], shown["values"]["lag_warn_pending"]) == (7, 50)
+    assert shown["values"]["strategy"] == "partitioned"
+    assert "$OUTBOX_RELAY_RUNS_MAX" in shown["described"]["relay_runs_max"]
+    assert all("$OUTBOX_" in text for text in shown["described"].values())
+
+
+def test_a_setting_overridden_for_one_run_is_what_that_run_uses(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+) -> None:
+    write_rows(11, partitions=1)
+    override = {"resources": {"orchestration": {"config": {"lag_warn_pending": 5, "lag_error_pending": 10}}}}
+
+    default = dg.materialize([outbox_backlog, outbox_lag_slo], resources=dagster_resources, instance=instance)
+    lowered = dg.materialize(
+        [outbox_backlog, outbox_lag_slo], resources=dagster_resources, instance=instance, run_config=override
+    )
+
+    assert [e.passed for e in default.get_asset_check_evaluations()] == [True]
+    [evaluation] = lowered.get_asset_check_evaluations()
+    assert (evaluation.passed, evaluation.severity) == (False, dg.AssetCheckSeverity.ERROR)
+
+
+def test_an_invalid_setting_names_its_variable() -> None:
+    with pytest.raises(ConfigurationError, match="OUTBOX_RELAY_STRATEGY='fastest': choose one of"):
+        OrchestrationSettings.from_env({"OUTBOX_RELAY_STRATEGY": "fastest"})
+    with pytest.raises(ConfigurationError, match="OUTBOX_RELAY_RUNS_MAX='many': must be an integer"):
+        OrchestrationSettings.from_env({"OUTBOX_RELAY_RUNS_MAX": "many"})

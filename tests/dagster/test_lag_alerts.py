@@ -27,9 +27,9 @@ from outbox_pipeline.orchestration.jobs import build_relay_partition_job, relay_
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from resources import Alert, AlertResource, KafkaResource
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain
 
-from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import drain
 from .conftest import Written
 
 # WARN above 5 pending rows, ERROR above 10; ages far out of reach.
@@ -89,7 +89,7 @@ def test_the_lag_check_passes_below_warns_above_the_warn_and_errors_above_the_er
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
 ) -> None:
-    sensor = build_lag_slo_sensor(OrchestrationSettings(thresholds=THRESHOLDS))
+    sensor = build_lag_slo_sensor(OrchestrationSettings.with_thresholds(THRESHOLDS))
     verdicts = []
     topic = write_rows(5, partitions=1).topic
     for more in (0, 1, 5):  # 5, 6, 11 pending rows
@@ -105,17 +105,19 @@ def test_the_lag_check_passes_below_warns_above_the_warn_and_errors_above_the_er
     ]
 
 
-def test_the_lag_check_run_from_the_ui_judges_by_the_thresholds_in_the_environment(
+def test_the_lag_check_run_from_the_ui_judges_by_the_thresholds_of_the_orchestration_resource(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
-    monkeypatch: pytest.MonkeyPatch,
     write_rows: Callable[..., Written],
 ) -> None:
-    monkeypatch.setenv("OUTBOX_LAG_WARN_PENDING", "5")
-    monkeypatch.setenv("OUTBOX_LAG_ERROR_PENDING", "10")
+    orchestration = OrchestrationSettings(lag_warn_pending=5, lag_error_pending=10)
     write_rows(11, partitions=1)
 
-    result = dg.materialize([outbox_backlog, outbox_lag_slo], resources=dagster_resources, instance=instance)
+    result = dg.materialize(
+        [outbox_backlog, outbox_lag_slo],
+        resources={**dagster_resources, "orchestration": orchestration},
+        instance=instance,
+    )
 
     [evaluation] = result.get_asset_check_evaluations()
     assert (evaluation.passed, evaluation.severity) == (False, dg.AssetCheckSeverity.ERROR)
@@ -124,20 +126,19 @@ def test_the_lag_check_run_from_the_ui_judges_by_the_thresholds_in_the_environme
 def test_the_lag_check_counts_rows_held_behind_a_dead_letter_and_names_the_key(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
-    monkeypatch: pytest.MonkeyPatch,
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
     new_topic: Callable[..., str],
 ) -> None:
-    monkeypatch.setenv("OUTBOX_LAG_WARN_PENDING", "2")
     topic = new_topic("dg", partitions=1)
     rows = [Message(topic, {"blob": "x" * 20_000}, key="order-7")]
     rows += [Message(topic, {"n": i}, key="order-7") for i in range(3)]
     poison, *_ = enqueue_many(db, rows, table=table)
     drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", producer={"message.max.bytes": 10_000})
 
-    result = dg.materialize([outbox_backlog, outbox_lag_slo], resources=dagster_resources, instance=instance)
+    resources = {**dagster_resources, "orchestration": OrchestrationSettings(lag_warn_pending=2)}
+    result = dg.materialize([outbox_backlog, outbox_lag_slo], resources=resources, instance=instance)
 
     [evaluation] = result.get_asset_check_evaluations()
     assert (evaluation.passed, evaluation.metadata["held_rows"].value) == (False, 3)
@@ -157,7 +158,7 @@ def test_a_lag_incident_alerts_the_webhook_once_and_its_recovery_once(
     kafka: KafkaProbe,
     write_rows: Callable[..., Written],
 ) -> None:
-    sensor = build_lag_slo_sensor(OrchestrationSettings(thresholds=THRESHOLDS))
+    sensor = build_lag_slo_sensor(OrchestrationSettings.with_thresholds(THRESHOLDS))
     written = write_rows(40)
     cursor = None
     for _ in range(2):  # lagging, twice
@@ -186,7 +187,7 @@ def test_a_transaction_left_open_holds_the_horizon_and_the_alert_fires_once_nami
     write_rows: Callable[..., Written],
 ) -> None:
     """A BEGIN left open over lunch (after a write) keeps `partitioned` from reading rows committed since."""
-    sensor = build_lag_slo_sensor(OrchestrationSettings(thresholds=THRESHOLDS))
+    sensor = build_lag_slo_sensor(OrchestrationSettings.with_thresholds(THRESHOLDS))
     write_rows(12)
     cursor = None
     for _ in range(2):  # held back, twice

@@ -15,9 +15,9 @@ from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
 from outbox_pipeline.orchestration.relay_stream import REGISTERED_TAG, relay_stream_job, stream_worker_id
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain
 
-from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import drain
 from .conftest import Written
 
 # Every partition with a pending row lags (no batching of trickles in these tests).

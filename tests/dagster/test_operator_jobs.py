@@ -13,9 +13,9 @@ from outbox_pipeline.operations import list_dead_letters
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, parse_partition_key
 from outbox_pipeline.partition_run import lag_of
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain
 
-from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import drain
 from .conftest import Written
 
 

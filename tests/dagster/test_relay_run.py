@@ -16,11 +16,12 @@ from outbox_pipeline.liveness import WorkerPresence
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.orchestration.jobs import build_relay_partition_job
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, partition_key
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import StrategyConfig
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import message_ids
 
-from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import message_ids
 from .conftest import FAST_FAILING_KAFKA, Written
 
 FAST_RETRIES = dg.RetryPolicy(max_retries=2, delay=0.2)
@@ -33,7 +34,7 @@ def relay_job_from_env() -> dg.JobDefinition:
     defs = dg.Definitions(
         assets=[relayed_outbox],
         jobs=[build_relay_partition_job(JOB_NAME, FAST_RETRIES)],
-        resources=build_resources(),
+        resources=build_resources(OrchestrationSettings.from_env()),
     )
     return defs.resolve_job_def(JOB_NAME)
 

@@ -14,7 +14,7 @@ import dagster as dg
 import psycopg
 import pytest
 
-from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline import OutboxTable
 from outbox_pipeline.lag import partition_lag
 from outbox_pipeline.liveness import live_workers
 from outbox_pipeline.localstack import LocalBroker
@@ -22,9 +22,10 @@ from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.relay_stream import RELAYED_OUTBOX, relay_stream_job, stream_worker_id
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import message_ids, order_by_key
+from tests.kit.writer import Writer
 
-from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import message_ids, order_by_key
 from .conftest import Written
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,17 +125,9 @@ def test_a_killed_run_is_replaced_and_its_rerun_from_failure_resumes_with_nothin
     topic = new_topic("stream", partitions=4)
     set_topic_partitions(db, table, topic, 4)
     stop = threading.Event()
-    written: list[str] = []
-
-    def write() -> None:  # a steady writer, 20 keys, through the kill and the rerun
-        with psycopg.connect(db.info.dsn, autocommit=True) as conn:
-            n = 0
-            while not stop.wait(0.02):
-                [row] = enqueue_many(conn, [Message(topic, {"n": n}, key=f"k{n % 20}")], table=table)
-                written.append(str(row.message_id))
-                n += 1
-
-    writer = threading.Thread(target=write)
+    # A steady writer, 20 keys, through the kill and the rerun.
+    writer = Writer(db.info.dsn, table, topic, serialized=False, keys=20, per_tx=1, pause_s=0.02, stop=stop)
+    written = writer.committed
     writer.start()
     first = _start_run(dagster_home, db.info.dsn, table, kafka.bootstrap_servers, "600", "1")
     try:
@@ -163,6 +156,7 @@ def test_a_killed_run_is_replaced_and_its_rerun_from_failure_resumes_with_nothin
                 stop.wait(0.1)
             stop.set()
             writer.join()
+            writer.check()
             records = kafka.consume(topic, idle_s=1.0)
             for _ in range(60):  # until everything written arrived (duplicates aside), 2 minutes at most
                 if set(message_ids(records)) >= set(written):
@@ -207,17 +201,18 @@ def test_a_run_pushes_its_relay_metrics_to_the_pushgateway_and_deletes_them_when
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     received: list[tuple[str, str, str]] = []
     handler = type("Gateway", (_Pushgateway,), {"received": received})
     gateway = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=gateway.serve_forever, daemon=True).start()
-    monkeypatch.setenv("OUTBOX_METRICS_PUSHGATEWAY", f"127.0.0.1:{gateway.server_port}")
+    orchestration = OrchestrationSettings(metrics_pushgateway=f"127.0.0.1:{gateway.server_port}")
     written = write_rows(60, partitions=2)
     config = {"ops": {"relay_outbox_stream": {"config": {"window_s": 3.0, "report_interval_s": 1.0}}}}
     try:
-        result = relay_stream_job.execute_in_process(run_config=config, instance=instance, resources=dagster_resources)
+        result = relay_stream_job.execute_in_process(
+            run_config=config, instance=instance, resources={**dagster_resources, "orchestration": orchestration}
+        )
     finally:
         gateway.shutdown()
 

@@ -11,8 +11,7 @@ from psycopg import sql
 from outbox_pipeline.cli import main
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.localstack import free_port
-
-from .relay_helpers import row_count
+from tests.kit.relay import row_count
 
 
 def test_init_db_reports_the_schema_version_and_is_rerunnable(

@@ -17,9 +17,8 @@ from psycopg import sql
 from outbox_pipeline.cli import main
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.strategies import STRATEGY_NAMES
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import message_ids
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import message_ids
 
 COUNT = 3000
 

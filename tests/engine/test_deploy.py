@@ -16,8 +16,8 @@ from outbox_pipeline import OutboxTable
 from outbox_pipeline.cli import build_parser
 from outbox_pipeline.metrics import LagSampler, RelayMetrics
 
-DEPLOY = Path(__file__).resolve().parents[1] / "outbox_pipeline" / "deploy"
-ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = Path(__file__).resolve().parents[2] / "outbox_pipeline" / "deploy"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _documents() -> list[dict[str, Any]]:

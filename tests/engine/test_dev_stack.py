@@ -17,10 +17,9 @@ import psycopg
 import pytest
 
 from outbox_pipeline.localstack import free_port
+from tests.kit.net import LOOPBACK, listening_hosts
 
-from .net_helpers import LOOPBACK, listening_hosts
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _descendants(pid: int) -> set[int]:

@@ -21,10 +21,9 @@ from outbox_pipeline.drain import (
 from outbox_pipeline.liveness import present
 from outbox_pipeline.operations import release_lease
 from outbox_pipeline.schema import set_topic_partitions
-
-from .kafka_helpers import KafkaProbe
-from .probes import positions
-from .relay_helpers import drain, message_ids
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import positions
+from tests.kit.relay import drain, message_ids
 
 
 def test_the_online_relay_does_not_publish_partitions_a_bulk_drain_has_leased(

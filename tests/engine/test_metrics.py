@@ -18,8 +18,7 @@ import pytest
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import free_port
 from outbox_pipeline.metrics import LagSampler, MetricsServer, RelayMetrics
-
-from .kafka_helpers import KafkaProbe
+from tests.kit.kafka import KafkaProbe
 
 COUNT = 500
 

@@ -23,9 +23,8 @@ from outbox_pipeline.operations import (
 )
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import AckMode, StrategyConfig
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, make_relay, message_ids
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, make_relay, message_ids
 
 ORDERED = ["partitioned", "serialized"]
 

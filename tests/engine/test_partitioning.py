@@ -12,8 +12,7 @@ from psycopg import sql
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.partitioning import murmur2, partition_for
 from outbox_pipeline.schema import set_topic_partitions
-
-from .kafka_helpers import KafkaProbe
+from tests.kit.kafka import KafkaProbe
 
 # From Apache Kafka's UtilsTest.testMurmur2 (signed 32-bit results there).
 KAFKA_REFERENCE = {

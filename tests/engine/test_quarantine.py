@@ -15,9 +15,8 @@ from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.lag import held_keys, partition_lag
 from outbox_pipeline.operations import discard_dead_letters, list_dead_letters, retry_dead_letters
 from outbox_pipeline.schema import set_topic_partitions
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, order_by_key
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, order_by_key
 
 ORDERED = ["partitioned", "serialized", "advisory"]
 SMALL_PRODUCER = {"message.max.bytes": 2000}  # the oversize row cannot go until the relay runs without it

@@ -15,9 +15,8 @@ from outbox_pipeline.errors import ConfigurationError
 from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.strategies.advisory import ADVISORY_LOCK_CLASS, AdvisoryStrategy
 from outbox_pipeline.strategies.base import StrategyConfig
-
-from .kafka_helpers import KafkaProbe, Record
-from .relay_helpers import drain, message_ids, order_by_key, row_count, run_workers
+from tests.kit.kafka import KafkaProbe, Record
+from tests.kit.relay import drain, message_ids, order_by_key, row_count, run_workers
 
 
 def _outbox_ids(records: list[Record]) -> list[int]:

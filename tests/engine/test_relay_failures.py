@@ -18,10 +18,9 @@ from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import STRATEGY_NAMES
-
-from .faults.helpers import WorkerProcess
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, make_relay, message_ids
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, make_relay, message_ids
+from tests.kit.workers import WorkerProcess
 
 POSITION_STRATEGIES = {"partitioned", "serialized"}
 FAST_FAILING_PRODUCER = {"message.timeout.ms": 2000, "request.timeout.ms": 1000, "retry.backoff.ms": 100}

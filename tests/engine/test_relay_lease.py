@@ -16,9 +16,8 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.strategies.lease import LeaseStrategy
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, message_ids, row_count, run_workers
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, message_ids, row_count, run_workers
 
 
 def _wait_for_leases_to_expire(db: psycopg.Connection, table: OutboxTable, deadline_s: float = 15.0) -> None:

@@ -8,9 +8,8 @@ from collections.abc import Callable
 import psycopg
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, message_ids, row_count, run_workers
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, message_ids, row_count, run_workers
 
 
 def test_locking_delivers_every_committed_row_once_and_deletes_it(

@@ -20,9 +20,8 @@ from outbox_pipeline.relay import Relay, RelaySettings
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import Claim, PublishOutcome, StrategyConfig
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, message_ids, order_by_key, run_workers
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, message_ids, order_by_key, run_workers
 
 ORDERED = ["partitioned", "serialized"]
 

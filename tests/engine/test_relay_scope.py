@@ -14,9 +14,8 @@ from outbox_pipeline.lag import partition_lag
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import STRATEGY_NAMES
 from outbox_pipeline.strategies.base import StrategyConfig
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, message_ids
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, message_ids
 
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)

@@ -17,14 +17,14 @@ from assets import outbox_backlog
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.config import REDACTED, kafka_config_from_env, redact_dsn, redact_kafka_config
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres, free_port
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.schema import init_db
 from resources import PostgresResource
+from tests.kit.kafka import KafkaProbe
+from tests.kit.net import LOOPBACK, listening_hosts
+from tests.kit.relay import drain, message_ids
 
-from .kafka_helpers import KafkaProbe
-from .net_helpers import LOOPBACK, listening_hosts
-from .relay_helpers import drain, message_ids
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DB_SECRET = "pg-Secr3t-do-not-log"
 KAFKA_SECRET = "kafka-Secr3t-do-not-log"
 
@@ -150,7 +150,9 @@ def test_an_unreachable_database_is_reported_without_its_password(tmp_path: Path
 
 def test_dagster_metadata_and_logs_never_show_the_database_password(dsn: str, table: OutboxTable) -> None:
     resource = PostgresResource(dsn=_dsn_with_password(dsn), schema_name=table.schema)
-    result = dg.materialize([outbox_backlog], resources={"postgres": resource})
+    result = dg.materialize(
+        [outbox_backlog], resources={"postgres": resource, "orchestration": OrchestrationSettings()}
+    )
     assert result.success
     events = "\n".join(str(event) for event in result.all_events)
     assert "pending_rows" in events

@@ -16,9 +16,8 @@ from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.partitioning import partition_for
 from outbox_pipeline.schema import set_topic_partitions
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, order_by_key
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, order_by_key
 
 KEYS = ["customer-1", "customer-2", "é☃-3", "中文-4", "k" * 300]
 

@@ -13,9 +13,8 @@ import pytest
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.schema import set_topic_partitions
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, make_relay
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, make_relay
 
 
 def _status(db: psycopg.Connection, table: OutboxTable, strategy: str, capsys: pytest.CaptureFixture[str]) -> dict:

@@ -17,9 +17,8 @@ from outbox_pipeline.relay import RelaySettings
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.stream_run import StreamReport, StreamRun
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import message_ids
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import message_ids
 
 
 def _stream(dsn: str, table: OutboxTable, kafka: KafkaProbe, worker: str, window_s: float) -> StreamRun:

@@ -20,9 +20,8 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import STRATEGY_NAMES, strategy_class
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import make_relay, message_ids, order_by_key
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import make_relay, message_ids, order_by_key
 
 # Fails a batch within 1 s of a frozen broker and reconnects within 0.5 s of its return (the default
 # reconnect backoff grows to 10 s, which only makes the test wait).

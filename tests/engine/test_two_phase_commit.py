@@ -13,9 +13,8 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.strategies import STRATEGY_NAMES
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain, message_ids
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain, message_ids
 
 
 def _prepare_and_commit(dsn: str, write: Callable[[psycopg.Connection], None]) -> None:

@@ -19,9 +19,8 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.verify import VerifyReport, verify
-
-from .kafka_helpers import KafkaProbe
-from .relay_helpers import drain
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain
 
 IDLE_S = 1.0
 

@@ -1,23 +1,20 @@
-"""Fixtures of the fault-injection suite: a PostgreSQL of its own to restart, a broker behind a TCP proxy to cut,
-outbox schemas on either server, and relay worker processes the tests kill, freeze and restart."""
+"""Fixtures of the fault-injection suite: a PostgreSQL of its own to restart and a broker behind a TCP proxy to
+cut (outbox schemas on either server and worker processes come from the test kit)."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
-from psycopg import sql
 
-from outbox_pipeline import OutboxTable, init_db
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
+from tests.kit.tcp_proxy import TcpProxy
 
-from ..tcp_proxy import TcpProxy
-from .helpers import FIGURES, WorkerProcess
+from .helpers import FIGURES
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -76,64 +73,3 @@ def proxied_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied
             yield ProxiedBroker(broker, proxy)
         finally:
             broker.stop()
-
-
-@pytest.fixture
-def outbox_tables() -> Iterator[Callable[[str], OutboxTable]]:
-    """``make(dsn)``: a freshly migrated outbox schema on that server, dropped after the test."""
-    made: list[tuple[str, OutboxTable]] = []
-
-    def make(dsn: str) -> OutboxTable:
-        table = OutboxTable(schema=f"f_{uuid.uuid4().hex[:12]}")
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            init_db(conn, table)
-        made.append((dsn, table))
-        return table
-
-    yield make
-    for dsn, table in made:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
-    """``spawn(name, dsn=..., schema=..., bootstrap=..., strategy=..., ...)``: a relay worker process (not yet
-    started). Whatever is still running at the end is killed, by pid."""
-    spawned: list[WorkerProcess] = []
-
-    def spawn(
-        name: str,
-        *,
-        dsn: str,
-        table: OutboxTable,
-        bootstrap: str,
-        strategy: str,
-        worker_id: str | None = None,
-        batch_size: int = 50,
-        config: dict[str, object] | None = None,
-        producer: dict[str, object] | None = None,
-        settings: dict[str, object] | None = None,
-        stop_after_publish: int | None = None,
-    ) -> WorkerProcess:
-        spec = {
-            "dsn": dsn,
-            "schema": table.schema,
-            "bootstrap": bootstrap,
-            "strategy": strategy,
-            "worker_id": worker_id or name,
-            "batch_size": batch_size,
-            "config": config or {},
-            "producer": producer or {},
-            "settings": settings or {},
-            "stop_after_publish": stop_after_publish,
-        }
-        worker = WorkerProcess(spec, tmp_path, name)
-        spawned.append(worker)
-        return worker
-
-    yield spawn
-    for worker in spawned:
-        if worker.alive():
-            worker.thaw()
-            worker.kill()

@@ -22,26 +22,13 @@ import pytest
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import dead_letters, pending, positions, unsent_ids, wait_until
+from tests.kit.workers import Event, WorkerProcess, steps_between
+from tests.kit.writer import write
 
-from ..kafka_helpers import KafkaProbe
-from ..probes import positions
 from .conftest import ProxiedBroker
-from .helpers import (
-    FAST_FAILING_PRODUCER,
-    POSITION_STRATEGIES,
-    STRATEGIES,
-    Event,
-    WorkerProcess,
-    consume,
-    dead_letters,
-    pending,
-    report,
-    steps_between,
-    tally,
-    unsent_ids,
-    wait_until,
-    write,
-)
+from .helpers import FAST_FAILING_PRODUCER, POSITION_STRATEGIES, STRATEGIES, consume, report, tally
 
 pytestmark = pytest.mark.faults
 

@@ -12,9 +12,12 @@ import pytest
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import pending, wait_until
+from tests.kit.workers import WorkerProcess
+from tests.kit.writer import Writer
 
-from ..kafka_helpers import KafkaProbe
-from .helpers import STRATEGIES, WorkerProcess, Writer, consume, pending, report, tally, wait_until
+from .helpers import STRATEGIES, consume, report, tally
 
 pytestmark = pytest.mark.faults
 

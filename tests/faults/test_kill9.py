@@ -17,21 +17,12 @@ import pytest
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import pending, wait_until
+from tests.kit.workers import Event, WorkerProcess
+from tests.kit.writer import Writer, write
 
-from ..kafka_helpers import KafkaProbe
-from .helpers import (
-    IN_FLIGHT_BATCHES,
-    STRATEGIES,
-    Event,
-    WorkerProcess,
-    Writer,
-    consume,
-    pending,
-    report,
-    tally,
-    wait_until,
-    write,
-)
+from .helpers import IN_FLIGHT_BATCHES, STRATEGIES, consume, report, tally
 
 pytestmark = pytest.mark.faults
 

@@ -16,20 +16,12 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import pending, positions, wait_until
+from tests.kit.workers import WorkerProcess
+from tests.kit.writer import write
 
-from ..kafka_helpers import KafkaProbe
-from ..probes import positions
-from .helpers import (
-    IN_FLIGHT_BATCHES,
-    POSITION_STRATEGIES,
-    WorkerProcess,
-    consume,
-    pending,
-    report,
-    tally,
-    wait_until,
-    write,
-)
+from .helpers import IN_FLIGHT_BATCHES, POSITION_STRATEGIES, consume, report, tally
 
 pytestmark = pytest.mark.faults
 

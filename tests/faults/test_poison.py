@@ -17,9 +17,12 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import dead_letters, pending, wait_until
+from tests.kit.workers import WorkerProcess
+from tests.kit.writer import write
 
-from ..kafka_helpers import KafkaProbe
-from .helpers import WorkerProcess, consume, dead_letters, pending, report, tally, wait_until, write
+from .helpers import consume, report, tally
 
 pytestmark = pytest.mark.faults
 

@@ -15,10 +15,12 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.lag import held_keys
 from outbox_pipeline.operations import retry_dead_letters
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import pending as pending_rows
+from tests.kit.probes import wait_until
+from tests.kit.workers import WorkerProcess
 
-from ..kafka_helpers import KafkaProbe
-from .helpers import WorkerProcess, consume, report, tally, wait_until
-from .helpers import pending as pending_rows
+from .helpers import consume, report, tally
 
 pytestmark = pytest.mark.faults
 

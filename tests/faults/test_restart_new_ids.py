@@ -23,9 +23,11 @@ from outbox_pipeline import OutboxTable
 from outbox_pipeline.cli import EXIT_NOT_EMPTY
 from outbox_pipeline.liveness import WorkerPresence
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import pending, wait_until
+from tests.kit.writer import Writer
 
-from ..kafka_helpers import KafkaProbe
-from .helpers import STRATEGIES, Writer, consume, pending, report, tally, wait_until
+from .helpers import STRATEGIES, consume, report, tally
 
 pytestmark = pytest.mark.faults
 

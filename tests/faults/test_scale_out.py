@@ -27,9 +27,12 @@ from outbox_pipeline import OutboxTable
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies.advisory import ADVISORY_LOCK_CLASS
 from outbox_pipeline.strategies.base import StrategyConfig
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import pending, wait_until
+from tests.kit.workers import WorkerProcess
+from tests.kit.writer import Writer
 
-from ..kafka_helpers import KafkaProbe
-from .helpers import STRATEGIES, TimedRecord, WorkerProcess, Writer, consume, pending, report, tally, wait_until
+from .helpers import STRATEGIES, TimedRecord, consume, report, tally
 
 pytestmark = pytest.mark.faults
 

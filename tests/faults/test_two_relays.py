@@ -14,10 +14,13 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.schema import set_topic_partitions
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import pending, wait_until
+from tests.kit.relay import order_by_key
+from tests.kit.workers import Event, WorkerProcess
+from tests.kit.writer import Writer, write
 
-from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import order_by_key
-from .helpers import STRATEGIES, Event, WorkerProcess, Writer, consume, pending, report, tally, wait_until, write
+from .helpers import STRATEGIES, consume, report, tally
 
 pytestmark = pytest.mark.faults
 

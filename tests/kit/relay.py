@@ -17,7 +17,7 @@ from outbox_pipeline.relay_stats import RelayStats
 from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.workers import WorkerSpec, build_relay
 
-from .kafka_helpers import Record
+from .kafka import Record
 
 
 def make_relay(

@@ -1,5 +1,5 @@
-"""Test harness: one real PostgreSQL and one real Kafka-protocol broker per session, a fresh outbox
-schema and fresh topics per test. Nothing here mocks either server."""
+"""Test kit (a pytest plugin): one real PostgreSQL and one real Kafka-protocol broker per session, sessions on
+it, fresh topics per test. Nothing here mocks either server."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 
-from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
 from outbox_pipeline.publisher import KafkaPublisher
-from outbox_pipeline.schema import init_db
 
-from .kafka_helpers import KafkaProbe
+from .kafka import KafkaProbe
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -62,17 +59,6 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
 @pytest.fixture
 def dsn(pg_server: LocalPostgres) -> str:
     return pg_server.dsn
-
-
-@pytest.fixture
-def table(dsn: str) -> Iterator[OutboxTable]:
-    """A freshly migrated outbox in a schema of its own, dropped after the test."""
-    outbox = OutboxTable(schema=f"t_{uuid.uuid4().hex[:12]}")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        init_db(conn, outbox)
-    yield outbox
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(outbox.schema_ident))
 
 
 @pytest.fixture

@@ -36,7 +36,8 @@ class TcpProxy:
         self.cuts = 0
         self.port = port
         self._listen()
-        self.port = self._listener.getsockname()[1]  # type: ignore[union-attr]
+        assert self._listener is not None
+        self.port = self._listener.getsockname()[1]
 
     # -- lifecycle -------------------------------------------------------------------------------
 

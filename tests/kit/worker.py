@@ -1,6 +1,6 @@
 """One relay worker process for the fault tests: the real Relay, strategy and producer, instrumented.
 
-Run as ``python tests/faults/worker.py SPEC_JSON``. It appends one line per step to the ``events`` file
+Run as ``python tests/kit/worker.py SPEC_JSON``. It appends one line per step to the ``events`` file
 (``<monotonic time> <step> [numbers]``; CLOCK_MONOTONIC is system-wide, so the test can compare times),
 which tells the test where a SIGKILL landed and how often the worker claimed during an outage, and writes
 its cumulative RelayStats as JSON to ``stats`` when it ends (SIGTERM stops it after the batch in hand).
@@ -96,7 +96,7 @@ def instrumented(cls: type[Strategy], events: Events) -> type[Strategy]:
         # *args: whatever the engine passes (the limit, and hints that change as the relay evolves)
         def claim(self, *args: Any, **kwargs: Any) -> Claim | None:
             events("claim-begin")
-            result = super().claim(*args, **kwargs)
+            result: Claim | None = super().claim(*args, **kwargs)
             home = getattr(self, "home", None)  # position strategies: the partitions dealt to this worker
             if home is not None and not home.everywhere and home.partitions != getattr(self, "_logged_home", None):
                 self._logged_home = home.partitions
@@ -109,7 +109,7 @@ def instrumented(cls: type[Strategy], events: Events) -> type[Strategy]:
 
         def ack(self, claimed: Claim, outcome: PublishOutcome, *args: Any, **kwargs: Any) -> AckResult:
             events("ack-begin")
-            result = super().ack(claimed, outcome, *args, **kwargs)
+            result: AckResult = super().ack(claimed, outcome, *args, **kwargs)
             events("acked", result.acked, result.lost_ownership, result.retried, result.dead_lettered)
             return result
 

@@ -11,8 +11,7 @@ from outbox_pipeline.config import OutboxTable
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
-
-from ..kafka_helpers import KafkaProbe
+from tests.kit.kafka import KafkaProbe
 
 LOCAL_SPARK = {
     "spark.ui.enabled": "false",

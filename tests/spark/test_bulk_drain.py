@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -17,11 +18,10 @@ from outbox_pipeline.enqueue import enqueue
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.schema import set_topic_partitions
 from resources.kafka import KafkaResource
-
-from ..kafka_helpers import KafkaProbe, Record
-from ..probes import positions
-from ..relay_helpers import committed_message_ids, drain, message_ids, order_by_key
-from .helpers import Writers, row_positions
+from tests.kit.kafka import KafkaProbe, Record
+from tests.kit.probes import positions, row_positions
+from tests.kit.relay import committed_message_ids, drain, message_ids, order_by_key
+from tests.kit.writer import Writer
 
 pytestmark = pytest.mark.spark
 
@@ -49,12 +49,21 @@ def test_bulk_drain_delivers_a_backlog_in_key_order_while_writers_keep_writing_a
     for topic in topics:
         set_topic_partitions(db, table, topic, 3)  # 6 virtual partitions: 6 Spark tasks
     load(dsn, table, 6000, topics=topics, keys=40)
-    writers = Writers(dsn, table, topics)
-    writers.start()
+    # One writer per topic, so each key has one writer and its commit order is its id order.
+    stop = threading.Event()
+    writers = [
+        Writer(dsn, table, topic, serialized=False, name=topic, keys=7, per_tx=1, pause_s=0.002, stop=stop)
+        for topic in topics
+    ]
+    for writer in writers:
+        writer.start()
     try:
         result = _materialize(spark_resources, page_rows=500)
     finally:
-        writers.stop()
+        stop.set()
+        for writer in writers:
+            writer.join()
+            writer.check()
     assert result.success
     metadata = _drain_metadata(result)
 

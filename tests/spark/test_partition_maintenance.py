@@ -23,9 +23,8 @@ from outbox_pipeline.schema import ensure_partitions, partition_name
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
-
-from ..kafka_helpers import KafkaProbe
-from ..relay_helpers import drain
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain
 
 RUN_DAY = dt.date(2026, 6, 15)
 OLD_DAY = dt.date(2026, 5, 1)  # 45 days before RUN_DAY: past a 7-day retention

@@ -23,10 +23,9 @@ from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.demo import load
 from outbox_pipeline.localstack import free_port, wait_for_tcp
 from outbox_pipeline.schema import set_topic_partitions
-
-from ..kafka_helpers import KafkaProbe
-from ..probes import positions
-from ..relay_helpers import committed_message_ids, message_ids
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import positions
+from tests.kit.relay import committed_message_ids, message_ids
 
 pytestmark = pytest.mark.spark
 

@@ -1,0 +1,241 @@
+"""Engine room: every environment variable the project reads, declared once with its default and meaning.
+
+As Debezium's config definitions do, each setting is a value (``Setting``) that knows how to read and
+check itself; the modules that use one read it through it, and ``outbox settings`` prints the whole
+catalogue with the values in effect (secrets redacted). Dagster's orchestration settings take their
+defaults and descriptions from here, so the UI shows the same words. ``KAFKA_*`` is a family, not one
+setting: every ``KAFKA_X_Y`` is the librdkafka property ``x.y`` (config.kafka_config_from_env).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from .errors import ConfigurationError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One environment variable: its name, its default (used when unset or empty), what it means."""
+
+    name: str
+    default: T
+    meaning: str
+    parse: Callable[[str], T]
+    room: str = "engine"
+    # Never shown as it is: a DSN is shown with its password redacted, anything else not at all.
+    secret: bool = False
+
+    def read(self, env: Mapping[str, str] | None = None) -> T:
+        raw = (os.environ if env is None else env).get(self.name, "").strip()
+        if not raw:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ConfigurationError(f"{self.name}={raw!r}: {exc}") from None
+
+    def is_set(self, env: Mapping[str, str] | None = None) -> bool:
+        return bool((os.environ if env is None else env).get(self.name, "").strip())
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+def _integer(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("must be an integer") from None
+
+
+def _number(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError("must be a number") from None
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.lower()
+        if value not in choices:
+            raise ValueError(f"choose one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+# -- the engine: where the outbox is, how workers behave ---------------------------------------------
+
+PG_DSN = Setting("OUTBOX_PG_DSN", "", "libpq DSN or URI of the outbox database (required)", _text, secret=True)
+SCHEMA = Setting("OUTBOX_SCHEMA", "outbox", "schema holding the outbox tables", _text)
+# Kafka's default limit is 1,048,588 bytes for a whole record batch: room is left for key, headers, overhead.
+MAX_MESSAGE_BYTES = Setting(
+    "OUTBOX_MAX_MESSAGE_BYTES", 1_000_000, "largest message enqueue accepts (key + payload + headers)", _integer
+)
+LIVENESS = Setting(
+    "OUTBOX_LIVENESS",
+    "session",
+    "session: a crashed worker's leases end at once (session advisory lock); expiry: only when they run out "
+    "(what a transaction-pooling PgBouncer forces)",
+    _one_of("session", "expiry"),
+)
+ON_POISON = Setting(
+    "OUTBOX_ON_POISON",
+    "quarantine",
+    "ordered strategies, when a row is dead-lettered: hold the rest of its key (quarantine) or publish it "
+    "without that row (skip)",
+    _one_of("quarantine", "skip"),
+)
+LAG_WARN_AGE_S = Setting("OUTBOX_LAG_WARN_AGE_S", 60.0, "lag SLO: WARN when the oldest pending row is older", _number)
+LAG_ERROR_AGE_S = Setting(
+    "OUTBOX_LAG_ERROR_AGE_S", 300.0, "lag SLO: ERROR when the oldest pending row is older", _number
+)
+LAG_WARN_PENDING = Setting("OUTBOX_LAG_WARN_PENDING", 10_000, "lag SLO: WARN above this many pending rows", _integer)
+LAG_ERROR_PENDING = Setting(
+    "OUTBOX_LAG_ERROR_PENDING", 100_000, "lag SLO: ERROR above this many pending rows", _integer
+)
+HOME = Setting("OUTBOX_HOME", ".outbox", "local state: the dev stack's servers, bench scratch, default archive", _text)
+
+# -- Dagster: the control plane ----------------------------------------------------------------------
+
+RELAY_STRATEGY = Setting(
+    "OUTBOX_RELAY_STRATEGY",
+    "partitioned",
+    "relay strategy of Dagster runs; lag is measured the way it sees it",
+    _one_of("locking", "advisory", "lease", "partitioned", "serialized"),
+    "dagster",
+)
+LAG_SENSOR_INTERVAL_S = Setting(
+    "OUTBOX_LAG_SENSOR_INTERVAL_S", 5, "seconds between lag sensor ticks", _integer, "dagster"
+)
+LAG_CHECK_INTERVAL_S = Setting(
+    "OUTBOX_LAG_CHECK_INTERVAL_S", 15, "seconds between lag SLO and dead-letter evaluations", _integer, "dagster"
+)
+RELAY_TRIGGER_PENDING = Setting(
+    "OUTBOX_RELAY_TRIGGER_PENDING",
+    1000,
+    "a partition with this many pending rows is lagging: the sensor adds a relay run (up to the maximum)",
+    _integer,
+    "dagster",
+)
+RELAY_TRIGGER_AGE_S = Setting(
+    "OUTBOX_RELAY_TRIGGER_AGE_S",
+    10.0,
+    "a partition whose oldest pending row is this old is lagging",
+    _number,
+    "dagster",
+)
+RELAY_MAX_SECONDS = Setting(
+    "OUTBOX_RELAY_MAX_SECONDS",
+    60.0,
+    "time budget of a per-partition run launched from the UI (it stops earlier when caught up)",
+    _number,
+    "dagster",
+)
+RELAY_WINDOW_S = Setting(
+    "OUTBOX_RELAY_WINDOW_S",
+    600.0,
+    "a long-lived relay run relays this long, then ends; its successor starts before, so there is no gap",
+    _number,
+    "dagster",
+)
+RELAY_REPORT_INTERVAL_S = Setting(
+    "OUTBOX_RELAY_REPORT_INTERVAL_S",
+    60.0,
+    "how often a relay run records each partition's progress (a materialization per partition)",
+    _number,
+    "dagster",
+)
+RELAY_RUNS_MAX = Setting(
+    "OUTBOX_RELAY_RUNS_MAX", 4, "most relay runs at once (bursts); one suffices in steady state", _integer, "dagster"
+)
+BULK_DRAIN_THRESHOLD = Setting(
+    "OUTBOX_BULK_DRAIN_THRESHOLD",
+    1_000_000,
+    "total pending rows from which the lag sensor asks for the Spark bulk drain instead",
+    _integer,
+    "dagster",
+)
+METRICS_PUSHGATEWAY = Setting(
+    "OUTBOX_METRICS_PUSHGATEWAY",
+    "",
+    "Prometheus pushgateway (host:port or URL) relay runs push their metrics to; empty: not exported",
+    _text,
+    "dagster",
+)
+ALERT_WEBHOOK_URL = Setting(
+    "OUTBOX_ALERT_WEBHOOK_URL",
+    "",
+    "webhook alerts are POSTed to (secret: may embed a token); empty: log only",
+    _text,
+    "dagster",
+    secret=True,
+)
+
+# -- Spark ---------------------------------------------------------------------------------------------
+
+SPARK_MASTER = Setting("SPARK_MASTER", "local[*]", "Spark master URL of the Spark assets", _text, "spark")
+ARCHIVE_URI = Setting(
+    "OUTBOX_ARCHIVE_URI",
+    "",
+    "archive root of partition maintenance: a directory or Hadoop URI; empty: $OUTBOX_HOME/archive",
+    _text,
+    "spark",
+)
+
+# -- the local stack (make dev) -----------------------------------------------------------------------
+
+PROJECT_DIR = Setting(
+    "OUTBOX_PROJECT_DIR", "", "the checkout `make dev` serves (empty: the current directory)", _text, "dev"
+)
+DEV_PG_PORT = Setting("OUTBOX_DEV_PG_PORT", 55432, "make dev: PostgreSQL's port", _integer, "dev")
+DEV_KAFKA_PORT = Setting("OUTBOX_DEV_KAFKA_PORT", 19092, "make dev: the broker's port", _integer, "dev")
+DEV_DAGSTER_PORT = Setting("OUTBOX_DEV_DAGSTER_PORT", 3000, "make dev: the Dagster UI's port", _integer, "dev")
+DEMO_RATE = Setting("OUTBOX_DEMO_RATE", 20.0, "make dev: messages per second the demo writers commit", _number, "dev")
+
+# -- the test suite ---------------------------------------------------------------------------------
+
+TEST_ARTIFACTS = Setting(
+    "OUTBOX_TEST_ARTIFACTS", "test-artifacts", "where the dagster dev test saves the UI's screenshots", _text, "tests"
+)
+
+CATALOGUE: tuple[Setting[Any], ...] = (
+    PG_DSN,
+    SCHEMA,
+    MAX_MESSAGE_BYTES,
+    LIVENESS,
+    ON_POISON,
+    LAG_WARN_AGE_S,
+    LAG_ERROR_AGE_S,
+    LAG_WARN_PENDING,
+    LAG_ERROR_PENDING,
+    HOME,
+    RELAY_STRATEGY,
+    LAG_SENSOR_INTERVAL_S,
+    LAG_CHECK_INTERVAL_S,
+    RELAY_TRIGGER_PENDING,
+    RELAY_TRIGGER_AGE_S,
+    RELAY_MAX_SECONDS,
+    RELAY_WINDOW_S,
+    RELAY_REPORT_INTERVAL_S,
+    RELAY_RUNS_MAX,
+    BULK_DRAIN_THRESHOLD,
+    METRICS_PUSHGATEWAY,
+    ALERT_WEBHOOK_URL,
+    SPARK_MASTER,
+    ARCHIVE_URI,
+    PROJECT_DIR,
+    DEV_PG_PORT,
+    DEV_KAFKA_PORT,
+    DEV_DAGSTER_PORT,
+    DEMO_RATE,
+    TEST_ARTIFACTS,
+)
