@@ -52,7 +52,7 @@ def test_dagster_definitions_load() -> None:
 
 def test_spark_executors_import_the_data_sources_without_dagster() -> None:
     code = (
-        "import sys, assets.spark.datasource\n"
+        "import sys, assets.spark.datasource, assets.spark.drain_job\n"
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -57,7 +57,7 @@ def bulk_drain(
     spark: SparkResource,
 ) -> dg.MaterializeResult:
     # pyspark only here, in a Spark run: loading the code location and every other run stay without it.
-    from .datasource import DrainFailed, run_drain
+    from .drain_job import DrainFailed, run_drain
 
     table = postgres.table
     owner = drain_owner(context.run.run_id)

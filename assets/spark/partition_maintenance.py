@@ -89,7 +89,7 @@ def outbox_partition_maintenance(
         )
     root = config.archive_uri or default_archive_root()
     # Unique per run, so an archive is never written where an earlier one is (see archive_uri).
-    attempt = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{context.run_id[:8]}"
+    attempt = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{context.run.run_id[:8]}"
     archived: dict[str, dict[str, object]] = {}
     dropped: list[DropResult] = []
     skipped: dict[str, str] = {}
