@@ -288,7 +288,7 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
         verified=verified,
         note="; ".join(e for e in errors if e) or ("" if published >= spec.messages else "INCOMPLETE"),
     )
-    _drop(servers, table)
+    drop_table(servers, table)
     progress("  " + format_result(result))
     return result
 
@@ -302,7 +302,7 @@ def _verify(servers: Servers, table: OutboxTable, topics: list[str], ledger: Pat
     return bool(report.ok)
 
 
-def _drop(servers: Servers, table: OutboxTable) -> None:
+def drop_table(servers: Servers, table: OutboxTable) -> None:
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
 
