@@ -122,6 +122,8 @@ def _lease_offsets(conn: Conn, t: OutboxTable) -> Row | None:
 
 
 def _update_offsets(conn: Conn, t: OutboxTable, lease: Row, last: Row | None) -> None:
+    # Variant 4's table has no transaction_id (its position is the id alone): the offsets row keeps its xid.
+    xid = last.get("transaction_id") if last else None
     conn.execute(
         sql.SQL(
             """
@@ -131,7 +133,7 @@ def _update_offsets(conn: Conn, t: OutboxTable, lease: Row, last: Row | None) ->
             WHERE topic = %s AND partition = %s
             """
         ).format(o=t.offsets),
-        (last["transaction_id"] if last else None, last["id"] if last else None, lease["topic"], lease["partition"]),
+        (xid, last["id"] if last else None, lease["topic"], lease["partition"]),
     )
 
 
