@@ -27,6 +27,7 @@ from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
 from .schema import require_current
 from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
 from .strategies.sharing import UNSCOPED_KIND
+from .timestamps import PG_EPOCH
 
 log = logging.getLogger(__name__)
 
@@ -370,6 +371,5 @@ def _oldest_age_s(claim: Claim) -> float | None:
     """Merpay's oldest_task_age: the age of the oldest row in the batch just claimed."""
     if not claim.records:
         return None
-    oldest = min(r.created_at for r in claim.records).decode()  # ISO-8601 UTC: sorts chronologically
-    created = dt.datetime.strptime(oldest, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC)
-    return (dt.datetime.now(dt.UTC) - created).total_seconds()
+    oldest = min(r.created_at for r in claim.records)
+    return (dt.datetime.now(dt.UTC) - PG_EPOCH).total_seconds() - oldest / 1e6

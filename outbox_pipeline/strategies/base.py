@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import psycopg
 from psycopg import sql
+from psycopg.types.numeric import Int8BinaryLoader
 
 from ..config import OutboxTable, default_worker_id
 
@@ -25,10 +26,10 @@ AckMode = Literal["delete", "mark-sent"]
 # handed to librdkafka as it is, so the hot loop does no per-row decoding or encoding. jsonb is read
 # as text: decoding payloads in the driver is ~5x slower and the relay sends the text anyway.
 # ``m.`` qualifies every column so ORDER BY m.transaction_id sorts by xid8, not by the text alias.
+# ``created_at`` travels as stored and is loaded as an integer (fetch_records; timestamps.py says why).
 RECORD_COLUMNS = """
     m.id, m.topic, convert_to(m.key, 'UTF8'), convert_to(m.payload::text, 'UTF8'), m.headers::text,
-    convert_to(m.message_id::text, 'UTF8'), convert_to(m.id::text, 'UTF8'),
-    convert_to(to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), 'UTF8'),
+    convert_to(m.message_id::text, 'UTF8'), convert_to(m.id::text, 'UTF8'), m.created_at,
     convert_to(m.type, 'UTF8'), m.partition, m.transaction_id::text AS xid_text, m.attempts
 """
 
@@ -70,7 +71,7 @@ class OutboxRecord(NamedTuple):
     headers: str  # jsonb text; "{}" when the row has none
     message_id: bytes
     outbox_id: bytes
-    created_at: bytes  # ISO-8601 UTC
+    created_at: int  # microseconds since 2000-01-01 UTC, the binary timestamptz (timestamps.py)
     type: bytes | None
     partition: int
     transaction_id: str
@@ -84,9 +85,19 @@ def fetch_records(
     *,
     prepare: bool | None = None,
 ) -> list[OutboxRecord]:
-    """Run a query selecting RECORD_COLUMNS; binary results load bytea without any decoding."""
-    rows = conn.execute(query, params, binary=True, prepare=prepare).fetchall()
+    """Run a query selecting RECORD_COLUMNS; binary results load bytea without any decoding, and
+    ``created_at`` as the integer it is on the wire (psycopg's C int8 loader: no datetime per row)."""
+    rows = stamped_cursor(conn).execute(query, params, prepare=prepare).fetchall()
     return list(map(OutboxRecord._make, rows))
+
+
+def stamped_cursor(conn: psycopg.Connection) -> psycopg.Cursor[Any]:
+    """A binary cursor loading timestamptz as PostgreSQL's integer (microseconds since 2000-01-01 UTC, see
+    timestamps.py): no datetime per row, and a row a plain-SQL writer stamped 'infinity' loads too (as a
+    datetime it raises, and the relay could never claim past it)."""
+    cur = conn.cursor(binary=True)
+    cur.adapters.register_loader("timestamptz", Int8BinaryLoader)
+    return cur
 
 
 # Why Kafka did not confirm a record, which decides what the failure costs the record:

@@ -50,7 +50,6 @@ reported in ``Claim.collisions``.
 
 from __future__ import annotations
 
-import datetime as dt
 import random
 import time
 from collections.abc import Collection
@@ -60,6 +59,7 @@ from typing import ClassVar
 import psycopg
 from psycopg import IsolationLevel, sql
 
+from ..timestamps import created_at_datetime
 from .base import (
     RECORD_COLUMNS,
     AckResult,
@@ -70,6 +70,7 @@ from .base import (
     StrategyConfig,
     fetch_records,
     scope_condition,
+    stamped_cursor,
 )
 from .rows import finish, oldest_share, one_priority_sql
 
@@ -164,10 +165,11 @@ class LeaseStrategy(Strategy):
 
         take_picked = sql.SQL(_TAKE).format(leases=t.leases, source=sql.SQL("picked"))
         self._claim = sql.SQL("WITH {fair} {take}").format(fair=fair("FOR UPDATE SKIP LOCKED"), take=take_picked)
-        self._candidates = sql.SQL("WITH {fair} SELECT id, created_at FROM picked").format(fair=fair(""))
+        # created_at as text for the sample to send back as it came (infinity included).
+        self._candidates = sql.SQL("WITH {fair} SELECT id, created_at::text FROM picked").format(fair=fair(""))
         self._take_sample = sql.SQL(_TAKE).format(
             leases=t.leases,
-            source=sql.SQL("unnest(%(ids)s::bigint[], %(created)s::timestamptz[]) AS s(id, created_at)"),
+            source=sql.SQL("unnest(%(ids)s::bigint[], %(created)s::text[]::timestamptz[]) AS s(id, created_at)"),
         )
         self._read = sql.SQL(_READ).format(columns=sql.SQL(RECORD_COLUMNS), messages=t.messages)
         self._release = sql.SQL(
@@ -212,10 +214,11 @@ class LeaseStrategy(Strategy):
             "worker": self.config.worker_id,
         }
 
-    def _read_leased(self, won: list[tuple[int, dt.datetime]]) -> list[OutboxRecord]:
+    def _read_leased(self, won: list[tuple[int, int]]) -> list[OutboxRecord]:
+        """``won``: (id, created_at) as RETURNING gave them through ``stamped_cursor``."""
         ids = [row[0] for row in won]
         created = [row[1] for row in won]
-        params = {"ids": ids, "from": min(created), "to": max(created)}
+        params = {"ids": ids, "from": created_at_datetime(min(created)), "to": created_at_datetime(max(created))}
         records = fetch_records(self.conn, self._read, params, prepare=False)
         if len(records) < len(ids):  # acked by a previous owner meanwhile: end those leases now
             gone = sorted(set(ids) - {r.id for r in records})
@@ -228,7 +231,7 @@ class LeaseStrategy(Strategy):
             return self._claim_sampled(limit)
         params = self._params(limit)
         for _ in range(_ROUNDS):
-            won = self.conn.execute(self._claim, params, prepare=True).fetchall()
+            won = stamped_cursor(self.conn).execute(self._claim, params, prepare=True).fetchall()
             if won:
                 records = self._read_leased(won)
                 if records:
@@ -256,7 +259,7 @@ class LeaseStrategy(Strategy):
                 "lease": self.config.lease_s,
                 "worker": self.config.worker_id,
             }
-            won = self.conn.execute(self._take_sample, params).fetchall()
+            won = stamped_cursor(self.conn).execute(self._take_sample, params).fetchall()
             records = self._read_leased(won) if won else []
             collisions += len(sample) - len(records)
             if records:
@@ -296,10 +299,9 @@ class LeaseStrategy(Strategy):
         leased: _Leased = claim.state
         with self.conn.transaction():
             if claim.records:
-                created = [r.created_at.decode() for r in claim.records]
-                self.conn.execute(
-                    self._lock_rows, {"ids": [r.id for r in claim.records], "from": min(created), "to": max(created)}
-                )
+                created = [r.created_at for r in claim.records]
+                bounds = {"from": created_at_datetime(min(created)), "to": created_at_datetime(max(created))}
+                self.conn.execute(self._lock_rows, {"ids": [r.id for r in claim.records], **bounds})
             owned = {
                 row[0] for row in self.conn.execute(self._release, {"ids": leased.ids, "worker": self.config.worker_id})
             }

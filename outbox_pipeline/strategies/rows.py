@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
+from ..timestamps import created_at_datetime
 from .base import (
     DEAD_LETTER_MOVED,
     RECORD_COLUMNS,
@@ -177,8 +178,8 @@ def mark_delivered(
     params = {
         "ids": [r.id for r in records],
         "owner": owner,
-        "from": min(created).decode(),
-        "to": max(created).decode(),
+        "from": created_at_datetime(min(created)),
+        "to": created_at_datetime(max(created)),
     }
     within = sql.SQL("AND m.created_at BETWEEN %(from)s::timestamptz AND %(to)s::timestamptz")
     cur = conn.execute(query.format(messages=config.table.messages, within=within, owner=_owner_clause(owner)), params)
