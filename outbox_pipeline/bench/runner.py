@@ -35,6 +35,7 @@ from ..strategies.base import StrategyConfig
 from ..verify import verify
 from ..workers import WorkerSpec, build_relay
 from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
+from .handwritten import HAND_WRITTEN, run_hand_written
 from .naive import NAIVE_BATCH, prepare_naive_schema, run_naive
 from .procstat import own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .statements import reset_statements, top_statements
@@ -53,8 +54,10 @@ class Servers:
 # - ours: the relay (``strategy``) on our table;
 # - talk: the talk's naive variant for ``strategy`` on the talk's own table (talk_table.py), the headline baseline;
 # - naive: the same variant on our table (partitioned by day, more indexes), a second line;
-# - produce-only / read-only: the two ceilings (ceilings.py).
-RunKind = Literal["ours", "talk", "naive", "produce-only", "read-only"]
+# - produce-only / read-only: the two ceilings (ceilings.py);
+# - hand-written: the talk's variant 3 or 4 tuned by hand on the talk's table (handwritten.py).
+RunKind = Literal["ours", "talk", "naive", "produce-only", "read-only", "hand-written"]
+TALK_TABLE_KINDS = ("talk", "hand-written")
 NAIVE_KINDS = ("talk", "naive")
 
 
@@ -133,6 +136,9 @@ def _worker(
         if spec.naive:
             start_line()
             published = run_naive(spec.strategy, dsn, table, bootstrap, f"naive-{index}").published
+        elif spec.kind == "hand-written":
+            start_line()
+            published = run_hand_written(spec.strategy, dsn, table, bootstrap, spec.batch_size)
         elif spec.kind == "produce-only":
             records = read_share(dsn, table, index, spec.workers)
             publisher = KafkaPublisher({"bootstrap.servers": bootstrap})
@@ -171,7 +177,7 @@ def prepare(
     run_id = uuid.uuid4().hex[:8]
     table = OutboxTable(schema=f"bench_{run_id}")
     topics = [f"bench-{run_id}-topic-{i + 1}" for i in range(spec.topics)]
-    talk = spec.kind == "talk"
+    talk = spec.kind in TALK_TABLE_KINDS
     if talk and spec.partitions > 1 and spec.strategy in ("partitioned", "serialized"):
         raise SystemExit("outbox bench: the talk's table has one partition per topic (--partitions 1)")
     admin = AdminClient({"bootstrap.servers": servers.bootstrap})
@@ -351,7 +357,8 @@ READ_ONLY = "read-only"
 
 def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = None) -> dict[str, RunSpec]:
     """Ours and both ceilings; with ``baseline`` first the talk's variant 1 and the strategy's own naive form on
-    the talk's table (the headline) and on ours (the second line)."""
+    the talk's table (the headline) and on ours (the second line), and for the ordered strategies the
+    hand-written tuned variant (what our machinery and headers cost)."""
     lines: dict[str, RunSpec] = {}
     if baseline:
         variant = naive_strategy or spec.strategy
@@ -359,6 +366,8 @@ def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = N
         if variant != "locking":
             lines[f"talk {variant}"] = replace(spec, kind="talk", strategy=variant)
         lines[f"naive {variant} on our table"] = replace(spec, kind="naive", strategy=variant)
+    if baseline and spec.strategy in HAND_WRITTEN:
+        lines[f"hand-written {spec.strategy}"] = replace(spec, kind="hand-written")
     lines[OURS] = spec
     lines[PRODUCE_ONLY] = replace(spec, kind="produce-only")
     lines[READ_ONLY] = replace(spec, kind="read-only")

@@ -29,7 +29,7 @@ def _bench_schemas(dsn: str) -> list[str]:
 
 # The position strategies' naive forms (the talk's variants 3 and 4) have a table and code path of their own.
 @pytest.mark.parametrize("strategy", ["partitioned", "serialized"])
-def test_bench_baseline_runs_the_talks_table_ours_and_both_ceilings_and_counts_every_message_back(
+def test_bench_baseline_runs_the_talks_table_a_hand_written_relay_ours_and_both_ceilings_counting_every_message(
     strategy: str, bench_servers: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = main(["bench", "--strategy", strategy, "--messages", "3000", "--batch-size", "500", "--baseline",
@@ -40,14 +40,15 @@ def test_bench_baseline_runs_the_talks_table_ours_and_both_ceilings_and_counts_e
         r"locking talk w=2 b=100",
         rf"{strategy} talk w=2 b=100",
         rf"{strategy} naive w=2 b=100",
+        rf"{strategy} hand-written w=2 b=500",
         rf"{strategy} ours w=2 b=500",
         rf"{strategy} produce-only w=2 b=500",
         rf"{strategy} read-only w=2 b=500",
     ):
         assert re.search(line + r" +3,000 msgs .* verified", out), (line, out)
     lines = re.findall(r"^\| ([\w -]+?) \| .* \| [\d,]+ \| [\d.]+ \| \d+ % \| \d+ % \| yes \|$", out, re.M)
-    assert lines == ["talk v1", f"talk {strategy}", f"naive {strategy} on our table", "ours", "produce-only",
-                           "read-only"], out  # fmt: skip
+    assert lines == ["talk v1", f"talk {strategy}", f"naive {strategy} on our table", f"hand-written {strategy}",
+                     "ours", "produce-only", "read-only"], out  # fmt: skip
     assert _bench_schemas(bench_servers) == []  # every run drops its schema
 
 
