@@ -10,6 +10,7 @@ start), so a batch of 100-row transactions formats one value in a hundred.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Collection
 
 # PostgreSQL's binary timestamptz counts microseconds from this instant.
 PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
@@ -20,9 +21,14 @@ _BEYOND = {True: b"infinity", False: b"-infinity"}
 MAX_STAMPS = 65_536
 
 
-def created_at_datetime(micros: int) -> dt.datetime | str:
-    """A record's ``created_at`` as a query parameter: the aware datetime, or PostgreSQL's infinity beyond
-    datetime's range (an ack bounded by it must still cover the row)."""
+def created_at_bounds(created: Collection[int]) -> dict[str, dt.datetime | str]:
+    """``from`` and ``to`` query parameters spanning records' ``created_at``, so a statement on their ids is pruned
+    to the daily partitions holding them; PostgreSQL's infinity past datetime's range (the bound must still cover
+    such a row)."""
+    return {"from": _parameter(min(created)), "to": _parameter(max(created))}
+
+
+def _parameter(micros: int) -> dt.datetime | str:
     try:
         return PG_EPOCH + dt.timedelta(microseconds=micros)
     except OverflowError:
@@ -50,10 +56,10 @@ class CreatedAtStamps(dict[int, bytes]):
             try:
                 t = PG_EPOCH + dt.timedelta(seconds=seconds)
             except OverflowError:
-                self[micros] = _BEYOND[micros > 0]
-                return self[micros]
-            prefix = b"%04d-%02d-%02dT%02d:%02d:%02d" % (t.year, t.month, t.day, t.hour, t.minute, t.second)
+                prefix = b""
+            else:
+                prefix = b"%04d-%02d-%02dT%02d:%02d:%02d" % (t.year, t.month, t.day, t.hour, t.minute, t.second)
             self._seconds[seconds] = prefix
-        stamp = b"%s.%06dZ" % (prefix, fraction)
+        stamp = b"%s.%06dZ" % (prefix, fraction) if prefix else _BEYOND[micros > 0]
         self[micros] = stamp
         return stamp

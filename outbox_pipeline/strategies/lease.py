@@ -59,7 +59,7 @@ from typing import ClassVar
 import psycopg
 from psycopg import IsolationLevel, sql
 
-from ..timestamps import created_at_datetime
+from ..timestamps import created_at_bounds
 from .base import (
     RECORD_COLUMNS,
     AckResult,
@@ -217,8 +217,7 @@ class LeaseStrategy(Strategy):
     def _read_leased(self, won: list[tuple[int, int]]) -> list[OutboxRecord]:
         """``won``: (id, created_at) as RETURNING gave them through ``stamped_cursor``."""
         ids = [row[0] for row in won]
-        created = [row[1] for row in won]
-        params = {"ids": ids, "from": created_at_datetime(min(created)), "to": created_at_datetime(max(created))}
+        params = {"ids": ids, **created_at_bounds([row[1] for row in won])}
         records = fetch_records(self.conn, self._read, params, prepare=False)
         if len(records) < len(ids):  # acked by a previous owner meanwhile: end those leases now
             gone = sorted(set(ids) - {r.id for r in records})
@@ -299,8 +298,7 @@ class LeaseStrategy(Strategy):
         leased: _Leased = claim.state
         with self.conn.transaction():
             if claim.records:
-                created = [r.created_at for r in claim.records]
-                bounds = {"from": created_at_datetime(min(created)), "to": created_at_datetime(max(created))}
+                bounds = created_at_bounds([r.created_at for r in claim.records])
                 self.conn.execute(self._lock_rows, {"ids": [r.id for r in claim.records], **bounds})
             owned = {
                 row[0] for row in self.conn.execute(self._release, {"ids": leased.ids, "worker": self.config.worker_id})

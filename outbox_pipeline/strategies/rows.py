@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from ..timestamps import created_at_datetime
+from ..timestamps import created_at_bounds
 from .base import (
     DEAD_LETTER_MOVED,
     RECORD_COLUMNS,
@@ -174,13 +174,7 @@ def mark_delivered(
             "UPDATE {messages} m SET sent_at = now(), locked_by = NULL "
             "WHERE m.id = ANY(%(ids)b::bigint[]) {within} {owner}"
         )
-    created = [r.created_at for r in records]
-    params = {
-        "ids": [r.id for r in records],
-        "owner": owner,
-        "from": created_at_datetime(min(created)),
-        "to": created_at_datetime(max(created)),
-    }
+    params = {"ids": [r.id for r in records], "owner": owner, **created_at_bounds([r.created_at for r in records])}
     within = sql.SQL("AND m.created_at BETWEEN %(from)s::timestamptz AND %(to)s::timestamptz")
     cur = conn.execute(query.format(messages=config.table.messages, within=within, owner=_owner_clause(owner)), params)
     return cur.rowcount
