@@ -31,7 +31,7 @@ from ..demo import load
 from ..publisher import KafkaPublisher
 from ..relay import RelaySettings
 from ..schema import init_db, set_topic_partitions
-from ..strategies.base import StrategyConfig
+from ..strategies.base import PublishOutcome, StrategyConfig
 from ..verify import verify
 from ..workers import WorkerSpec, build_relay
 from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
@@ -109,10 +109,23 @@ class RunResult:
 @dataclass(frozen=True)
 class _WorkerReport:
     published: int
-    ended: float  # time.time() when its last batch was confirmed
+    ended: float  # time.time() when its last batch was confirmed (0: it confirmed none)
     cpu_s: float
     max_rss_mb: float
     error: str | None = None
+
+
+@dataclass
+class _LastConfirmed:
+    """A relay's outcome observer: when its last batch was confirmed and acked. A worker run ``until_empty``
+    whose own partitions are done does not return at once: it waits, backing off up to seconds, while a
+    peer still has rows pending. That wait is not drain time, and it fell on ours only (the naive and
+    hand-written lines return at their last send)."""
+
+    at: float = 0.0
+
+    def __call__(self, _outcome: PublishOutcome) -> None:
+        self.at = time.time()
 
 
 def _worker(
@@ -132,6 +145,7 @@ def _worker(
         ready.release()
         go.wait()
 
+    ended: float | None = None  # the naive, hand-written and produce-only lines end when they return
     try:
         if spec.naive:
             start_line()
@@ -147,6 +161,7 @@ def _worker(
             # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
             published = produce_all(publisher, records, max(1, len(records)))
         else:
+            confirmed = _LastConfirmed()
             relay = build_relay(
                 WorkerSpec(
                     dsn,
@@ -157,14 +172,17 @@ def _worker(
                     worker_id=f"bench-{index}",
                 ),
                 publisher=ConfirmingPublisher() if spec.kind == "read-only" else None,
+                observer=confirmed,
             )
             relay.strategy  # noqa: B018 - connect before the clock starts
             if spec.kind == "ours":
                 relay.publisher.producer  # noqa: B018
             start_line()
             published = relay.run().published
+            ended = confirmed.at  # 0 when it confirmed nothing: it does not end the drain
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        out.put(_WorkerReport(published, time.time(), usage.ru_utime + usage.ru_stime, own_peak_rss_mb()))
+        cpu_s = usage.ru_utime + usage.ru_stime
+        out.put(_WorkerReport(published, time.time() if ended is None else ended, cpu_s, own_peak_rss_mb()))
     except Exception as exc:  # reported, the run is marked failed
         ready.release()
         out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))

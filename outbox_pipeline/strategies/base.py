@@ -16,21 +16,23 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import psycopg
 from psycopg import sql
 from psycopg.types.numeric import Int8BinaryLoader
+from psycopg.types.string import ByteaBinaryLoader
 
 from ..config import OutboxTable, default_worker_id
 
 AckMode = Literal["delete", "mark-sent"]
 
-# The columns every strategy selects, in OutboxRecord's field order, shaped for the producer: what
-# Kafka gets as bytes is converted by the server (convert_to), fetched with the binary protocol and
-# handed to librdkafka as it is, so the hot loop does no per-row decoding or encoding. jsonb is read
-# as text: decoding payloads in the driver is ~5x slower and the relay sends the text anyway.
-# ``m.`` qualifies every column so ORDER BY m.transaction_id sorts by xid8, not by the text alias.
-# ``created_at`` travels as stored and is loaded as an integer (fetch_records; timestamps.py says why).
+# The columns every strategy selects, in OutboxRecord's field order, shaped for the producer. What Kafka
+# gets as bytes is selected as ``text`` and loaded as bytes (stamped_cursor): the binary protocol sends
+# text as its UTF-8 bytes, which go to librdkafka as they are, so the hot loop does no per-row decoding
+# or encoding. What the relay needs as a str is cast to ``varchar`` (free: binary-coercible), which keeps
+# psycopg's str loader. jsonb is read as text: decoding payloads in the driver is ~5x slower and the
+# relay sends the text anyway. ``m.`` qualifies every column so ORDER BY m.transaction_id sorts by xid8,
+# not by the text alias. ``created_at`` travels as stored and is loaded as an integer (timestamps.py).
 RECORD_COLUMNS = """
-    m.id, m.topic, convert_to(m.key, 'UTF8'), convert_to(m.payload::text, 'UTF8'), m.headers::text,
-    convert_to(m.message_id::text, 'UTF8'), convert_to(m.id::text, 'UTF8'), m.created_at,
-    convert_to(m.type, 'UTF8'), m.partition, m.transaction_id::text AS xid_text, m.attempts
+    m.id, m.topic::varchar, m.key, m.payload::text, m.headers::text::varchar,
+    m.message_id::text, m.id::text, m.created_at,
+    m.type, m.partition, m.transaction_id::text::varchar AS xid_text, m.attempts
 """
 
 
@@ -94,9 +96,11 @@ def fetch_records(
 def stamped_cursor(conn: psycopg.Connection) -> psycopg.Cursor[Any]:
     """A binary cursor loading timestamptz as PostgreSQL's integer (microseconds since 2000-01-01 UTC, see
     timestamps.py): no datetime per row, and a row a plain-SQL writer stamped 'infinity' loads too (as a
-    datetime it raises, and the relay could never claim past it)."""
+    datetime it raises, and the relay could never claim past it). ``text`` loads as its UTF-8 bytes
+    (RECORD_COLUMNS): the server no longer runs ``convert_to`` five times per row to make them bytea."""
     cur = conn.cursor(binary=True)
     cur.adapters.register_loader("timestamptz", Int8BinaryLoader)
+    cur.adapters.register_loader("text", ByteaBinaryLoader)
     return cur
 
 
