@@ -26,8 +26,9 @@ from pathlib import Path
 from .. import settings
 from ..strategies import STRATEGY_NAMES
 from . import held, latency, retained, writers
+from .comparison import HEADLINE, PRODUCE_ONLY, READ_ONLY, Comparison, bench_lines, compare
 from .orchestrated import DagsterRelay
-from .runner import HEADLINE, PRODUCE_ONLY, READ_ONLY, Comparison, RunSpec, Servers, bench_lines, compare
+from .runner import RunSpec, Servers
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
 TALK_TABLE = {

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import multiprocessing
 import resource
-import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event, Semaphore
 from pathlib import Path
@@ -35,7 +34,7 @@ from ..strategies.base import PublishOutcome, StrategyConfig
 from ..verify import verify
 from ..workers import WorkerSpec, build_relay
 from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
-from .handwritten import HAND_WRITTEN, run_hand_written
+from .handwritten import run_hand_written
 from .naive import NAIVE_BATCH, prepare_naive_schema, run_naive
 from .procstat import own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .statements import reset_statements, top_statements
@@ -340,65 +339,3 @@ def format_result(r: RunResult) -> str:
         f"cpu s relay {r.relay_cpu_s:.1f} pg {pg} broker {broker} | rss {r.peak_rss_mb:.0f} MB{verified}"
         + (f" | {r.note}" if r.note else "")
     )
-
-
-@dataclass
-class Comparison:
-    """Interleaved runs of several lines (a baseline, ours, the ceilings), for medians and same-run ratios."""
-
-    specs: dict[str, RunSpec]
-    results: dict[str, list[RunResult]] = field(default_factory=dict)
-
-    def median(self, line: str) -> float:
-        found = self.results.get(line, [])
-        return statistics.median(r.msg_per_s for r in found) if found else 0.0
-
-    def ratio(self, line: str, against: str) -> float:
-        base = self.median(against)
-        return self.median(line) / base if base else 0.0
-
-    @property
-    def complete(self) -> bool:
-        return all(
-            r.published >= r.spec.messages and r.verified is not False and not r.note
-            for found in self.results.values()
-            for r in found
-        )
-
-
-# The lines of a comparison, by name.
-HEADLINE = "talk v1"  # the talk's variant 1 on the talk's own table: what a user would write first
-OURS = "ours"
-PRODUCE_ONLY = "produce-only"
-READ_ONLY = "read-only"
-
-
-def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = None) -> dict[str, RunSpec]:
-    """Ours and both ceilings; with ``baseline`` first the talk's variant 1 and the strategy's own naive form on
-    the talk's table (the headline) and on ours (the second line), and for the ordered strategies the
-    hand-written tuned variant (what our machinery and headers cost)."""
-    lines: dict[str, RunSpec] = {}
-    if baseline:
-        variant = naive_strategy or spec.strategy
-        lines[HEADLINE] = replace(spec, kind="talk", strategy="locking")
-        if variant != "locking":
-            lines[f"talk {variant}"] = replace(spec, kind="talk", strategy=variant)
-        lines[f"naive {variant} on our table"] = replace(spec, kind="naive", strategy=variant)
-    if baseline and spec.strategy in HAND_WRITTEN:
-        lines[f"hand-written {spec.strategy}"] = replace(spec, kind="hand-written")
-    lines[OURS] = spec
-    lines[PRODUCE_ONLY] = replace(spec, kind="produce-only")
-    lines[READ_ONLY] = replace(spec, kind="read-only")
-    return lines
-
-
-def compare(
-    servers: Servers, lines: dict[str, RunSpec], runs: int, progress: Callable[[str], None] = print
-) -> Comparison:
-    """Every line once per round, ``runs`` rounds: the machine's speed swings, so a round shares its conditions."""
-    comparison = Comparison(lines)
-    for n in range(runs):
-        for name, spec in lines.items():
-            progress(f"round {n + 1}/{runs}: {name}")
-            comparison.results.setdefault(name, []).append(run_once(servers, spec, progress))
-    return comparison

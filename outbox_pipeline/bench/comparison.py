@@ -1,0 +1,74 @@
+"""Engine room (benchmarks): a comparison, every line once per round for several rounds (runner.py runs one line
+once), so a round shares the machine's conditions; medians and same-run ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from .handwritten import HAND_WRITTEN
+from .runner import RunResult, RunSpec, Servers, run_once
+
+
+@dataclass
+class Comparison:
+    """Interleaved runs of several lines (a baseline, ours, the ceilings), for medians and same-run ratios."""
+
+    specs: dict[str, RunSpec]
+    results: dict[str, list[RunResult]] = field(default_factory=dict)
+
+    def median(self, line: str) -> float:
+        found = self.results.get(line, [])
+        return statistics.median(r.msg_per_s for r in found) if found else 0.0
+
+    def ratio(self, line: str, against: str) -> float:
+        base = self.median(against)
+        return self.median(line) / base if base else 0.0
+
+    @property
+    def complete(self) -> bool:
+        return all(
+            r.published >= r.spec.messages and r.verified is not False and not r.note
+            for found in self.results.values()
+            for r in found
+        )
+
+
+# The lines of a comparison, by name.
+HEADLINE = "talk v1"  # the talk's variant 1 on the talk's own table: what a user would write first
+OURS = "ours"
+PRODUCE_ONLY = "produce-only"
+READ_ONLY = "read-only"
+
+
+def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = None) -> dict[str, RunSpec]:
+    """Ours and both ceilings; with ``baseline`` first the talk's variant 1 and the strategy's own naive form on
+    the talk's table (the headline) and on ours (the second line), and for the ordered strategies the
+    hand-written tuned variant (what our machinery and headers cost)."""
+    lines: dict[str, RunSpec] = {}
+    if baseline:
+        variant = naive_strategy or spec.strategy
+        lines[HEADLINE] = replace(spec, kind="talk", strategy="locking")
+        if variant != "locking":
+            lines[f"talk {variant}"] = replace(spec, kind="talk", strategy=variant)
+        lines[f"naive {variant} on our table"] = replace(spec, kind="naive", strategy=variant)
+    if baseline and spec.strategy in HAND_WRITTEN:
+        lines[f"hand-written {spec.strategy}"] = replace(spec, kind="hand-written")
+    lines[OURS] = spec
+    lines[PRODUCE_ONLY] = replace(spec, kind="produce-only")
+    lines[READ_ONLY] = replace(spec, kind="read-only")
+    return lines
+
+
+def compare(
+    servers: Servers, lines: dict[str, RunSpec], runs: int, progress: Callable[[str], None] = print
+) -> Comparison:
+    """Every line once per round, ``runs`` rounds: the machine's speed swings, so a round shares its conditions."""
+    comparison = Comparison(lines)
+    for n in range(runs):
+        for name, spec in lines.items():
+            progress(f"round {n + 1}/{runs}: {name}")
+            comparison.results.setdefault(name, []).append(run_once(servers, spec, progress))
+    return comparison
