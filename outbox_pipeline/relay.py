@@ -97,6 +97,7 @@ class Relay:
         self._connections: list[psycopg.Connection] = []
         self._strategies: list[Strategy] = []
         self._control: psycopg.Connection | None = None
+        self._listening = False  # LISTEN is on for the control connection (off while standing by)
         self._presence: WorkerPresence | None = None
         self._upkeep_at = float("-inf")
         self._turn = 0
@@ -137,10 +138,14 @@ class Relay:
             presence.register()
             self.registered.set()
             if self.settings.listen:
-                channel = notify_channel(self.strategy_config.table)
-                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                self._listen(conn, True)
             self._presence = presence
         return self._presence
+
+    def _listen(self, conn: psycopg.Connection, on: bool) -> None:
+        channel = sql.Identifier(notify_channel(self.strategy_config.table))
+        conn.execute(sql.SQL("LISTEN {}" if on else "UNLISTEN {}").format(channel))
+        self._listening = on
 
     @property
     def _application_name(self) -> str:
@@ -166,6 +171,7 @@ class Relay:
             except Exception:  # the connection is already broken; closing is best effort
                 pass
         self._strategies, self._connections, self._control, self._presence = [], [], None, None
+        self._listening = False
 
     def close(self) -> None:
         self._disconnect(deregister=True)
@@ -322,6 +328,9 @@ class Relay:
                 if self.settings.until_empty and not self._pending():
                     break
                 self.stats.idle_waits += 1
+                if strategy.standing_by:
+                    self._stand_by(min(self.settings.poll_interval_s, self.settings.upkeep_interval_s))
+                    continue
                 self._wait_for_work(min(idle_wait, self.settings.upkeep_interval_s))
                 idle_wait = min(idle_wait * 2, self.settings.max_poll_interval_s)
             if in_flight is not None:
@@ -357,6 +366,9 @@ class Relay:
             if control is None:
                 self._connect_control()
                 return  # rows committed before LISTEN sent no wake-up: look once more before waiting
+            if not self._listening:
+                self._listen(control, True)
+                return  # the same after standing by
             # Short slices, so a stop request is seen promptly.
             deadline = time.monotonic() + timeout_s
             while not self.stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
@@ -365,6 +377,16 @@ class Relay:
         except psycopg.OperationalError:
             self._disconnect()
             self.stop.wait(timeout_s)
+
+    def _stand_by(self, timeout_s: float) -> None:
+        """Wait to ask for the active worker's role again (Strategy.standing_by). Not listening
+        meanwhile: every commit would wake every standby, and notifications nobody reads pile up for the session."""
+        try:
+            if self._listening and self._control is not None:
+                self._listen(self._control, False)
+        except psycopg.OperationalError:
+            self._disconnect()
+        self.stop.wait(timeout_s)
 
 
 def _oldest_age_s(claim: Claim) -> float | None:

@@ -263,6 +263,12 @@ class Strategy(abc.ABC):
         """Kafka transactional ids this worker may still use; None when it uses none (see KafkaPublisher)."""
         return None
 
+    @property
+    def standing_by(self) -> bool:
+        """Whether another worker is the active one and this one only waits to take over (advisory). New rows
+        are not a standby's to read, so the relay neither listens for them nor wakes at each commit."""
+        return False
+
     def pending_age_s(self) -> float | None:
         """Age of the oldest row this strategy still has to publish (None when unknown or empty)."""
         return None

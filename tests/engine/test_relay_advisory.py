@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -10,13 +11,14 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.errors import ConfigurationError
 from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.strategies.advisory import ADVISORY_LOCK_CLASS, AdvisoryStrategy
 from outbox_pipeline.strategies.base import StrategyConfig
 from tests.kit.kafka import KafkaProbe, Record
-from tests.kit.relay import drain, message_ids, order_by_key, row_count, run_workers
+from tests.kit.probes import wait_until
+from tests.kit.relay import drain, make_relay, message_ids, order_by_key, row_count, run_workers
 
 
 def _outbox_ids(records: list[Record]) -> list[int]:
@@ -90,6 +92,48 @@ def test_standby_claims_nothing_while_the_holder_lives_and_takes_over_after_clos
 
     assert _outbox_ids(kafka.consume(topic, expect=20)) == [w.id for w in written]
     assert row_count(db, table) == 0
+
+
+def test_a_standby_relay_is_not_woken_by_each_commit_the_holder_publishes(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """Fifteen standbys woken by every commit starved the active worker of CPU (a row waited 10 s in the
+    scale-out fault scenario on the CI runner). A standby asks again at its poll interval, whatever is committed."""
+    topic = new_topic()
+    stop = threading.Event()
+    relays = {
+        name: make_relay(
+            db.info.dsn,
+            table,
+            kafka.bootstrap_servers,
+            "advisory",
+            stop=stop,
+            until_empty=False,
+            max_seconds=120,
+            listen=True,
+            worker_id=name,
+        )
+        for name in ("holder", "standby")
+    }
+    # Poll and upkeep far beyond the test: the standby can only look again if a commit wakes it.
+    relays["standby"].settings = replace(
+        relays["standby"].settings, poll_interval_s=3600, max_poll_interval_s=3600, upkeep_interval_s=3600
+    )
+    threads = {name: threading.Thread(target=relay.run) for name, relay in relays.items()}
+    try:
+        for name, relay in relays.items():  # the holder's first claim takes the lock, then it waits for rows
+            threads[name].start()
+            wait_until(f"the {name} to wait", lambda relay=relay: relay.stats.idle_waits > 0, 30)
+        written = [enqueue(db, topic, {"n": i}, key=f"k{i % 5}", table=table) for i in range(50)]  # 50 commits
+        records = kafka.consume(topic, expect=50)
+    finally:
+        stop.set()
+        for thread in threads.values():
+            thread.join()
+    assert _outbox_ids(records) == [w.id for w in written]
+    assert relays["holder"].stats.published == 50
+    assert relays["standby"].stats.published == 0
+    assert relays["standby"].stats.idle_waits == 1  # looked once, found the lock taken, and slept through 50 commits
 
 
 def test_lock_is_released_when_the_holders_session_dies(
