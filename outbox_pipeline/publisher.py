@@ -11,6 +11,7 @@ in the producer at a time, so "the queue is empty" means "this batch is settled"
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -100,6 +101,14 @@ class KafkaPublisher:
         if self._producer is None:
             self._producer = Producer({**self._config, "delivery.report.only.error": True})
         return self._producer
+
+    def warm_up(self, timeout_s: float) -> None:
+        """Connect before the first batch: a cold producer took 0.5 s to deliver its first one (bootstrap, producer
+        id, metadata), which a standby taking over or a replacement dealt partitions added to its failover. A broker
+        that does not answer in time is left to the first publish (the producer keeps connecting meanwhile)."""
+        if self._producer is None:
+            with contextlib.suppress(KafkaException):
+                self.producer.list_topics(timeout=timeout_s)
 
     def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
         """Publish one batch and wait for it."""

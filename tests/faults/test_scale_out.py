@@ -146,10 +146,16 @@ class Wait:
     seconds: float
     partition: int
     after_s: float  # when the row was written, from the start of the writes
+    after_kill_s: float | None = None  # ... from the last kill before it (None: none yet)
+
+    def __str__(self) -> str:
+        kill = "" if self.after_kill_s is None else f",kill+{self.after_kill_s:.2f}s"
+        return f"{self.seconds:.2f}s@p{self.partition}+{self.after_s:.0f}s{kill}"
 
 
-def _longest_wait(records: list[TimedRecord], start: float, end: float) -> Wait:
-    """Over rows written in [start, end] (wall clock): first publish (Kafka CreateTime) minus created_at."""
+def _longest_wait(records: list[TimedRecord], start: float, end: float, kills: list[float]) -> Wait:
+    """Over rows written in [start, end] (wall clock): first publish (Kafka CreateTime) minus created_at, and how
+    long after the last kill it was written (a wait that starts at a kill is a failover, others are not)."""
     first: dict[int, TimedRecord] = {}
     for r in records:
         oid = int(r.headers["outbox_id"])
@@ -159,7 +165,9 @@ def _longest_wait(records: list[TimedRecord], start: float, end: float) -> Wait:
     for r in first.values():
         created = dt.datetime.fromisoformat(r.headers["created_at"].decode().replace("Z", "+00:00")).timestamp()
         if start <= created <= end and r.timestamp_ms / 1000 - created > worst.seconds:
-            worst = Wait(r.timestamp_ms / 1000 - created, r.partition, created - start)
+            last_kill = max((k for k in kills if k <= created), default=None)
+            since = None if last_kill is None else created - last_kill
+            worst = Wait(r.timestamp_ms / 1000 - created, r.partition, created - start, since)
     return worst
 
 
@@ -302,7 +310,7 @@ def test_sixteen_workers_killed_and_replaced_under_new_ids_lose_nothing_and_fail
     failovers = sorted(f for k in kills if (f := k.failover_s(records)) is not None)
     p50 = statistics.median(failovers) if failovers else float("nan")
     p99 = failovers[min(len(failovers) - 1, int(len(failovers) * 0.99))] if failovers else float("nan")
-    unserved = _longest_wait(records, started, killing_ended)
+    unserved = _longest_wait(records, started, killing_ended, [k.at for k in kills])
     disorder = _out_of_order_keys(records, _commit_order(dsn, table, strategy)) if strategy in ORDERED else []
     report(
         "scale-out-kills",
@@ -315,7 +323,7 @@ def test_sixteen_workers_killed_and_replaced_under_new_ids_lose_nothing_and_fail
         failover_measured=len(failovers),
         failover_p50=f"{p50:.2f}s",
         failover_p99=f"{p99:.2f}s",
-        longest_wait=f"{unserved.seconds:.2f}s@p{unserved.partition}+{unserved.after_s:.0f}s",
+        longest_wait=str(unserved),
         out_of_order_keys=len(disorder),
         **(spread.figures() if spread else {}),
     )
