@@ -11,7 +11,6 @@ in the producer at a time, so "the queue is empty" means "this batch is settled"
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -102,13 +101,11 @@ class KafkaPublisher:
             self._producer = Producer({**self._config, "delivery.report.only.error": True})
         return self._producer
 
-    def warm_up(self, timeout_s: float) -> None:
-        """Connect before the first batch: a cold producer took 0.5 s to deliver its first one (bootstrap, producer
-        id, metadata), which a standby taking over or a replacement dealt partitions added to its failover. A broker
-        that does not answer in time is left to the first publish (the producer keeps connecting meanwhile)."""
-        if self._producer is None:
-            with contextlib.suppress(KafkaException):
-                self.producer.list_topics(timeout=timeout_s)
+    def warm_up(self) -> None:
+        """Start the producer before the first batch. An idempotent producer sends nothing before it has a producer
+        id, which librdkafka asks for about 0.5 s after it starts: created at the first batch, that batch waited for
+        it, and a standby taking over or a replacement dealt partitions added it to its failover."""
+        self.producer  # noqa: B018 - created now; it connects and gets its id in the background
 
     def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
         """Publish one batch and wait for it."""

@@ -273,7 +273,7 @@ class Relay:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
         in_flight: _InFlight | None = None
         if not self.strategy_config.kafka_transactions:  # those publish with producers of their own
-            self.publisher.warm_up(self.settings.upkeep_interval_s)
+            self.publisher.warm_up()
         try:
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 if self.instruments is not None:
