@@ -8,10 +8,14 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_pipeline import OutboxTable
+from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.bench.ceilings import ConfirmingPublisher
 from outbox_pipeline.bench.talk_table import create_talk_table, index_talk_table
 from outbox_pipeline.cli import main
 from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.relay import RelaySettings
+from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.workers import WorkerSpec, build_relay
 
 
 @pytest.fixture
@@ -163,3 +167,16 @@ def test_bench_load_turns_the_wakeup_trigger_back_on_before_the_drain(dsn: str, 
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(table.schema)))
     assert enabled == ("O",)  # "O": fires in origin sessions, i.e. enabled
     assert loaded == (500,)
+
+
+def test_the_read_only_ceiling_starts_no_kafka_producer(
+    dsn: str, db: psycopg.Connection, table: OutboxTable, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The read-only line measures the relay's reads alone: a producer (with no broker configured) would be one
+    more client in the measurement, and librdkafka says so on stderr."""
+    enqueue_many(db, [Message("read-only", {"n": i}) for i in range(10)], table=table)
+    settings = RelaySettings(batch_size=5, until_empty=True, listen=False)
+    spec = WorkerSpec(dsn, "locking", {}, settings, StrategyConfig(table=table), worker_id="read-only")
+    relay = build_relay(spec, publisher=ConfirmingPublisher())
+    assert relay.run().published == 10
+    assert "bootstrap.servers" not in capfd.readouterr().err
