@@ -155,7 +155,7 @@ def _worker(
         elif spec.kind == "produce-only":
             records = read_share(dsn, table, index, spec.workers)
             publisher = KafkaPublisher({"bootstrap.servers": bootstrap})
-            publisher.producer  # noqa: B018
+            publisher.warm_up()
             start_line()
             # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
             published = produce_all(publisher, records, max(1, len(records)))
@@ -174,8 +174,7 @@ def _worker(
                 observer=confirmed,
             )
             relay.strategy  # noqa: B018 - connect before the clock starts
-            if spec.kind == "ours":
-                relay.publisher.producer  # noqa: B018
+            relay.publisher.warm_up()  # the read-only line's publisher starts nothing
             start_line()
             published = relay.run().published
             ended = confirmed.at  # 0 when it confirmed nothing: it does not end the drain
