@@ -30,7 +30,7 @@ from tests.kit.writer import write
 from .conftest import ProxiedBroker
 from .helpers import FAST_FAILING_PRODUCER, POSITION_STRATEGIES, STRATEGIES, consume, report, tally
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timing]
 
 OUTAGE_S = 4.0
 # A healthy relay is publishing again within a few seconds (reconnect <= 0.5 s, backoffs <= 1 s).

@@ -23,7 +23,7 @@ from tests.kit.writer import write
 
 from .helpers import IN_FLIGHT_BATCHES, POSITION_STRATEGIES, consume, report, tally
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timing]
 
 LEASE_S = 2.0
 BATCH = 50

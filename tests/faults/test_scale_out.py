@@ -34,7 +34,7 @@ from tests.kit.writer import Writer
 
 from .helpers import STRATEGIES, TimedRecord, consume, report, tally
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timing]
 
 WORKERS = 16
 PARTITIONS = 64
