@@ -30,13 +30,18 @@ from .base import (
 
 def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool) -> sql.Composed:
     """Unsent, currently available rows in ``order`` ("priority" or "id"), optionally locked, except
-    the ids in ``%(exclude)b`` (this worker's batch in flight; may be empty)."""
+    the ids in ``%(exclude)b`` (this worker's batch in flight; may be empty).
+
+    Available means ``available_after <= clock_timestamp()``, read after the statement's snapshot, not ``now()``
+    (the claim's transaction start, before its snapshot): a row is available from its writer's own ``now()``, so
+    a writer that began after the claim did and committed before its snapshot wrote a visible row that ``now()``
+    left out, while a later row of its key went first."""
     order_by = "m.priority DESC, m.id" if order == "priority" else "m.id"
     return sql.SQL(
         """
         SELECT {columns}
         FROM {messages} m
-        WHERE m.sent_at IS NULL AND m.available_after <= now() {scope} {exclude}
+        WHERE m.sent_at IS NULL AND m.available_after <= clock_timestamp() {scope} {exclude}
         ORDER BY {order_by}
         LIMIT %(limit)s
         {lock}

@@ -237,3 +237,28 @@ def test_acquiring_refuses_a_server_connection_that_already_holds_the_lock(
         strategy.claim(10)
     assert not strategy.holds_lock
     assert row_count(db, table, "sent_at IS NULL") == 1
+
+
+def test_a_row_committed_just_as_a_claim_begins_is_not_overtaken_by_a_later_row_of_its_key(
+    table: OutboxTable, new_topic: Callable[..., str], connect: Callable[[], psycopg.Connection]
+) -> None:
+    """Rows are available from their writer's ``now()`` (its transaction's start). A claim that compared that with
+    its own ``now()`` left out a row whose writer began after the claim's transaction began and committed before its
+    snapshot, while a later row of the key, written by a transaction that began earlier and waited for the key,
+    went out first. Seen under load in the 4-writer order test; the claim's transaction here widens the window
+    that is microseconds wide in autocommit."""
+    topic = new_topic()
+    early, late, claimer = connect(), connect(), connect()
+    strategy = AdvisoryStrategy(claimer, StrategyConfig(table=table, worker_id="w"))
+    early.execute("BEGIN")
+    early.execute("SELECT 1")  # began first: its row is available from the earliest time
+    claimer.execute("BEGIN")
+    claimer.execute("SELECT 1")  # the claim's transaction has begun
+    first = enqueue(late, topic, {"n": 1}, key="k", table=table)  # began and committed after the claimer began
+    second = enqueue(early, topic, {"n": 2}, key="k", table=table)
+    early.execute("COMMIT")
+
+    claim = strategy.claim(10)
+    claimer.execute("COMMIT")
+
+    assert claim is not None and [r.id for r in claim.records] == [first.id, second.id]
