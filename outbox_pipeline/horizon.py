@@ -18,16 +18,16 @@ from psycopg import sql
 from .config import OutboxTable
 from .strategies.offsets import partition_pairs
 
-# Running transactions (with an xid) and prepared ones, with their 32-bit xid widened to xid8 from the
-# snapshot's xmax (the same epoch, or the one before when the 32-bit value is above xmax's).
+# Running transactions (with an xid) and prepared ones older than the newest held-back transaction. A 32-bit xid
+# is placed by its signed 32-bit distance from that transaction (exact whatever the epoch: PostgreSQL keeps every
+# live xid within 2^31 of the others), not widened against a snapshot read alongside pg_stat_activity, which put a
+# transaction that got its xid between the two reads into the previous epoch, first in line as the blocker. The
+# sessions' SQL text stays in the database unless an operator asks for it (``{query}``): it may hold a password.
 _HOLDERS = """
-    WITH snap AS (
-        SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin,
-               pg_snapshot_xmax(pg_current_snapshot())::text::numeric AS xmax
-    ), running AS (
+    WITH running AS (
         SELECT 'session' AS kind, a.pid, a.datname::text AS database, a.usename::text AS usename,
                a.application_name, host(a.client_addr) AS client_addr, a.state,
-               extract(epoch FROM now() - a.xact_start)::float8 AS age_s, left(a.query, 200) AS query,
+               extract(epoch FROM now() - a.xact_start)::float8 AS age_s, {query} AS query,
                NULL::text AS gid, a.backend_xid::text::numeric AS xid32
         FROM pg_stat_activity a
         WHERE a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid()
@@ -35,16 +35,16 @@ _HOLDERS = """
         SELECT 'prepared', NULL, p.database::text, p.owner::text, NULL, NULL, 'prepared',
                extract(epoch FROM now() - p.prepared)::float8, NULL, p.gid, p.transaction::text::numeric
         FROM pg_prepared_xacts p
-    ), widened AS (
-        SELECT r.*, CASE WHEN floor(s.xmax / 4294967296) * 4294967296 + r.xid32 > s.xmax
-                         THEN floor(s.xmax / 4294967296) * 4294967296 + r.xid32 - 4294967296
-                         ELSE floor(s.xmax / 4294967296) * 4294967296 + r.xid32 END AS xid
-        FROM running r, snap s
+    ), placed AS (
+        SELECT r.*, mod(r.xid32 - mod(%(newest_held)s::numeric, 4294967296) + 6442450944, 4294967296)
+                    - 2147483648 AS delta
+        FROM running r
     )
-    SELECT kind, pid, database, usename, application_name, client_addr, state, age_s, query, gid, xid::text
-    FROM widened
-    WHERE xid < %(newest_held)s::numeric
-    ORDER BY xid
+    SELECT kind, pid, database, usename, application_name, client_addr, state, age_s, query, gid,
+           (%(newest_held)s::numeric + delta)::text
+    FROM placed
+    WHERE delta < 0
+    ORDER BY delta
     LIMIT %(limit)s
 """
 
@@ -85,7 +85,7 @@ class HorizonHolder:
     client_addr: str | None
     state: str | None
     transaction_age_s: float | None
-    query: str | None  # its first 200 characters
+    query: str | None  # its first 200 characters, only when asked for (find_horizon's show_query)
     gid: str | None  # prepared transactions
     xid: str
 
@@ -99,9 +99,9 @@ class HorizonHolder:
         where = f"{self.user}@{self.database}"
         client = f" from {self.client_addr}" if self.client_addr else ""
         app = f" application_name={self.application_name!r}" if self.application_name else ""
-        query = " ".join((self.query or "").split())[:200]
+        query = f", query: {' '.join(self.query.split())[:200]!r}" if self.query is not None else ""
         return (
-            f"pid {self.pid} {where}{client}{app}, {self.state}, transaction open {age}, query: {query!r} "
+            f"pid {self.pid} {where}{client}{app}, {self.state}, transaction open {age}{query} "
             f"(SELECT pg_terminate_backend({self.pid}) ends it)"
         )
 
@@ -139,10 +139,14 @@ class Horizon:
         return [head, *(f"  {holder.describe()}" for holder in self.holders)]
 
 
-def find_horizon(conn: psycopg.Connection, table: OutboxTable, *, cap: int = 10_000, limit: int = 10) -> Horizon:
+def find_horizon(
+    conn: psycopg.Connection, table: OutboxTable, *, cap: int = 10_000, limit: int = 10, show_query: bool = False
+) -> Horizon:
     """The rows ``partitioned`` cannot read yet because of older open transactions, and those transactions.
 
     Runs in its own read-only statements; it assigns no transaction id, so it never holds the horizon itself.
+    ``show_query``: include each session's SQL text, for an operator at a terminal who asks (``outbox status
+    --show-query``); it never goes to the UI, alerts, metrics or logs.
     """
     rows = conn.execute(
         sql.SQL(_HELD_BACK).format(pairs=partition_pairs(table), offsets=table.offsets, messages=table.messages),
@@ -152,5 +156,6 @@ def find_horizon(conn: psycopg.Connection, table: OutboxTable, *, cap: int = 10_
         return Horizon((), ())
     held = tuple(HeldBack(t, int(p), int(n), None if age is None else max(0.0, age)) for t, p, n, _, age in rows)
     newest = max(row[3] for row in rows)
-    holders = conn.execute(_HOLDERS, {"newest_held": newest, "limit": limit}).fetchall()
+    query = sql.SQL(_HOLDERS).format(query=sql.SQL("left(a.query, 200)" if show_query else "NULL::text"))
+    holders = conn.execute(query, {"newest_held": newest, "limit": limit}).fetchall()
     return Horizon(held, tuple(HorizonHolder(*row) for row in holders))

@@ -49,13 +49,15 @@ def partition_status(
     cap: int | None = 100_000,
     lags: list[PartitionLag] | None = None,
     horizon: Horizon | None = None,
+    show_query: bool = False,
 ) -> list[PartitionStatus]:
     """Every partition with something pending, held or dead-lettered, or owned; see the module docstring.
-    ``lags`` and ``horizon``: already read by the caller (the lag check), not read again."""
+    ``lags`` and ``horizon``: already read by the caller (the lag check), not read again. ``show_query``: name the
+    horizon holders with their SQL text (horizon.find_horizon), for an operator who asks."""
     lags = partition_lag(conn, table, strategy, cap=cap) if lags is None else lags
     alive = holders_alive(conn, table, holders(lags))
     if horizon is None:
-        horizon = find_horizon(conn, table) if strategy == "partitioned" else Horizon((), ())
+        horizon = find_horizon(conn, table, show_query=show_query) if strategy == "partitioned" else Horizon((), ())
     held_back = {(h.topic, h.partition): h for h in horizon.held_back}
     poison: dict[tuple[str, int], list[str]] = defaultdict(list)
     for key in held_keys(conn, table):

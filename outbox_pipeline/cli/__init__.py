@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_db_args(p)
     p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="as this strategy sees the outbox")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--show-query",
+        action="store_true",
+        help="show the SQL text of the sessions that hold the horizon (it may hold secrets: shown only when asked)",
+    )
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("settings", help="every environment variable read: value in effect, default, meaning")

@@ -52,7 +52,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     strategy_named(args.strategy)
     with connect(args) as conn:
-        statuses = status.partition_status(conn, table_of(args), args.strategy)
+        statuses = status.partition_status(conn, table_of(args), args.strategy, show_query=args.show_query)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in statuses]))
     else:

@@ -50,7 +50,8 @@ def test_an_open_transaction_is_named_as_the_blocker_of_the_partitions_it_holds_
 
     assert status["pending"] == 3
     [blocker] = status["blocked_by"]
-    assert blocker.startswith("horizon: 3 committed rows wait for pid ") and "over_lunch" in blocker
+    pid = open_transaction.info.backend_pid
+    assert blocker.startswith(f"horizon: 3 committed rows wait for pid {pid} ") and "idle in transaction" in blocker
 
 
 def test_a_key_held_behind_a_poison_message_and_its_dead_letter_are_shown(
