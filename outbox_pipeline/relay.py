@@ -20,8 +20,9 @@ import psycopg
 from psycopg import sql
 
 from .lag import explain_pending, partition_lag
-from .liveness import Liveness, WorkerPresence
+from .liveness import LivenessMode
 from .migrations import notify_channel
+from .presence import WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
 from .schema import require_current
@@ -54,8 +55,11 @@ class RelaySettings:
     pipeline: bool = True
     # Heartbeat and reap of dead workers (liveness.py) at most this often; also the longest idle wait.
     upkeep_interval_s: float = 1.0
-    # "session": this worker's leases end when its session does; "expiry": only when they expire.
-    liveness: Liveness = "session"
+    # "session": this worker's leases end when its session does; "expiry": only when they expire; "auto": session
+    # on a connection verified to be direct (presence.py).
+    liveness: LivenessMode = "auto"
+    # At start, how long to wait for another live session holding this worker's id before refusing to start.
+    worker_id_wait_s: float = 60.0
 
 
 @dataclass
@@ -134,8 +138,9 @@ class Relay:
                 self.strategy_config.worker_id,
                 self.settings.liveness,
                 kind="relay-scoped" if scoped else UNSCOPED_KIND,
+                heartbeat_s=self.settings.upkeep_interval_s,
             )
-            presence.register()
+            presence.register(wait_s=self.settings.worker_id_wait_s, stop=self.stop)
             self.registered.set()
             if self.settings.listen:
                 self._listen(conn, True)

@@ -82,10 +82,18 @@ MAX_MESSAGE_BYTES = Setting(
 )
 LIVENESS = Setting(
     "OUTBOX_LIVENESS",
-    "session",
-    "session: a crashed worker's leases end at once (session advisory lock); expiry: only when they run out "
-    "(what a transaction-pooling PgBouncer forces)",
-    _one_of("session", "expiry"),
+    "auto",
+    "how a crashed worker's leases end. session: at once (its session advisory lock goes with its connection); "
+    "expiry: only when they run out; auto: session where the connection is verified to reach PostgreSQL directly, "
+    "expiry behind a pooler or proxy (a transaction-pooling PgBouncer moves sessions between clients)",
+    _one_of("auto", "session", "expiry"),
+)
+WORKER_ID_WAIT_S = Setting(
+    "OUTBOX_WORKER_ID_WAIT_S",
+    60.0,
+    "how long a starting worker waits for another live session holding its worker id (a replaced pod whose old "
+    "session lingers) before it refuses to start",
+    _number,
 )
 ON_POISON = Setting(
     "OUTBOX_ON_POISON",
@@ -160,8 +168,17 @@ RELAY_RUNS_MAX = Setting(
 BULK_DRAIN_THRESHOLD = Setting(
     "OUTBOX_BULK_DRAIN_THRESHOLD",
     1_000_000,
-    "total pending rows from which the lag sensor asks for the Spark bulk drain instead",
+    "total pending rows from which the lag sensor also asks for the Spark bulk drain (partitioned and serialized "
+    "only; relay runs keep covering the outbox meanwhile)",
     _integer,
+    "dagster",
+)
+BULK_DRAIN_COOLDOWN_S = Setting(
+    "OUTBOX_BULK_DRAIN_COOLDOWN_S",
+    900.0,
+    "after a bulk drain that failed, the lag sensor asks for no other this long: what stopped it (a message "
+    "Kafka refuses, a topic missing) is the relay's to retry or dead-letter",
+    _number,
     "dagster",
 )
 METRICS_PUSHGATEWAY = Setting(
@@ -212,6 +229,7 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     SCHEMA,
     MAX_MESSAGE_BYTES,
     LIVENESS,
+    WORKER_ID_WAIT_S,
     ON_POISON,
     LAG_WARN_AGE_S,
     LAG_ERROR_AGE_S,
@@ -228,6 +246,7 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     RELAY_REPORT_INTERVAL_S,
     RELAY_RUNS_MAX,
     BULK_DRAIN_THRESHOLD,
+    BULK_DRAIN_COOLDOWN_S,
     METRICS_PUSHGATEWAY,
     ALERT_WEBHOOK_URL,
     SPARK_MASTER,

@@ -22,6 +22,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 
 from .config import default_worker_id
+from .errors import OutboxError
 from .publisher import KafkaPublisher
 from .relay import Relay, RelaySettings
 from .relay_stats import RelayInstruments
@@ -130,6 +131,9 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
     error: str | None = None
     try:
         relay.run()
+    except OutboxError as exc:  # a condition an operator fixes (an id in use): its message, not a traceback
+        error = str(exc)
+        log.error("worker %s stopped: %s", worker_id, exc)
     except Exception as exc:  # reported to the parent, which exits non-zero
         error = f"{type(exc).__name__}: {exc}"
         log.exception("worker %s crashed", worker_id)

@@ -14,6 +14,7 @@ from ..config import redact_dsn
 from ..errors import OutboxError
 from ..liveness import liveness_from_env
 from ..relay import RelaySettings
+from ..settings import WORKER_ID_WAIT_S
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
 from ..strategies.quarantine import on_poison_from_env
@@ -41,6 +42,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         until_empty=args.until_empty,
         max_seconds=args.max_seconds,
         liveness=liveness_from_env(),
+        worker_id_wait_s=WORKER_ID_WAIT_S.read(),
     )
     config = StrategyConfig(
         table=table,

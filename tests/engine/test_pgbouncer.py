@@ -19,8 +19,11 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.liveness import WorkerPresence, reap
+from outbox_pipeline.liveness import reap
 from outbox_pipeline.localstack import free_port
+from outbox_pipeline.presence import WorkerPresence
+from outbox_pipeline.relay import RelaySettings
+from tests.kit.probes import wait_until
 
 PGBOUNCER = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer" if Path("/usr/sbin/pgbouncer").exists() else None)
 pytestmark = pytest.mark.skipif(PGBOUNCER is None, reason="pgbouncer is not installed (apt-get install pgbouncer)")
@@ -28,7 +31,8 @@ pytestmark = pytest.mark.skipif(PGBOUNCER is None, reason="pgbouncer is not inst
 
 @pytest.fixture
 def pooled_dsn(dsn: str, tmp_path: Path) -> Iterator[str]:
-    """A PgBouncer in transaction pooling mode in front of the test server; its DSN."""
+    """A PgBouncer in transaction pooling mode in front of the test server, every other setting its default; its
+    DSN."""
     server = conninfo_to_dict(dsn)
     port = free_port()
     tmp_path.chmod(0o777)  # PgBouncer refuses to run as root: it runs as nobody and writes here
@@ -44,7 +48,6 @@ unix_socket_dir =
 auth_type = trust
 auth_file = {tmp_path / "users.txt"}
 pool_mode = transaction
-default_pool_size = 4
 logfile = {tmp_path / "pgbouncer.log"}
 pidfile = {tmp_path / "pgbouncer.pid"}
 """
@@ -71,6 +74,17 @@ pidfile = {tmp_path / "pgbouncer.pid"}
         process.wait(10)
 
 
+def _lease(db: psycopg.Connection, table: OutboxTable, worker: str) -> None:
+    """A partition leased to ``worker`` for an hour."""
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (topic, partition, locked_by, available_after) "
+            "VALUES ('t', 0, %s, now() + interval '1 hour')"
+        ).format(table.offsets),
+        (worker,),
+    )
+
+
 def test_a_pooled_worker_whose_next_transaction_runs_elsewhere_falls_back_to_expiry(
     pooled_dsn: str, db: psycopg.Connection, table: OutboxTable
 ) -> None:
@@ -94,12 +108,7 @@ def test_the_leases_of_a_pooled_worker_that_died_end_by_expiry_not_by_a_reap(
 ) -> None:
     with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
         WorkerPresence(conn, table, "pooled-2", "session").register()
-        db.execute(
-            sql.SQL(
-                "INSERT INTO {} (topic, partition, locked_by, available_after) "
-                "VALUES ('t', 0, 'pooled-2', now() + interval '1 hour')"
-            ).format(table.offsets)
-        )
+        _lease(db, table, "pooled-2")
     # The client is gone; PgBouncer keeps its server connections (and whatever lock one of them holds).
     assert reap(db, table).partitions == 0
     held = db.execute(sql.SQL("SELECT locked_by FROM {} WHERE topic = 't'").format(table.offsets)).fetchone()
@@ -110,13 +119,29 @@ def test_a_direct_worker_that_died_is_reaped_at_once(dsn: str, db: psycopg.Conne
     """The contrast: the same, connected directly (session liveness): freed by the next reap."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert WorkerPresence(conn, table, "direct-1", "session").register() == "session"
-        db.execute(
-            sql.SQL(
-                "INSERT INTO {} (topic, partition, locked_by, available_after) "
-                "VALUES ('t', 0, 'direct-1', now() + interval '1 hour')"
-            ).format(table.offsets)
-        )
+        _lease(db, table, "direct-1")
         assert reap(db, table).partitions == 0  # alive: its session holds the lock
-    assert reap(db, table).partitions == 1
+    # Its backend releases the lock as it exits, a moment after the client closed the connection.
+    wait_until("a reap to free the dead worker's partition", lambda: reap(db, table).partitions == 1, 10)
     held = db.execute(sql.SQL("SELECT locked_by FROM {} WHERE topic = 't'").format(table.offsets)).fetchone()
     assert held == (None,)
+
+
+def test_a_worker_behind_a_quiet_transaction_pool_registers_as_expiry_and_a_recycled_server_reaps_nothing(
+    pooled_dsn: str, db: psycopg.Connection, table: OutboxTable
+) -> None:
+    """On a quiet pool every transaction of the worker gets the same server connection back, so a check that the lock
+    is still held passes; its leases must still end by expiry only: when the pooler recycles that server connection
+    (``server_lifetime``, a restart), the lock goes with it while the worker lives on."""
+    with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
+        assert WorkerPresence(conn, table, "quiet-1", RelaySettings().liveness).register() == "expiry"
+        _lease(db, table, "quiet-1")
+        row = db.execute(sql.SQL("SELECT backend_pid FROM {} WHERE worker_id = 'quiet-1'").format(table.workers))
+        server_connection = row.fetchone()
+        assert server_connection is not None
+        db.execute("SELECT pg_terminate_backend(%s, 10000)", server_connection)  # the pooler's server goes away
+
+        assert reap(db, table).partitions == 0
+        conn.execute("SELECT 1")  # the worker is alive: PgBouncer gives it another server connection
+    held = db.execute(sql.SQL("SELECT locked_by FROM {} WHERE topic = 't'").format(table.offsets)).fetchone()
+    assert held == ("quiet-1",)

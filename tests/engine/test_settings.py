@@ -56,7 +56,7 @@ def test_each_setting_is_declared_once() -> None:
 def test_a_malformed_value_names_the_variable_and_what_it_must_be() -> None:
     with pytest.raises(ConfigurationError, match=r"OUTBOX_LAG_WARN_PENDING='lots': must be an integer"):
         LagThresholds.from_env({"OUTBOX_LAG_WARN_PENDING": "lots"})
-    with pytest.raises(ConfigurationError, match=r"OUTBOX_LIVENESS='forever': choose one of session, expiry"):
+    with pytest.raises(ConfigurationError, match=r"OUTBOX_LIVENESS='forever': choose one of auto, session, expiry"):
         liveness_from_env({"OUTBOX_LIVENESS": "forever"})
 
 

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.liveness import WorkerPresence
+from outbox_pipeline.presence import WorkerPresence
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import StrategyConfig

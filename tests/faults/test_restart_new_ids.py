@@ -21,7 +21,7 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.cli import EXIT_NOT_EMPTY
-from outbox_pipeline.liveness import WorkerPresence
+from outbox_pipeline.presence import WorkerPresence
 from outbox_pipeline.schema import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import pending, wait_until
