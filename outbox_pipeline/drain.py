@@ -8,15 +8,21 @@ order holds. Its life cycle, and who runs each step:
    (``bulk-drain:<run id>``, the offsets row's ``locked_by``/``available_after``, taken with ``FOR UPDATE
    SKIP LOCKED`` like the relay's own lease, so the relay skips those partitions until they are released)
    and freeze each partition's end position, read under one snapshot, so every task's range is finite.
+   Partitions with a key held behind a dead letter (quarantine.py) are left to the relay, which withholds
+   the key's rows until the dead letter is retried or discarded; a drain would publish them ahead of it.
+   A partition whose position another strategy advanced is refused: its position is in another order.
 2. ``fetch_range`` (drain_ranges.py, one task per partition): the rows in (start, end] in the strategy's
    order, by keyset pages in autocommit (no transaction held open for the drain's duration, which would hold back the
-   ``partitioned`` snapshot rule and vacuum), renewing the lease as it goes.
+   ``partitioned`` snapshot rule and vacuum), checking and renewing the lease every second: a task whose drain
+   lost the partition (its driver died and a relay reaped it) stops within a page.
 3. ``publish_range`` (the same task): every row to Kafka with an idempotent producer, every delivery
-   confirmed; any failure raises, so the task fails.
-4. ``commit_drain`` (driver, only once every task succeeded): compare-and-set each offsets row from
-   (owner, start) to the last position its task delivered, releasing the lease. ``release_drain``
-   (driver, on abort or after any failure): release the leases, moving nothing; the relay or a rerun
-   publishes those partitions again (at-least-once: what a failed drain delivered comes twice).
+   confirmed. A page Kafka did not confirm in full stops the range: the task reports what the pages before it
+   delivered, and the error.
+4. ``commit_drain`` (driver, once every task reported): compare-and-set each offsets row from (owner, start) to
+   the last position its task confirmed, whole range or part, and release every lease of the drain. What stopped a
+   range is left to the relay, whose attempts and dead letters deal with it. ``release_drain`` (driver, when the
+   job itself failed): release the leases; the relay publishes those partitions again (at-least-once: what the
+   failed job delivered comes twice).
 
 Only the position strategies (``partitioned``, ``serialized``) can be drained this way: their delivery
 state is one position per partition, so a drain of a million rows writes a handful of offsets rows.
@@ -56,7 +62,12 @@ class LeaseLostError(DrainError):
 
 
 class DeliveryError(DrainError):
-    """Kafka did not confirm every message of a range: the task fails and the drain aborts."""
+    """Kafka did not confirm every message of a range; ``delivered`` is what the range's pages before the failing
+    one delivered (None: nothing), which the driver commits."""
+
+    def __init__(self, message: str, *, delivered: RangeDelivery | None = None) -> None:
+        super().__init__(message)
+        self.delivered = delivered
 
 
 def drain_owner(run_id: str) -> str:
@@ -143,20 +154,34 @@ class RangeDelivery:
 
 
 @dataclass(frozen=True)
+class RangeReport:
+    """What one task reports: what it confirmed (None: nothing), and what stopped it short of its end."""
+
+    label: str
+    delivery: RangeDelivery | None
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"label": self.label, "delivery": asdict(self.delivery) if self.delivery else None, "error": self.error}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> RangeReport:
+        raw = json.loads(text)
+        return cls(raw["label"], RangeDelivery(**raw["delivery"]) if raw["delivery"] else None, raw["error"])
+
+
+@dataclass(frozen=True)
 class DrainOutcome:
-    """The driver's commit: positions moved, and partitions it could not move (and why)."""
+    """The driver's commit: positions moved, partitions it could not move (and why), and ranges that stopped short
+    of their end (and what stopped them: their confirmed part is in ``committed``)."""
 
     committed: tuple[RangeDelivery, ...] = ()
     # label -> reason: lease lost, no delivery reported, delivery outside the planned range
     not_committed: Mapping[str, str] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps({"committed": [asdict(d) for d in self.committed], "not_committed": dict(self.not_committed)})
-
-    @classmethod
-    def from_json(cls, text: str) -> DrainOutcome:
-        raw = json.loads(text)
-        return cls(tuple(RangeDelivery(**d) for d in raw["committed"]), dict(raw["not_committed"]))
+    # label -> the error that stopped the range (a message Kafka did not confirm, the lease lost)
+    failed: Mapping[str, str] = field(default_factory=dict)
 
 
 # -- plan (driver) ---------------------------------------------------------------------------------
@@ -181,6 +206,7 @@ def plan_drain(
     if not owner.startswith(OWNER_PREFIX):
         raise DrainError(f"a drain owner starts with {OWNER_PREFIX!r}, got {owner!r}")
     discover(conn, table)
+    _refuse_other_orders(conn, table, strategy, topics)
     work = sql.SQL(cls.work_condition)
     with conn.transaction():
         conn.execute("SET LOCAL enable_sort = off")  # index order, never a sort of the backlog
@@ -196,6 +222,7 @@ def plan_drain(
                       AND (%(topics)s::text[] IS NULL OR o.topic = ANY(%(topics)s::text[]))
                       AND EXISTS (SELECT 1 FROM {messages} m
                                   WHERE m.topic = o.topic AND m.partition = o.partition AND {work})
+                      AND NOT EXISTS (SELECT 1 FROM {holds} h WHERE h.topic = o.topic AND h.partition = o.partition)
                     ORDER BY o.topic, o.partition
                     LIMIT %(max)s
                     FOR UPDATE OF o SKIP LOCKED
@@ -204,7 +231,7 @@ def plan_drain(
                 RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
                           target.last_processed_id
                 """
-            ).format(offsets=table.offsets, messages=table.messages, work=work),
+            ).format(offsets=table.offsets, messages=table.messages, work=work, holds=table.holds),
             {"lease": lease_s, "owner": owner, "topics": list(topics) if topics else None, "max": max_partitions},
         ).fetchall()
         if not leased:
@@ -244,25 +271,52 @@ def plan_drain(
     return DrainPlan(owner, strategy, table.schema, lease_s, ranges)
 
 
+def _refuse_other_orders(
+    conn: psycopg.Connection, table: OutboxTable, strategy: str, topics: Sequence[str] | None
+) -> None:
+    """A position another strategy advanced is in that strategy's order: draining past it in this one skips rows
+    (serialized's "write first, enqueue last" writers commit lower xids after higher ids)."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            SELECT topic, partition, read_by FROM {offsets}
+            WHERE read_by IS NOT NULL AND read_by <> %(strategy)s
+              AND (%(topics)s::text[] IS NULL OR topic = ANY(%(topics)s::text[]))
+            ORDER BY topic, partition LIMIT 3
+            """
+        ).format(offsets=table.offsets),
+        {"strategy": strategy, "topics": list(topics) if topics else None},
+    ).fetchall()
+    if rows:
+        named = ", ".join(f"{topic}/{partition} ({read_by})" for topic, partition, read_by in rows)
+        raise DrainError(
+            f"cannot drain as {strategy}: positions were advanced by another strategy ({named}) and are in its "
+            "order; drain with the strategy the relay uses"
+        )
+
+
 # -- commit or release (driver) --------------------------------------------------------------------
 
 
-def commit_drain(conn: psycopg.Connection, plan: DrainPlan, deliveries: Iterable[RangeDelivery | None]) -> DrainOutcome:
-    """Advance each range's position to what its task delivered; release every lease of the drain.
+def commit_drain(conn: psycopg.Connection, plan: DrainPlan, reports: Iterable[RangeReport]) -> DrainOutcome:
+    """Advance each range's position to what its task confirmed (all of it, or the part before a failure); release
+    every lease of the drain.
 
     One transaction. Each position moves by compare-and-set from (owner, planned start): a partition
     whose lease was lost (expired, released by an operator) is not moved, and its rows are published
     again by whoever owns it now. A delivery outside its planned range is refused, never applied.
     """
     table = plan.table
-    by_label = {d.label: d for d in deliveries if d is not None}
+    reports = list(reports)
+    by_label = {r.label: r.delivery for r in reports if r.delivery is not None}
+    failed = {r.label: r.error for r in reports if r.error is not None}
     committed: list[RangeDelivery] = []
     refused: dict[str, str] = {}
     with conn.transaction():
         for rng in plan.ranges:
             delivery = by_label.get(rng.label)
             if delivery is None:
-                refused[rng.label] = "no delivery reported"
+                refused[rng.label] = failed.get(rng.label, "no delivery reported")
                 continue
             key = position_key(plan.strategy, delivery.last_xid, delivery.last_id)
             start = position_key(plan.strategy, rng.start_xid, rng.start_id)
@@ -278,7 +332,7 @@ def commit_drain(conn: psycopg.Connection, plan: DrainPlan, deliveries: Iterable
                     UPDATE {offsets}
                     SET last_processed_transaction_id = %(to_xid)s::xid8, last_processed_id = %(to_id)s,
                         attempts = 0, last_error = NULL, locked_by = NULL, available_after = now(),
-                        updated_at = now()
+                        read_by = %(strategy)s, updated_at = now()
                     WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(owner)s
                       AND last_processed_transaction_id = %(from_xid)s::xid8 AND last_processed_id = %(from_id)s
                     """
@@ -291,6 +345,7 @@ def commit_drain(conn: psycopg.Connection, plan: DrainPlan, deliveries: Iterable
                     "owner": plan.owner,
                     "from_xid": rng.start_xid,
                     "from_id": rng.start_id,
+                    "strategy": plan.strategy,
                 },
             )
             if cur.rowcount == 1:
@@ -298,7 +353,7 @@ def commit_drain(conn: psycopg.Connection, plan: DrainPlan, deliveries: Iterable
             else:
                 refused[rng.label] = f"lease lost: {rng.label} is no longer owned by {plan.owner} at its start"
         release_drain(conn, table, plan.owner)
-    return DrainOutcome(tuple(committed), refused)
+    return DrainOutcome(tuple(committed), refused, failed)
 
 
 def release_drain(conn: psycopg.Connection, table: OutboxTable, owner: str) -> int:

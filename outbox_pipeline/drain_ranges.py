@@ -36,6 +36,12 @@ _UP_TO_END = {
 }
 
 
+# How often a task checks (and renews) that its drain still owns the partition: a drain whose driver died is
+# reaped by any relay worker within a second, which then publishes the partition itself; the task must stop
+# within about this long of that, not a third of the lease (20 minutes by default) later.
+OWNERSHIP_CHECK_S = 1.0
+
+
 def fetch_range(
     conn: psycopg.Connection,
     plan: DrainPlan,
@@ -46,7 +52,7 @@ def fetch_range(
     """The range's rows in publishing order, a page at a time; raises LeaseLostError if the lease goes.
 
     ``conn`` in autocommit: each page is its own statement, so nothing holds a snapshot for the drain.
-    The lease is renewed every third of its length, and checked before the first page.
+    Before the first page and then at most every OWNERSHIP_CHECK_S, the lease is checked and renewed.
     """
     cls = position_class(plan.strategy)
     table = plan.table
@@ -79,7 +85,7 @@ def fetch_range(
     }
     renewed = float("-inf")
     while True:
-        if time.monotonic() - renewed > plan.lease_s / 3:
+        if time.monotonic() - renewed >= min(plan.lease_s / 3, OWNERSHIP_CHECK_S):
             renew_lease(conn, plan, rng)
             renewed = time.monotonic()
         page = fetch_records(conn, query, params, prepare=True)
@@ -118,8 +124,9 @@ def publish_range(
 ) -> RangeDelivery | None:
     """Publish pages of one partition's range and wait for every delivery; None for no rows.
 
-    Raises DeliveryError on the first page Kafka did not fully confirm, and DrainError if the rows are
-    not one partition's, in order: the task's input is checked, not trusted, since order is the promise.
+    Raises DeliveryError on the first page Kafka did not fully confirm, carrying what the pages before it
+    delivered (the driver commits that much), and DrainError if the rows are not one partition's, in order: the
+    task's input is checked, not trusted, since order is the promise.
     """
     started = time.monotonic()
     rows = size = 0
@@ -145,11 +152,18 @@ def publish_range(
             failure = outcome.failed[0]
             raise DeliveryError(
                 f"{len(outcome.failed)} of {len(page)} messages of {first.topic}/{first.partition} were not "
-                f"confirmed (first: outbox id {failure.record.id}: {failure.error})"
+                f"confirmed (first: outbox id {failure.record.id}: {failure.error})",
+                delivered=_delivery(first, last, rows, size, started),
             )
         rows += len(page)
         size += sum(len(r.payload) + len(r.key or b"") for r in page)
         last = page[-1]
+    return _delivery(first, last, rows, size, started)
+
+
+def _delivery(
+    first: OutboxRecord | None, last: OutboxRecord | None, rows: int, size: int, started: float
+) -> RangeDelivery | None:
     if first is None or last is None:
         return None
     return RangeDelivery(

@@ -14,7 +14,8 @@ fingerprints, it never writes files).
   between its rows means the relay (or a bulk drain) is in the middle of it.
 
 Naming the wrong strategy can only refuse a drop, never allow one: position strategies never set
-``sent_at``, and row strategies keep no positions.
+``sent_at``, row strategies keep no positions, and a position is read in the order of the strategy that advanced
+it (``offsets.BEHIND_POSITION``), whichever of the two position strategies is named.
 """
 
 from __future__ import annotations
@@ -31,16 +32,12 @@ from .config import OutboxTable
 from .migrations import MIGRATION_LOCK_CLASS
 from .schema import PARTITION_STORAGE, ensure_partitions, partition_name
 from .strategies import STRATEGY_NAMES
+from .strategies.offsets import BEHIND_POSITION
 
 _DAY_PARTITION = re.compile(r"^outbox_messages_p(\d{8})$")
 DEFAULT_PARTITION = "outbox_messages_default"
 
-# Rows past a stored position, per position strategy (``partitioned``'s snapshot rule left out: under
-# the day's SHARE lock no transaction that wrote to it is still running).
-_PAST_POSITION = {
-    "partitioned": "(m.transaction_id, m.id) > (o.last_processed_transaction_id, o.last_processed_id)",
-    "serialized": "m.id > o.last_processed_id",
-}
+POSITION_STRATEGIES = ("partitioned", "serialized")
 
 # What an archive holds: every column, jsonb and xid8 as their text, so a reader needs no PostgreSQL types.
 ARCHIVE_COLUMNS: Sequence[tuple[str, str]] = (
@@ -242,7 +239,7 @@ def check_relayed(conn: psycopg.Connection, table: OutboxTable, name: str, strat
     if strategy not in STRATEGY_NAMES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGY_NAMES)}")
     part = table.ident(name)
-    if strategy not in _PAST_POSITION:
+    if strategy not in POSITION_STRATEGIES:
         # Strategy lease keeps its row leases in outbox_leases; the row's own columns are the older form.
         row = conn.execute(
             sql.SQL(
@@ -269,7 +266,7 @@ def check_relayed(conn: psycopg.Connection, table: OutboxTable, name: str, strat
         sql.SQL(
             """
             SELECT m.topic, m.partition, count(*) AS rows,
-                   count(*) FILTER (WHERE o.topic IS NULL OR {past}) AS pending,
+                   count(*) FILTER (WHERE o.topic IS NULL OR NOT {behind}) AS pending,
                    bool_or(o.topic IS NOT NULL) AS has_position,
                    max(o.last_processed_transaction_id::text) AS xid, max(o.last_processed_id) AS last_id,
                    max(o.locked_by) FILTER (WHERE o.available_after > now()) AS leased_by
@@ -278,7 +275,7 @@ def check_relayed(conn: psycopg.Connection, table: OutboxTable, name: str, strat
             GROUP BY m.topic, m.partition
             ORDER BY m.topic, m.partition
             """
-        ).format(part=part, offsets=table.offsets, past=sql.SQL(_PAST_POSITION[strategy]))
+        ).format(part=part, offsets=table.offsets, behind=sql.SQL(BEHIND_POSITION))
     ).fetchall()
     total = 0
     reasons = []
@@ -365,7 +362,7 @@ def drop_partition(
         with conn.transaction():
             conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
             conn.execute(sql.SQL("LOCK TABLE {part} IN SHARE MODE").format(part=part))
-            if strategy in _PAST_POSITION:
+            if strategy in POSITION_STRATEGIES:
                 conn.execute(
                     sql.SQL(
                         """

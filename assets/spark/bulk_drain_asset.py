@@ -16,6 +16,7 @@ from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.drain import (
     DEFAULT_FETCH_ROWS,
     DEFAULT_LEASE_S,
+    DRAIN_STRATEGIES,
     OWNER_PREFIX,
     backlog_at_least,
     drain_leases,
@@ -23,14 +24,20 @@ from outbox_pipeline.drain import (
     plan_drain,
     release_drain,
 )
-from outbox_pipeline.liveness import liveness_from_env, present
+from outbox_pipeline.liveness import liveness_from_env
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.presence import present
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
 
 
 class BulkDrainConfig(dg.Config):
-    strategy: str = Field(default="partitioned", description="the relay's position strategy: partitioned or serialized")
+    strategy: str = Field(
+        default="",
+        description="empty: the relay's strategy (the orchestration resource, OUTBOX_RELAY_STRATEGY); a drain serves "
+        "partitioned and serialized only, and must use the order the relay's positions are in",
+    )
     topics: list[str] = Field(default_factory=list, description="drain only these topics (empty: all)")
     max_partitions: int | None = Field(default=None, description="drain at most this many virtual partitions")
     min_pending: int = Field(
@@ -55,23 +62,30 @@ def bulk_drain(
     postgres: PostgresResource,
     kafka: KafkaResource,
     spark: SparkResource,
+    orchestration: OrchestrationSettings,
 ) -> dg.MaterializeResult:
     # pyspark only here, in a Spark run: loading the code location and every other run stay without it.
     from .drain_job import DrainFailed, run_drain
 
     table = postgres.table
+    strategy = config.strategy or orchestration.strategy
+    if strategy not in DRAIN_STRATEGIES:
+        raise dg.Failure(
+            description=f"a bulk drain serves the position strategies ({', '.join(DRAIN_STRATEGIES)}); this outbox is "
+            f"relayed with {strategy!r}, whose delivery state is on every row: its backlog is the relay's to publish"
+        )
     owner = drain_owner(context.run.run_id)
     # Registered for as long as this driver runs: if it dies, any relay worker frees its leases in a second.
     with present(postgres.dsn, table, owner, kind="drain", liveness=liveness_from_env()):
         with postgres.connect() as conn:
             _release_finished_drains(context, conn, table)
-            if config.min_pending and not backlog_at_least(conn, table, config.strategy, config.min_pending):
+            if config.min_pending and not backlog_at_least(conn, table, strategy, config.min_pending):
                 context.log.info("fewer than %d rows pending: nothing to do", config.min_pending)
                 return dg.MaterializeResult(metadata={"rows": 0, "partitions": 0, "skipped": "below min_pending"})
             plan = plan_drain(
                 conn,
                 table,
-                strategy=config.strategy,
+                strategy=strategy,
                 owner=owner,
                 lease_s=config.lease_s,
                 topics=config.topics or None,
@@ -86,23 +100,17 @@ def bulk_drain(
             outcome = run_drain(
                 spark.session, plan, dsn=postgres.dsn, kafka_config=kafka.producer_config(), page_rows=config.page_rows
             )
+            aborted = None
         except DrainFailed as exc:
-            delivered = {d.label: d.rows for d in exc.delivered_before_abort}
-            raise dg.Failure(
-                description=f"{exc}; no position moved, the leases are released (the relay or a rerun publishes "
-                "these partitions again)",
-                metadata={
-                    "partitions_planned": len(plan.ranges),
-                    "delivered_before_abort": dg.MetadataValue.json(delivered),
-                },
-            ) from exc
+            outcome, aborted = exc.outcome, str(exc)
         finally:
-            # Safety net for a failure before Spark's commit or abort ran; releases nothing after a commit.
+            # Safety net for a failure before the commit ran; releases nothing after a commit.
             with postgres.connect() as conn:
                 release_drain(conn, table, owner)
     elapsed = time.monotonic() - started
     rows = sum(d.rows for d in outcome.committed)
     metadata: dict[str, dg.RawMetadataValue] = {
+        "strategy": strategy,
         "rows": rows,
         "bytes": sum(d.bytes for d in outcome.committed),
         "msg_per_s": round(rows / elapsed, 1) if elapsed > 0 else 0.0,
@@ -111,11 +119,24 @@ def bulk_drain(
         "per_partition": dg.MetadataValue.json({d.label: d.rows for d in outcome.committed}),
         "positions": dg.MetadataValue.json({d.label: f"xid={d.last_xid} id={d.last_id}" for d in outcome.committed}),
     }
-    if outcome.not_committed:
+    if outcome.failed or outcome.not_committed or aborted:
+        # The run fails, so the UI shows it; what was confirmed is committed already and the rest is the relay's.
+        stopped = dict(outcome.failed)
+        first = next(iter(stopped.items()), None)
+        reason = aborted or (
+            f"{len(stopped)} of {len(plan.ranges)} partitions stopped short: {first[0]}: {first[1]}"
+            if first
+            else f"{len(outcome.not_committed)} partitions not committed"
+        )
         raise dg.Failure(
-            description=f"{len(outcome.not_committed)} partitions were delivered but not committed "
-            "(their rows will be published again by their current owner)",
-            metadata={**metadata, "not_committed": dg.MetadataValue.json(dict(outcome.not_committed))},
+            description=f"{reason}. What Kafka confirmed before that is committed ({rows} rows); the relay publishes "
+            "the rest, with its attempts and dead letters for a message Kafka refuses. The lag sensor requests no "
+            "other bulk drain for the cooldown (OUTBOX_BULK_DRAIN_COOLDOWN_S).",
+            metadata={
+                **metadata,
+                "stopped": dg.MetadataValue.json(stopped),
+                "not_committed": dg.MetadataValue.json(dict(outcome.not_committed)),
+            },
         )
     context.log.info("drained %d rows from %d partitions in %.1f s", rows, len(outcome.committed), elapsed)
     return dg.MaterializeResult(metadata=metadata)

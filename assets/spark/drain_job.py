@@ -1,8 +1,10 @@
 """Spark room: the bulk drain as one Spark job, one task per virtual partition, rows never leaving the task.
 
 Each task reads its frozen range from PostgreSQL and publishes it to Kafka in the same Python worker
-(``outbox_pipeline.drain_ranges``), confirming every delivery before it returns what it delivered. The driver
-commits the positions only when every task succeeded; a failed job releases the leases and moves nothing.
+(``outbox_pipeline.drain_ranges``), confirming every delivery before it reports what it delivered: its whole range,
+or the part before a message Kafka did not confirm, with the error. Once every task reported, the driver commits
+what was confirmed and releases the leases; the relay deals with what stopped a range. A job that failed outright
+(a task crashed) commits what the tasks that finished delivered, and releases the rest.
 
 Why not a Python data source read into a DataFrame and written back out (this module's predecessor): every
 row then crossed into the JVM and back as Arrow, converted from and to Python objects on both sides, for no
@@ -12,11 +14,8 @@ relay's speed; this one at the direct relay's (docs/performance.md, "Spark bulk 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict
-from typing import Any
 
 import psycopg
 from pyspark.accumulators import AccumulatorParam
@@ -24,31 +23,32 @@ from pyspark.sql import SparkSession
 
 from outbox_pipeline.drain import (
     DEFAULT_FETCH_ROWS,
+    DeliveryError,
     DrainOutcome,
     DrainPlan,
-    RangeDelivery,
+    LeaseLostError,
+    RangeReport,
     commit_drain,
-    release_drain,
 )
 from outbox_pipeline.drain_ranges import fetch_range, publish_range
 from outbox_pipeline.publisher import KafkaPublisher
 
 
 class DrainFailed(RuntimeError):
-    """The Spark job failed and the drain was aborted: no position moved."""
+    """The Spark job failed outright: ``outcome`` is the commit of what the tasks that finished delivered."""
 
-    def __init__(self, message: str, delivered_before_abort: tuple[RangeDelivery, ...]) -> None:
+    def __init__(self, message: str, outcome: DrainOutcome) -> None:
         super().__init__(message)
-        self.delivered_before_abort = delivered_before_abort
+        self.outcome = outcome
 
 
-class _Deliveries(AccumulatorParam[list[dict[str, Any]]]):
-    """What the tasks that finished delivered, readable on the driver after a failed job too."""
+class _Reports(AccumulatorParam[list[str]]):
+    """What the tasks that finished reported (RangeReport as JSON), readable on the driver after a failed job too."""
 
-    def zero(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def zero(self, value: list[str]) -> list[str]:
         return []
 
-    def addInPlace(self, value1: list[dict[str, Any]], value2: list[dict[str, Any]]) -> list[dict[str, Any]]:  # noqa: N802
+    def addInPlace(self, value1: list[str], value2: list[str]) -> list[str]:  # noqa: N802
         value1.extend(value2)
         return value1
 
@@ -61,39 +61,40 @@ def run_drain(
     kafka_config: Mapping[str, object],
     page_rows: int = DEFAULT_FETCH_ROWS,
 ) -> DrainOutcome:
-    """Run the drain as one Spark job; the commit's outcome, or DrainFailed after releasing the leases."""
+    """Run the drain as one Spark job and commit what it confirmed; DrainFailed when the job itself failed."""
     if (spark.conf.get("spark.speculation") or "false").lower() == "true":
-        raise DrainFailed("spark.speculation is on: a second attempt of a task would interleave a partition", ())
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            outcome = commit_drain(conn, plan, ())
+        raise DrainFailed("spark.speculation is on: a second attempt of a task would interleave a partition", outcome)
     context = spark.sparkContext
-    delivered = context.accumulator([], _Deliveries())
+    finished = context.accumulator([], _Reports())
     ranges, config = plan.ranges, dict(kafka_config)
 
     def drain_range(index: int, _: Iterable[int]) -> Iterator[str]:
-        """One task: its range, read and published here; its delivery goes back as JSON."""
+        """One task: its range, read and published here; what it confirmed (and what stopped it) goes back."""
         publisher = KafkaPublisher(config)
         try:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 pages = fetch_range(conn, plan, ranges[index], page_rows=page_rows)
-                delivery = publish_range(publisher, plan.strategy, pages)
+                report = RangeReport(ranges[index].label, publish_range(publisher, plan.strategy, pages))
+        except DeliveryError as exc:
+            report = RangeReport(ranges[index].label, exc.delivered, str(exc))
+        except LeaseLostError as exc:
+            report = RangeReport(ranges[index].label, None, str(exc))
         finally:
             publisher.close(timeout_s=0)
-        if delivery is not None:
-            delivered.add([asdict(delivery)])
-        yield json.dumps(asdict(delivery) if delivery else None)
+        finished.add([report.to_json()])
+        yield report.to_json()
 
     try:
-        if ranges:
-            tasks = context.parallelize(range(len(ranges)), len(ranges)).mapPartitionsWithIndex(drain_range)
-            reported = [json.loads(line) for line in tasks.collect()]
-        else:
-            reported = []
+        tasks = context.parallelize(range(len(ranges)), max(1, len(ranges))).mapPartitionsWithIndex(drain_range)
+        lines = tasks.collect() if ranges else []
     except Exception as exc:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            release_drain(conn, plan.table, plan.owner)
-        done = tuple(RangeDelivery(**d) for d in delivered.value)
-        raise DrainFailed(f"bulk drain aborted: {_error_line(exc)}", done) from exc
+            outcome = commit_drain(conn, plan, [RangeReport.from_json(line) for line in finished.value])
+        raise DrainFailed(f"bulk drain aborted: {_error_line(exc)}", outcome) from exc
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return commit_drain(conn, plan, [RangeDelivery(**d) if d else None for d in reported])
+        return commit_drain(conn, plan, [RangeReport.from_json(line) for line in lines])
 
 
 # A Python exception's last line in a task's traceback, as the JVM relays it ("module.SomeError: message").

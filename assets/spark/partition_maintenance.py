@@ -25,6 +25,7 @@ from outbox_pipeline.maintenance import (
     move_default_rows,
 )
 from outbox_pipeline.migrations import DEFAULT_DAYS_AHEAD
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.settings import ARCHIVE_URI, HOME
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
@@ -55,8 +56,9 @@ class MaintenanceConfig(dg.Config):
         "empty: OUTBOX_ARCHIVE_URI, else $OUTBOX_HOME/archive",
     )
     strategy: str = Field(
-        default="partitioned",
-        description="the relay strategy in use, which decides what 'relayed' means (a wrong one only refuses drops)",
+        default="",
+        description="the relay strategy in use, which decides what 'relayed' means; empty: the orchestration "
+        "resource's (OUTBOX_RELAY_STRATEGY)",
     )
     archive_slices: int = Field(default=4, description="parallel Spark reads per archived day")
     lock_timeout: str = Field(default="2s", description="longest wait for a lock before a step is skipped")
@@ -74,11 +76,13 @@ def outbox_partition_maintenance(
     config: MaintenanceConfig,
     postgres: PostgresResource,
     spark: SparkResource,
+    orchestration: OrchestrationSettings,
 ) -> dg.MaterializeResult:
     # pyspark only here, in a Spark run: loading the code location and every other run stay without it.
     from .datasource import archive_partition, archive_uri
 
     table = postgres.table
+    strategy = config.strategy or orchestration.strategy
     today = (
         dt.date.fromisoformat(context.partition_key) if context.has_partition_key else dt.datetime.now(dt.UTC).date()
     )
@@ -101,7 +105,7 @@ def outbox_partition_maintenance(
             skipped[f"DEFAULT rows of {day.isoformat()}"] = f"not moved this run: {reason}"
         candidates = expired(day_partitions(conn, table), today, config.retention_days)
         for candidate in candidates:
-            check = check_relayed(conn, table, candidate.name, config.strategy)
+            check = check_relayed(conn, table, candidate.name, strategy)
             if not check.relayed:
                 skipped[candidate.name] = "; ".join(check.reasons)
                 continue
@@ -122,7 +126,7 @@ def outbox_partition_maintenance(
                 conn,
                 table,
                 candidate.name,
-                strategy=config.strategy,
+                strategy=strategy,
                 archived=written,
                 lock_timeout=config.lock_timeout,
             )
@@ -136,6 +140,7 @@ def outbox_partition_maintenance(
     return dg.MaterializeResult(
         metadata={
             "day": today.isoformat(),
+            "strategy": strategy,
             "partitions_created": len(created),
             "created": dg.MetadataValue.json(created),
             "default_rows_moved": sum(rescue.moved.values()),

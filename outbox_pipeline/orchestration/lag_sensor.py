@@ -14,7 +14,9 @@ and the registry, registers partitions Dagster has not seen (dynamic partitions)
 A run launched but not yet registered counts as an owner for START_GRACE_S, so no tick queues a second run
 for covered partitions; a run whose registered worker died covers nothing at once. The run key is the
 reason plus the latest run it follows, so a tick never requests the same run twice. When the whole backlog
-passes OUTBOX_BULK_DRAIN_THRESHOLD and a bulk drain job is wired in, the sensor requests that instead.
+passes OUTBOX_BULK_DRAIN_THRESHOLD and a bulk drain job is wired in, the sensor requests a drain too, for the relay's
+own strategy (a drain serves partitioned and serialized only), while relay runs keep covering the outbox; after a
+drain that failed, none other for OUTBOX_BULK_DRAIN_COOLDOWN_S.
 """
 
 import time
@@ -29,6 +31,7 @@ if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export 
 
 # What define_asset_job returns; not re-exported by dagster, but it is the type sensors accept as a job.
 
+from outbox_pipeline.drain import DRAIN_STRATEGIES
 from outbox_pipeline.lag import PartitionLag, partition_lag
 from outbox_pipeline.liveness import live_workers
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
@@ -163,19 +166,11 @@ def build_outbox_lag_sensor(
         adds = [outbox_partitions.build_add_request(new_keys)] if new_keys else []
         total = sum(lag.pending for lag in lags)
 
-        if bulk_drain_job is not None:
-            bulk_running = bool(_runs(context.instance, bulk_drain_job.name, in_flight=True))
-            if bulk_running or total >= cfg.bulk_drain_threshold:
-                if bulk_running:
-                    return _skip(f"{bulk_drain_job.name} is draining {total} pending rows", adds)
-                previous = _runs(context.instance, bulk_drain_job.name, limit=1)
-                bulk = dg.RunRequest(
-                    job_name=bulk_drain_job.name,
-                    run_key=f"bulk-drain/after:{previous[0].run_id if previous else 'none'}",
-                    tags={"outbox/pending": str(total)},
-                )
-                return dg.SensorResult(run_requests=[bulk], dynamic_partitions_requests=adds)
-
+        drain, drain_note = (
+            _bulk_drain_request(context.instance, bulk_drain_job, cfg, total, time.time())
+            if bulk_drain_job is not None
+            else (None, "")
+        )
         cover = coverage(context.instance, relay_job.name, owners, cfg, time.time())
         lagging = sorted(
             key
@@ -189,7 +184,11 @@ def build_outbox_lag_sensor(
         else:
             state = f"{len(cover.owners)} live relay worker(s), {len(cover.starting)} run(s) starting"
             note = f"; lagging: {', '.join(lagging[:5])}{' ...' if len(lagging) > 5 else ''}" if lagging else ""
-            return _skip(f"{total} pending rows in {len(by_key)} partitions; {state}{note}", adds)
+            reason = f"{total} pending rows in {len(by_key)} partitions; {state}{note}{drain_note}"
+            if drain is not None:
+                context.log.info("%s", reason)
+                return dg.SensorResult(run_requests=[drain], dynamic_partitions_requests=adds)
+            return _skip(reason, adds)
         previous = _runs(context.instance, relay_job.name, limit=1)
         request = dg.RunRequest(
             job_name=relay_job.name,
@@ -205,11 +204,46 @@ def build_outbox_lag_sensor(
             },
         )
         context.log.info(
-            "relay run (%s): %d live relay worker(s), %d lagging partition(s)", why, len(cover.owners), len(lagging)
+            "relay run (%s): %d live relay worker(s), %d lagging partition(s)%s",
+            why,
+            len(cover.owners),
+            len(lagging),
+            drain_note,
         )
-        return dg.SensorResult(run_requests=[request], dynamic_partitions_requests=adds)
+        requests = [request] if drain is None else [drain, request]
+        return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=adds)
 
     return outbox_lag_sensor
+
+
+def _bulk_drain_request(
+    instance: dg.DagsterInstance, job: Job, cfg: OrchestrationSettings, total: int, now: float
+) -> tuple[dg.RunRequest | None, str]:
+    """A bulk drain run, for the relay's own strategy, when the backlog passes the threshold; not while one runs,
+    not for a strategy a drain cannot serve, and not within the cooldown after one failed (what stopped it is the
+    relay's to retry or dead-letter: a new drain would stop at the same row and republish what it did deliver).
+    Returns the request (or None) and a note for the tick's log."""
+    if total < cfg.bulk_drain_threshold:
+        return None, ""
+    if cfg.strategy not in DRAIN_STRATEGIES:
+        return None, f"; no bulk drain: it serves {' and '.join(DRAIN_STRATEGIES)}, not {cfg.strategy}"
+    if _runs(instance, job.name, in_flight=True):
+        return None, f"; {job.name} is draining"
+    previous = instance.get_run_records(dg.RunsFilter(job_name=job.name), limit=1)
+    if previous and previous[0].dagster_run.status == dg.DagsterRunStatus.FAILURE:
+        ended = previous[0].end_time or previous[0].update_timestamp.timestamp()
+        if now - ended < cfg.bulk_drain_cooldown_s:
+            return None, (
+                f"; the last {job.name} failed {now - ended:.0f} s ago: none other for "
+                f"{cfg.bulk_drain_cooldown_s:g} s (the relay deals with what stopped it)"
+            )
+    request = dg.RunRequest(
+        job_name=job.name,
+        run_key=f"bulk-drain/after:{previous[0].dagster_run.run_id if previous else 'none'}",
+        run_config={"ops": {"bulk_drain": {"config": {"strategy": cfg.strategy}}}},
+        tags={"outbox/pending": str(total), "outbox/strategy": cfg.strategy},
+    )
+    return request, f"; bulk drain requested ({total} pending)"
 
 
 def _skip(reason: str, adds: list[dg.AddDynamicPartitionsRequest]) -> dg.SensorResult | dg.SkipReason:

@@ -31,6 +31,7 @@ FIELDS: dict[str, Setting[Any]] = {
     "report_interval_s": catalogue.RELAY_REPORT_INTERVAL_S,
     "relay_runs_max": catalogue.RELAY_RUNS_MAX,
     "bulk_drain_threshold": catalogue.BULK_DRAIN_THRESHOLD,
+    "bulk_drain_cooldown_s": catalogue.BULK_DRAIN_COOLDOWN_S,
     "metrics_pushgateway": catalogue.METRICS_PUSHGATEWAY,
     "on_poison": catalogue.ON_POISON,
     "lag_warn_age_s": catalogue.LAG_WARN_AGE_S,
@@ -58,6 +59,7 @@ class OrchestrationSettings(dg.ConfigurableResource):
     report_interval_s: float = _field("report_interval_s")
     relay_runs_max: int = _field("relay_runs_max")
     bulk_drain_threshold: int = _field("bulk_drain_threshold")
+    bulk_drain_cooldown_s: float = _field("bulk_drain_cooldown_s")
     metrics_pushgateway: str = _field("metrics_pushgateway")
     on_poison: str = _field("on_poison")
     lag_warn_age_s: float = _field("lag_warn_age_s")

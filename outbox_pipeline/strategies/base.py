@@ -47,8 +47,10 @@ MESSAGE_BODY_COLUMNS = """
     created_at     timestamptz NOT NULL,
 """
 
-# Dead-lettering the rows of a CTE named ``moved`` (the failed rows with their ``error``): one statement for the
-# relay's own rows (rows.py) and for rows held behind a dead letter (quarantine.py).
+# Dead-lettering the rows of a CTE named ``moved`` (the failed rows with their ``error`` and the ``attempts`` before
+# this one): one statement for the row strategies' rows (rows.py), the position strategies' (offsets.py) and rows
+# held behind a dead letter (quarantine.py). A row dead-lettered again (replayed or rewound past, and refused again)
+# is a new dead letter: neither retried nor discarded, or it would hold its key with nothing an operator can release.
 DEAD_LETTER_MOVED = """
     INSERT INTO {dead_letters} (
         id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
@@ -58,7 +60,8 @@ DEAD_LETTER_MOVED = """
     FROM moved
     ON CONFLICT (id) DO UPDATE SET
         attempts = excluded.attempts, last_error = excluded.last_error, dead_lettered_at = now(),
-        dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
+        dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL,
+        discarded_at = NULL, discarded_by = NULL, discard_reason = NULL
 """
 
 

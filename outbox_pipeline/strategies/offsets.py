@@ -15,7 +15,7 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from .base import DeliveryFailure, OutboxRecord, StrategyConfig, scope_condition
+from .base import DEAD_LETTER_MOVED, DeliveryFailure, OutboxRecord, StrategyConfig, scope_condition
 from .sharing import IS_HOME
 
 # Distinct (topic, partition) pairs of the message table as a loose index scan: one probe of the
@@ -32,6 +32,21 @@ _PAIRS_CTE = """
             ORDER BY m.topic, m.partition LIMIT 1
         ) next
     )
+"""
+
+
+# Message row ``m`` is behind offsets row ``o``'s position, in the order of the strategy that last advanced it
+# (``read_by``): ``partitioned`` by (transaction id, id), ``serialized`` by id. With none recorded, behind in both
+# orders: a "write first, enqueue last" writer commits a lower xid after a higher id, so a row behind in one order
+# may be ahead in the other. Whoever asks whether a row was relayed (maintenance, the partition-count guard) asks
+# this, never the strategy it was told: a wrong name must not pass an unrelayed row.
+BEHIND_POSITION = """
+    coalesce(CASE o.read_by
+        WHEN 'serialized' THEN m.id <= o.last_processed_id
+        WHEN 'partitioned' THEN (m.transaction_id, m.id) <= (o.last_processed_transaction_id, o.last_processed_id)
+        ELSE m.id <= o.last_processed_id
+             AND (m.transaction_id, m.id) <= (o.last_processed_transaction_id, o.last_processed_id)
+    END, false)
 """
 
 
@@ -227,29 +242,30 @@ def unleased_by_others(conn: psycopg.Connection, config: StrategyConfig) -> list
 
 
 def dead_letter(conn: psycopg.Connection, config: StrategyConfig, failures: list[DeliveryFailure]) -> None:
-    """Copy undeliverable rows to the dead letters; message rows themselves are never touched."""
+    """Copy undeliverable rows to the dead letters; message rows themselves are never touched. A failure's
+    ``record.attempts`` are the partition's attempts at it before this one (counted on the offsets row)."""
     if not failures:
         return
     conn.execute(
         sql.SQL(
             """
-            INSERT INTO {dead_letters} (
-                id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
-                created_at, attempts, last_error, dead_lettered_by)
-            SELECT m.id, m.message_id, m.topic, m.key, m.type, m.payload, m.headers, m.partition, m.priority,
-                   m.transaction_id, m.created_at, f.attempts, f.error, %(worker)s
-            FROM {messages} m
-            JOIN unnest(%(ids)s::bigint[], %(errors)s::text[], %(attempts)s::int[]) AS f(id, error, attempts)
-              ON m.id = f.id
-            ON CONFLICT (id) DO UPDATE SET
-                attempts = excluded.attempts, last_error = excluded.last_error,
-                dead_lettered_at = now(), dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL
+            WITH moved AS (
+                SELECT m.id, m.message_id, m.topic, m.key, m.type, m.payload, m.headers, m.partition, m.priority,
+                       m.transaction_id, m.created_at, f.attempts, f.error
+                FROM {messages} m
+                JOIN unnest(%(ids)s::bigint[], %(errors)s::text[], %(attempts)s::int[]) AS f(id, error, attempts)
+                  ON m.id = f.id
+            )
+            {dead_letter}
             """
-        ).format(dead_letters=config.table.dead_letters, messages=config.table.messages),
+        ).format(
+            messages=config.table.messages,
+            dead_letter=sql.SQL(DEAD_LETTER_MOVED).format(dead_letters=config.table.dead_letters),
+        ),
         {
             "ids": [f.record.id for f in failures],
             "errors": [f.error for f in failures],
-            "attempts": [f.record.attempts + 1 for f in failures],
+            "attempts": [f.record.attempts for f in failures],
             "worker": config.worker_id,
         },
     )

@@ -6,15 +6,17 @@ from contextlib import contextmanager
 
 import dagster as dg
 import psycopg
+import pytest
 
-from assets.spark import bulk_drain_job
+from assets.spark import bulk_drain, bulk_drain_job
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.liveness import present
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
 from outbox_pipeline.orchestration.relay_stream import REGISTERED_TAG, relay_stream_job, stream_worker_id
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.presence import present
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
+from resources.spark import SparkResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 
@@ -205,16 +207,87 @@ def test_an_idle_outbox_is_a_skip_with_a_reason(
     assert "0 pending rows" in (result.skip_message or "")
 
 
-def test_a_backlog_above_the_bulk_threshold_asks_for_the_bulk_drain_job_instead(
+def _drain_settings(strategy: str = "partitioned") -> OrchestrationSettings:
+    return OrchestrationSettings(trigger_pending=1, trigger_age_s=0.0, bulk_drain_threshold=100, strategy=strategy)
+
+
+def _drain_run(
+    instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource], status: dg.DagsterRunStatus
+) -> dg.DagsterRun:
+    """A bulk drain run in the instance's history (its status set, nothing executed)."""
+    defs = dg.Definitions(assets=[bulk_drain], jobs=[bulk_drain_job], resources={**resources, "spark": SparkResource()})
+    return instance.create_run_for_job(defs.resolve_job_def(bulk_drain_job.name), status=status)
+
+
+@pytest.mark.parametrize("strategy", ["partitioned", "serialized"])
+def test_a_backlog_above_the_bulk_threshold_asks_for_a_bulk_drain_in_the_relays_order_and_a_relay_run(
+    strategy: str,
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+) -> None:
+    """The drain must read in the order the relay's positions are in: a partitioned drain over serialized positions
+    skipped rows. And the relay keeps covering the outbox: rows after the drain's ranges, and anything it leaves."""
+    write_rows(120)
+    sensor = build_outbox_lag_sensor(
+        relay_stream_job, settings=_drain_settings(strategy), bulk_drain_job=bulk_drain_job
+    )
+
+    result = _tick(sensor, instance, dagster_resources)
+
+    drain, relay = _requested(result)
+    assert (drain.job_name, drain.run_config) == (
+        "bulk_drain_job",
+        {"ops": {"bulk_drain": {"config": {"strategy": strategy}}}},
+    )
+    assert relay.job_name == "relay_stream" and relay.tags["outbox/reason"] == "uncovered"
+
+
+def test_no_bulk_drain_is_asked_for_an_outbox_a_row_strategy_relays(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(120)
-    settings = OrchestrationSettings(trigger_pending=1, trigger_age_s=0.0, bulk_drain_threshold=100)
-    sensor = build_outbox_lag_sensor(relay_stream_job, settings=settings, bulk_drain_job=bulk_drain_job)
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=_drain_settings("lease"), bulk_drain_job=bulk_drain_job)
 
     result = _tick(sensor, instance, dagster_resources)
 
-    assert isinstance(result, dg.SensorResult)
-    assert [request.job_name for request in result.run_requests or []] == ["bulk_drain_job"]
+    assert [r.job_name for r in _requested(result)] == ["relay_stream"]
+
+
+def test_while_a_bulk_drain_runs_the_relay_still_gets_its_runs(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+) -> None:
+    write_rows(120)
+    _drain_run(instance, dagster_resources, dg.DagsterRunStatus.STARTED)
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=_drain_settings(), bulk_drain_job=bulk_drain_job)
+
+    result = _tick(sensor, instance, dagster_resources)
+
+    assert [(r.job_name, r.tags["outbox/reason"]) for r in _requested(result)] == [("relay_stream", "uncovered")]
+
+
+def test_after_a_bulk_drain_failed_the_sensor_asks_for_no_other_within_the_cooldown_and_keeps_the_relay_going(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+) -> None:
+    """A drain that stopped at a message Kafka refuses would stop there again on every tick, republishing what it
+    did deliver; the relay's attempts and dead letters are what deals with that message."""
+    write_rows(120)
+    _drain_run(instance, dagster_resources, dg.DagsterRunStatus.FAILURE)
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=_drain_settings(), bulk_drain_job=bulk_drain_job)
+    after_cooldown = build_outbox_lag_sensor(
+        relay_stream_job,
+        settings=_drain_settings().model_copy(update={"bulk_drain_cooldown_s": 0.0}),
+        bulk_drain_job=bulk_drain_job,
+    )
+
+    within = _tick(sensor, instance, dagster_resources)
+    later = _tick(after_cooldown, instance, dagster_resources)
+
+    assert [r.job_name for r in _requested(within)] == ["relay_stream"]
+    assert [r.job_name for r in _requested(later)] == ["bulk_drain_job", "relay_stream"]

@@ -13,46 +13,13 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.lag import held_keys, partition_lag
-from outbox_pipeline.operations import discard_dead_letters, list_dead_letters, retry_dead_letters
+from outbox_pipeline.operations import discard_dead_letters, list_dead_letters, retry_dead_letters, rewind_partition
 from outbox_pipeline.schema import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
-from tests.kit.relay import drain, order_by_key
+from tests.kit.quarantine import POISON, SMALL_PRODUCER, arrived_by_key, poisoned, write_keys
+from tests.kit.relay import drain
 
 ORDERED = ["partitioned", "serialized", "advisory"]
-SMALL_PRODUCER = {"message.max.bytes": 2000}  # the oversize row cannot go until the relay runs without it
-POISON = 4  # A4 is the poison row, in the middle of key A's stream
-
-
-def _write_keys(
-    db: psycopg.Connection, table: OutboxTable, topic: str, keys: str, n: int, *, start: int = 0, poison: int = -1
-) -> dict[str, list[int]]:
-    """Round i writes row i of each key in one transaction; returns the ids per key, in commit order."""
-    ids: dict[str, list[int]] = {key: [] for key in keys}
-    for i in range(start, start + n):
-        with db.transaction():
-            messages = [
-                Message(topic, {"i": i, "pad": "x" * (5000 if (key == "A" and i == poison) else 0)}, key=key)
-                for key in keys
-            ]
-            for key, row in zip(keys, enqueue_many(db, messages, serialized=True, table=table), strict=True):
-                ids[key].append(row.id)
-    return ids
-
-
-def _arrived(kafka: KafkaProbe, topic: str, expect: int) -> dict[str, list[int]]:
-    records = kafka.consume(topic, expect=expect, idle_s=2.0)
-    return {key.decode(): ids for key, ids in order_by_key(records).items() if key is not None}
-
-
-def _poisoned(
-    strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, topic: str
-) -> dict[str, list[int]]:
-    """Keys A and B, ten rows each, A4 poison; one drain that cannot take A4."""
-    set_topic_partitions(db, table, topic, 1)  # both keys in one partition: B must flow past A's hold
-    written = _write_keys(db, table, topic, "AB", 10, poison=POISON)
-    stats = drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, producer=SMALL_PRODUCER, batch_size=3)
-    assert stats.dead_lettered == 1
-    return written
 
 
 @pytest.mark.parametrize("strategy", ORDERED)
@@ -60,9 +27,9 @@ def test_a_dead_letter_holds_the_rest_of_its_key_while_other_keys_of_the_partiti
     strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     topic = new_topic()
-    written = _poisoned(strategy, db, table, kafka, topic)
+    written = poisoned(strategy, db, table, kafka, topic)
 
-    assert _arrived(kafka, topic, expect=14) == {"A": written["A"][:POISON], "B": written["B"]}
+    assert arrived_by_key(kafka, topic, expect=14) == {"A": written["A"][:POISON], "B": written["B"]}
     [dead] = list_dead_letters(db, table)
     assert (dead.id, dead.holding, dead.held_rows) == (written["A"][POISON], True, 5)
     [lag] = [lag for lag in partition_lag(db, table, strategy) if lag.topic == topic]
@@ -78,13 +45,13 @@ def test_retrying_the_dead_letter_publishes_it_then_the_held_rows_and_the_key_fl
     strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     topic = new_topic()
-    written = _poisoned(strategy, db, table, kafka, topic)
+    written = poisoned(strategy, db, table, kafka, topic)
     assert retry_dead_letters(db, table, ids=[written["A"][POISON]]) == 1
-    later = _write_keys(db, table, topic, "AB", 2, start=10)  # written after the retry, before the relay runs
+    later = write_keys(db, table, topic, "AB", 2, start=10)  # written after the retry, before the relay runs
 
     drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, batch_size=3)
 
-    arrived = _arrived(kafka, topic, expect=24)
+    arrived = arrived_by_key(kafka, topic, expect=24)
     assert arrived == {"A": written["A"] + later["A"], "B": written["B"] + later["B"]}
     assert held_keys(db, table) == [] and list_dead_letters(db, table) == []
 
@@ -94,13 +61,13 @@ def test_discarding_the_dead_letter_releases_the_held_rows_without_it_and_record
     strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     topic = new_topic()
-    written = _poisoned(strategy, db, table, kafka, topic)
+    written = poisoned(strategy, db, table, kafka, topic)
 
     assert discard_dead_letters(db, table, [written["A"][POISON]], reason="oversize test row", by="ops") == 1
     drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, producer=SMALL_PRODUCER, batch_size=3)
 
     expected_a = [i for i in written["A"] if i != written["A"][POISON]]
-    assert _arrived(kafka, topic, expect=19) == {"A": expected_a, "B": written["B"]}
+    assert arrived_by_key(kafka, topic, expect=19) == {"A": expected_a, "B": written["B"]}
     assert list_dead_letters(db, table) == []
     [dead] = list_dead_letters(db, table, include_retried=True)
     assert (dead.discard_reason, dead.discarded_at is not None) == ("oversize test row", True)
@@ -112,12 +79,12 @@ def test_rows_of_a_held_key_written_later_are_held_too_across_a_relay_restart_un
     strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     topic = new_topic()
-    written = _poisoned(strategy, db, table, kafka, topic)
-    later = _write_keys(db, table, topic, "AB", 3, start=10)
+    written = poisoned(strategy, db, table, kafka, topic)
+    later = write_keys(db, table, topic, "AB", 3, start=10)
 
     drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, worker_id="restarted", batch_size=3)
 
-    assert _arrived(kafka, topic, expect=17) == {"A": written["A"][:POISON], "B": written["B"] + later["B"]}
+    assert arrived_by_key(kafka, topic, expect=17) == {"A": written["A"][:POISON], "B": written["B"] + later["B"]}
     [key] = held_keys(db, table)
     assert (key.key, key.rows) == ("A", 8)
 
@@ -128,14 +95,14 @@ def test_with_on_poison_skip_the_key_flows_on_without_its_dead_letter(
 ) -> None:
     topic = new_topic()
     set_topic_partitions(db, table, topic, 1)
-    written = _write_keys(db, table, topic, "AB", 10, poison=POISON)
+    written = write_keys(db, table, topic, "AB", 10, poison=POISON)
 
     drain(
         db.info.dsn, table, kafka.bootstrap_servers, strategy, producer=SMALL_PRODUCER, batch_size=3, on_poison="skip"
     )
 
     expected_a = [i for i in written["A"] if i != written["A"][POISON]]
-    assert _arrived(kafka, topic, expect=19) == {"A": expected_a, "B": written["B"]}
+    assert arrived_by_key(kafka, topic, expect=19) == {"A": expected_a, "B": written["B"]}
     assert held_keys(db, table) == []
 
 
@@ -163,7 +130,7 @@ def test_the_cli_lists_the_dead_letter_with_what_it_holds_and_discards_it_with_a
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     topic = new_topic()
-    written = _poisoned("partitioned", db, table, kafka, topic)
+    written = poisoned("partitioned", db, table, kafka, topic)
     args = ["--dsn", db.info.dsn, "--schema", table.schema]
 
     assert main(["dead-letters", "list", *args]) == 0
@@ -181,7 +148,30 @@ def test_a_topic_with_a_held_key_cannot_change_its_partition_count(
 ) -> None:
     """Its dead letter and held rows would go out in the old partition while new rows of the key go to another."""
     topic = new_topic()
-    _poisoned("partitioned", db, table, kafka, topic)
+    poisoned("partitioned", db, table, kafka, topic)
 
     with pytest.raises(OutboxError, match=f"{topic}.*6 pending row"):
         set_topic_partitions(db, table, topic, 4)
+
+
+@pytest.mark.parametrize("strategy", ["partitioned", "serialized"])
+def test_a_discarded_dead_letter_that_fails_again_after_a_rewind_holds_its_key_only_until_released(
+    strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """Rewound past a discarded poison row, the relay dead-letters it again. That is a new dead letter: listed, and
+    retry and discard take it (they refused one still marked discarded, and its key stayed held for good)."""
+    topic = new_topic()
+    written = poisoned(strategy, db, table, kafka, topic)
+    poison = written["A"][POISON]
+    discard_dead_letters(db, table, [poison], reason="oversize test row", by="ops")
+    drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, producer=SMALL_PRODUCER, batch_size=3)
+
+    rewind_partition(db, table, topic, 0, to_id=0)
+    drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, producer=SMALL_PRODUCER, batch_size=3)
+
+    assert [d.id for d in list_dead_letters(db, table)] == [poison]
+    assert [(key.key, key.rows) for key in held_keys(db, table)] == [("A", 5)]
+    assert retry_dead_letters(db, table, ids=[poison]) == 1
+    drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, batch_size=3)
+    assert held_keys(db, table) == []
+    assert poison in arrived_by_key(kafka, topic)["A"]

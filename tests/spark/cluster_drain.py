@@ -12,6 +12,7 @@ import sys
 import dagster as dg
 
 from assets.spark import bulk_drain
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
@@ -37,6 +38,7 @@ def main(dsn: str, schema: str, bootstrap: str, master: str, app_name: str) -> i
                 "postgres": PostgresResource(dsn=dsn, schema_name=schema),
                 "kafka": KafkaResource(bootstrap_servers=bootstrap),
                 "spark": spark,
+                "orchestration": OrchestrationSettings(),
             },
             raise_on_error=False,
         )

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
@@ -38,4 +39,5 @@ def spark_resources(dsn: str, table: OutboxTable, kafka: KafkaProbe, spark: Spar
         "postgres": PostgresResource(dsn=dsn, schema_name=table.schema),
         "kafka": KafkaResource(bootstrap_servers=kafka.bootstrap_servers, properties={"message.timeout.ms": "10000"}),
         "spark": SparkResource(master="local[2]", spark_conf=LOCAL_SPARK),
+        "orchestration": OrchestrationSettings(),
     }

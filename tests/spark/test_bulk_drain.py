@@ -16,6 +16,7 @@ from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.demo import load
 from outbox_pipeline.enqueue import enqueue
 from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.schema import set_topic_partitions
 from resources.kafka import KafkaResource
 from tests.kit.kafka import KafkaProbe, Record
@@ -100,7 +101,7 @@ def test_bulk_drain_delivers_a_backlog_in_key_order_while_writers_keep_writing_a
             assert order == sorted(order), (topic, key)
 
 
-def test_a_task_failure_aborts_the_drain_marks_nothing_and_a_rerun_completes(
+def test_a_drain_that_cannot_deliver_a_partition_commits_what_kafka_confirmed_fails_naming_it_and_the_relay_takes_over(
     dsn: str,
     db: psycopg.Connection,
     table: OutboxTable,
@@ -109,6 +110,8 @@ def test_a_task_failure_aborts_the_drain_marks_nothing_and_a_rerun_completes(
     new_topic: Callable[..., str],
     spark_resources: dict[str, object],
 ) -> None:
+    """A failed drain used to move no position: every rerun (the sensor asked for one each tick) republished the ranges
+    that did finish. Now those are committed, the run fails naming what stopped it, and the relay does the rest."""
     good = new_topic("good")
     refused = f"refused-{good}"  # not created, and producers may not auto-create it
     for i in range(300):
@@ -133,14 +136,57 @@ def test_a_task_failure_aborts_the_drain_marks_nothing_and_a_rerun_completes(
     failure = failed.failure_data_for_node("bulk_drain")
     assert failure is not None and failure.error is not None
     assert f"topic {refused!r} does not exist" in failure.error.message
-    assert "no position moved" in failure.error.message
-    assert all((p.xid, p.id, p.locked_by) == ("0", 0, None) for p in positions(db, table).values())
+    assert "What Kafka confirmed before that is committed (300 rows)" in failure.error.message
+    moved = {topic: p for (topic, _), p in positions(db, table).items() if p.id}
+    assert set(moved) == {good} and all(p.locked_by is None for p in positions(db, table).values())
 
     broker.create_topics([refused])
-    rerun = _materialize(failing)
+    drain(dsn, table, kafka.bootstrap_servers, "partitioned")
 
-    assert rerun.success
-    assert set(message_ids(kafka.consume(good, expect=300))) | set(message_ids(kafka.consume(refused, expect=20))) == (
-        committed_message_ids(db, table)
-    )
-    assert _drain_metadata(rerun)["rows"] == 320
+    arrived = message_ids(kafka.consume(good, expect=301, idle_s=2.0))  # all of it: one more than written
+    assert len(arrived) == 300 == len(set(arrived))  # the relay did not publish the drained rows again
+    assert len(set(message_ids(kafka.consume(refused, expect=20)))) == 20
+
+
+def test_a_drain_with_no_strategy_configured_uses_the_relays_and_skips_no_row(
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    spark_resources: dict[str, object],
+    connect: Callable[[], psycopg.Connection],
+) -> None:
+    """A serialized outbox with a "write first, enqueue last" writer: its row has a higher id and a lower xid than a
+    row already relayed. The drain the sensor launched read in partitioned's (xid, id) order: it left that row behind
+    a position it committed past its id, and the serialized relay never published it."""
+    topic = new_topic()
+    set_topic_partitions(db, table, topic, 1)
+    slow = connect()
+    slow.execute("BEGIN")
+    slow.execute("SELECT pg_current_xact_id()")  # its business write: the older transaction id
+    enqueue(db, topic, {"n": 1}, key="k", serialized=True, table=table)
+    drain(dsn, table, kafka.bootstrap_servers, "serialized")
+    late = enqueue(slow, topic, {"n": 2}, key="k", serialized=True, table=table)
+    slow.execute("COMMIT")
+    for n in range(3, 50):
+        enqueue(db, topic, {"n": n}, key="k", serialized=True, table=table)
+
+    result = _materialize({**spark_resources, "orchestration": OrchestrationSettings(strategy="serialized")})
+    drain(dsn, table, kafka.bootstrap_servers, "serialized")
+
+    assert str(late.message_id) in message_ids(kafka.consume(topic, expect=50))
+    assert result.success and _drain_metadata(result)["strategy"] == "serialized"
+
+
+def test_a_drain_refuses_an_outbox_a_row_strategy_relays_and_says_why(
+    db: psycopg.Connection, table: OutboxTable, spark_resources: dict[str, object]
+) -> None:
+    enqueue(db, "orders", {"n": 1}, table=table)
+
+    result = _materialize({**spark_resources, "orchestration": OrchestrationSettings(strategy="lease")})
+
+    assert not result.success
+    failure = result.failure_data_for_node("bulk_drain")
+    assert failure is not None and failure.error is not None
+    assert "relayed with 'lease', whose delivery state is on every row" in failure.error.message

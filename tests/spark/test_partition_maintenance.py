@@ -19,6 +19,7 @@ from assets.spark import outbox_partition_maintenance, spark_assets, spark_jobs,
 from assets.spark.datasource import archive_uri
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.operations import rewind_partition
+from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.schema import ensure_partitions, partition_name
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
@@ -240,6 +241,7 @@ def test_the_schedule_maintains_each_day_shortly_after_it_begins() -> None:
             "postgres": PostgresResource(dsn="host=unused"),
             "kafka": KafkaResource(bootstrap_servers="unused:9092"),
             "spark": SparkResource(),
+            "orchestration": OrchestrationSettings(),
         },
     )
     schedule = defs.resolve_schedule_def("outbox_partition_maintenance_schedule")
@@ -259,3 +261,40 @@ def test_a_schema_name_goes_into_the_archive_path_as_one_safe_segment(schema: st
     segments = uri.removeprefix("file:///archive/").split("/")
     assert len(segments) == 3 and all(re.fullmatch(r"[A-Za-z0-9_-]+", s) for s in segments), uri
     assert archive_uri("/archive", schema + "!", "p", "a") != archive_uri("/archive", schema + "?", "p", "a")
+
+
+@pytest.mark.spark
+def test_a_day_with_a_row_the_serialized_relay_has_not_published_is_kept_whatever_the_strategy_named(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    spark_resources: dict[str, object],
+    connect: Callable[[], psycopg.Connection],
+    tmp_path: Path,
+) -> None:
+    """A "write first, enqueue last" writer's row: a higher id and a lower transaction id than a row serialized already
+    relayed. Read in partitioned's (xid, id) order it looked relayed, and the schedule's default strategy
+    (partitioned) dropped the day with it."""
+    topic = new_topic()
+    ensure_partitions(db, table, days_ahead=0, today=OLD_DAY + dt.timedelta(days=1))
+    insert = sql.SQL(
+        "INSERT INTO {} (topic, key, payload, partition, created_at) VALUES (%s, 'k', '{{}}', 0, %s) RETURNING id"
+    ).format(table.messages)
+    old = dt.datetime.combine(OLD_DAY, dt.time(), dt.UTC)
+    slow = connect()
+    slow.execute("BEGIN")
+    slow.execute("SELECT pg_current_xact_id()")  # its business write: the older transaction id
+    db.execute(insert, (topic, old))
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "serialized")
+    late = slow.execute(insert, (topic, old)).fetchone()
+    slow.execute("COMMIT")
+    name = partition_name(OLD_DAY)
+
+    named = _maintain(spark_resources, tmp_path, strategy="partitioned")
+    unnamed = _maintain({**spark_resources, "orchestration": OrchestrationSettings(strategy="serialized")}, tmp_path)
+
+    assert _exists(db, table, name)
+    for result in (named, unnamed):
+        assert "1 of 2 rows past it" in _metadata(result)["skipped"][name], _metadata(result)["skipped"]
+    assert late is not None
