@@ -14,7 +14,12 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .routing import create_partition_count_guard, create_routing_functions, create_sql_writers
+from .routing import (
+    check_snapshot_writers,
+    create_partition_count_guard,
+    create_routing_functions,
+    create_sql_writers,
+)
 from .strategies.base import MESSAGE_BODY_COLUMNS
 from .strategies.quarantine import create_quarantine_tables
 
@@ -261,5 +266,12 @@ MIGRATIONS: Sequence[Migration] = (
         lambda conn, t: create_sql_writers(conn, t, default_row=DEFAULT_TOPIC_ROW, topic_pattern=TOPIC_PATTERN),
     ),
     Migration(8, "key-scoped quarantine: holds and held rows; discarded dead letters", _m008_quarantine),
+    Migration(
+        9,
+        "writers with a transaction snapshot cannot route with a partition count changed after it",
+        lambda conn, t: check_snapshot_writers(
+            conn, t, default_row=DEFAULT_TOPIC_ROW, notify_setting=NOTIFY_SETTING, channel=notify_channel(t)
+        ),
+    ),
 )
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -18,6 +18,7 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
+from .strategies.offsets import BEHIND_POSITION
 
 # Class id for the transaction-scoped lock that serialized writers take: (class, hashtext(schema)).
 SERIALIZED_LOCK_CLASS = 0x4F53  # "OS"
@@ -209,13 +210,7 @@ _GUARD = """
           AND CASE WHEN the_topic = {default_row}
                    THEN NOT EXISTS (SELECT 1 FROM {topics} t WHERE t.topic = m.topic)
                    ELSE m.topic = the_topic END
-          AND NOT coalesce(CASE o.read_by
-                  WHEN 'serialized' THEN m.id <= o.last_processed_id
-                  WHEN 'partitioned' THEN (m.transaction_id, m.id)
-                                          <= (o.last_processed_transaction_id, o.last_processed_id)
-                  ELSE m.id <= o.last_processed_id AND (m.transaction_id, m.id)
-                                                       <= (o.last_processed_transaction_id, o.last_processed_id)
-              END, false);
+          AND NOT {behind};
         pending := pending + {held};
         IF pending > 0 THEN
             RAISE EXCEPTION 'outbox: cannot change the partition count of topic % from % to %: % pending '
@@ -223,11 +218,55 @@ _GUARD = """
                 coalesce(example, the_topic), old_n, new_n, pending
                 USING ERRCODE = 'object_not_in_prerequisite_state',
                       HINT = 'drain the topic (stop its writers, run the relay until it is empty), then change it';
-        END IF;
+        END IF;{announce}
         RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
     END
     $fn$
 """
+
+# From migration 9 on, a change of any partition count also updates the default row: writers whose snapshot is
+# older than the change lock that row FOR SHARE (see _STATEMENT_CHECKS), which then fails them with a serialization
+# failure instead of letting them route with the old count.
+_ANNOUNCE = """
+        IF the_topic <> {default_row} THEN
+            UPDATE {topics} SET updated_at = now() WHERE topic = {default_row};
+        END IF;"""
+
+
+# Once per inserting statement (the notify trigger's function, AFTER INSERT FOR EACH STATEMENT): the wake-up, and
+# for a writer whose snapshot is its transaction's (REPEATABLE READ, SERIALIZABLE) a FOR SHARE lock of the default
+# topic row. The rows were routed with the partition counts of that snapshot; the partition-count guard updates the
+# default row whenever a count changes, so a snapshot older than a change fails here (serialization failure: the
+# writer retries and routes with the new count) instead of committing one key into two partitions. A READ
+# COMMITTED statement sees every change committed before its table lock, which the guard's SHARE lock orders.
+_STATEMENT_CHECKS = """
+    CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            PERFORM 1 FROM {topics} WHERE topic = {default_row} FOR SHARE;
+        END IF;
+        IF coalesce(current_setting({setting}, true), '') <> 'off' THEN
+            PERFORM pg_notify({channel}, '');
+        END IF;
+        RETURN NULL;
+    END $$
+"""
+
+
+def check_snapshot_writers(
+    conn: psycopg.Connection, t: OutboxTable, *, default_row: str, notify_setting: str, channel: str
+) -> None:
+    """Migration 9: writers with a transaction snapshot fail instead of routing with a stale partition count."""
+    conn.execute(
+        sql.SQL(_STATEMENT_CHECKS).format(
+            function=t.ident("outbox_notify"),
+            topics=t.topics,
+            default_row=sql.Literal(default_row),
+            setting=sql.Literal(notify_setting),
+            channel=sql.Literal(channel),
+        )
+    )
+    create_partition_count_guard(conn, t, default_row=default_row, with_holds=True, announce=True)
 
 
 def create_sql_writers(conn: psycopg.Connection, t: OutboxTable, *, default_row: str, topic_pattern: str) -> None:
@@ -271,9 +310,10 @@ def create_sql_writers(conn: psycopg.Connection, t: OutboxTable, *, default_row:
 
 
 def create_partition_count_guard(
-    conn: psycopg.Connection, t: OutboxTable, *, default_row: str, with_holds: bool
+    conn: psycopg.Connection, t: OutboxTable, *, default_row: str, with_holds: bool, announce: bool = False
 ) -> None:
-    """The guard's function (migration 7; migration 8 replaces it ``with_holds``, once the hold tables exist)."""
+    """The guard's function (migration 7; migration 8 replaces it ``with_holds``, once the hold tables exist;
+    migration 9 makes it ``announce`` every change on the default row)."""
     held: sql.Composable = sql.SQL("0")
     if with_holds:
         held = sql.SQL(
@@ -296,5 +336,9 @@ def create_partition_count_guard(
             topics=t.topics,
             default_row=sql.Literal(default_row),
             held=held,
+            behind=sql.SQL(BEHIND_POSITION),
+            announce=sql.SQL(_ANNOUNCE).format(topics=t.topics, default_row=sql.Literal(default_row))
+            if announce
+            else sql.SQL(""),
         )
     )

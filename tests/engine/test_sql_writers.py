@@ -153,6 +153,57 @@ def test_the_partition_count_changes_once_the_topic_is_drained(
     }
 
 
+def _python_enqueue(conn: psycopg.Connection, table: OutboxTable) -> None:
+    enqueue(conn, "orders", {"n": 1}, key="customer-1", table=table)
+
+
+def _sql_enqueue(conn: psycopg.Connection, table: OutboxTable) -> None:
+    conn.execute(
+        sql.SQL("SELECT {}(topic => 'orders', payload => '{{}}', key => 'customer-1')").format(table.ident("enqueue"))
+    )
+
+
+def _plain_insert(conn: psycopg.Connection, table: OutboxTable) -> None:
+    conn.execute(
+        sql.SQL("INSERT INTO {} (topic, key, payload) VALUES ('orders', 'customer-1', '{{}}')").format(table.messages)
+    )
+
+
+# How each kind of writer inserts one row with key "customer-1" into "orders".
+_WRITERS = {"python enqueue": _python_enqueue, "sql enqueue": _sql_enqueue, "plain insert": _plain_insert}
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+@pytest.mark.parametrize("writer", sorted(_WRITERS))
+@pytest.mark.parametrize("before", [8, None], ids=["own-row", "default-row"])
+def test_a_writer_whose_snapshot_predates_a_partition_count_change_fails_and_its_retry_routes_with_the_new_count(
+    before: int | None,
+    writer: str,
+    isolation: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    connect: Callable[[], psycopg.Connection],
+) -> None:
+    """The guard waits for writers in flight, but a writer whose snapshot is its transaction's reads the partition
+    counts of that snapshot: it routed "customer-1" with the old count after the change, one key in two partitions.
+    Now it gets a serialization failure, which such writers retry."""
+    if before is not None:
+        set_topic_partitions(db, table, "orders", before)  # the topic's own row; else the '*' default (8) counts
+    stale = connect()
+    stale.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    stale.execute("SELECT 1")  # its snapshot is taken
+
+    set_topic_partitions(db, table, "orders", 16)  # nothing pending: allowed
+
+    with pytest.raises(psycopg.errors.SerializationFailure):
+        _WRITERS[writer](stale, table)
+    stale.execute("ROLLBACK")
+    stale.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    _WRITERS[writer](stale, table)
+    stale.execute("COMMIT")
+    assert _partitions(db, table, "orders") == {"customer-1": {partition_for("customer-1", 16)}}
+
+
 class Psql:
     """An interactive psql session (the embedded server's own client), driven line by line."""
 
