@@ -27,6 +27,7 @@ from .errors import ConfigurationError
 from .kafka_errors import PRODUCER_RESET_ERRORS, failure_kind
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .timestamps import CreatedAtStamps
+from .topic_limits import TopicLimits
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class KafkaPublisher:
         self._transactional: OrderedDict[str, Producer] = OrderedDict()
         self._max_transactional = max_transactional
         self._valid_topics: set[str] = set()
+        # Each topic's max.message.bytes against the producer's, read the first time it is published to.
+        self.limits = TopicLimits(merged)
         self._stamps = CreatedAtStamps()
         log.debug("producer config: %s", redact_kafka_config(merged))
 
@@ -140,6 +143,7 @@ class KafkaPublisher:
                         refused.add((topic, key))
                     continue
                 self._valid_topics.add(topic)
+                self.limits.check(topic)
             headers: list[tuple[str, bytes | str | None]] = [
                 ("message_id", message_id),
                 ("outbox_id", outbox_id),
@@ -296,6 +300,7 @@ class KafkaPublisher:
             if not is_valid_topic(record.topic):
                 reports.fail(index, f"invalid Kafka topic name {record.topic[:260]!r}", "permanent")
                 continue
+            self.limits.check(record.topic)
             self._produce_one(producer, record, refused, reports.callback(index))
             if refused:
                 reports.fail(index, *refused[record.id])

@@ -11,7 +11,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -152,14 +152,18 @@ class LocalBroker:
         """SIGCONT: resume a frozen broker; queued requests are then served."""
         self._signal(signal.SIGCONT, required=True)
 
-    def create_topics(self, names: Iterable[str], partitions: int = 1) -> None:
-        """Create topics up front (auto-creation on produce gives one partition); existing ones are fine."""
+    def create_topics(self, names: Iterable[str], partitions: int = 1, config: Mapping[str, str] | None = None) -> None:
+        """Create topics up front (auto-creation on produce gives one partition), with topic ``config``; existing ones
+        are fine."""
         wanted = list(dict.fromkeys(names))
         if not wanted:
             return
         admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
         futures = admin.create_topics(
-            [NewTopic(name, num_partitions=partitions, replication_factor=1) for name in wanted],
+            [
+                NewTopic(name, num_partitions=partitions, replication_factor=1, config=dict(config or {}))
+                for name in wanted
+            ],
             request_timeout=_ADMIN_TIMEOUT_S,
         )
         failures: list[str] = []

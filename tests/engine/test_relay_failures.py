@@ -7,6 +7,7 @@ import dataclasses
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -244,3 +245,24 @@ def test_a_topic_that_does_not_exist_with_auto_create_off_is_retried_then_dead_l
     [(_, error)] = _dead_letters(db, table)
     assert f"topic {missing!r} does not exist" in error
     assert retried == 1 and dead_lettered == 1
+
+
+def test_a_topic_that_takes_smaller_records_than_the_producer_is_named_once_with_the_setting_that_closes_the_gap(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, broker: LocalBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row between the topic's max.message.bytes and the producer's is refused by the broker after later rows of its
+    key in the batch may be delivered: they reach Kafka before its dead letter (and again after its retry). The
+    producer's own limit refuses it at produce(), before anything of its key passes it (test_quarantine), so the relay
+    names the setting. The local broker stores a topic's limit without enforcing it: the gap itself is not shown
+    here, the warning is."""
+    topic = f"small-{uuid.uuid4().hex[:8]}"
+    broker.create_topics([topic], config={"max.message.bytes": "1000"})
+    enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i % 3}") for i in range(20)], table=table)
+
+    with caplog.at_level("WARNING", logger="outbox_pipeline.topic_limits"):
+        drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", batch_size=5)
+
+    warnings = [r.getMessage() for r in caplog.records if r.name == "outbox_pipeline.topic_limits"]
+    assert len(warnings) == 1 and f"topic {topic!r} takes records up to 1000 bytes" in warnings[0]
+    assert "producer sends up to 1000000" in warnings[0] and "KAFKA_MESSAGE_MAX_BYTES=1000" in warnings[0]
+    assert len(kafka.consume(topic, expect=20)) == 20
