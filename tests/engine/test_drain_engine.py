@@ -36,6 +36,7 @@ from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import positions
 from tests.kit.quarantine import POISON, arrived_by_key, poisoned, write_keys
 from tests.kit.relay import drain, message_ids
+from tests.kit.writer import enqueued_behind_the_serialized_position
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,13 +148,7 @@ def test_a_drain_refuses_positions_another_strategy_advanced_so_no_row_is_skippe
     row already relayed. A drain in (xid, id) order read past it and moved the serialized position beyond its id."""
     topic = new_topic()
     set_topic_partitions(db, table, topic, 1)
-    slow = connect()
-    slow.execute("BEGIN")
-    slow.execute("SELECT pg_current_xact_id()")  # its business write: the older transaction id
-    enqueue(db, topic, {"n": 1}, key="k", serialized=True, table=table)
-    drain(db.info.dsn, table, kafka.bootstrap_servers, "serialized")  # the position passes id 1
-    late = enqueue(slow, topic, {"n": 2}, key="k", serialized=True, table=table)
-    slow.execute("COMMIT")
+    late = enqueued_behind_the_serialized_position(db, connect(), table, topic, kafka.bootstrap_servers)
     enqueue(db, topic, {"n": 3}, key="k", serialized=True, table=table)
 
     with pytest.raises(DrainError, match=rf"positions were advanced by another strategy \({topic}/0 \(serialized\)\)"):

@@ -22,7 +22,7 @@ from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.presence import WorkerIdInUseError, WorkerPresence
 from outbox_pipeline.schema import init_db
 from tests.kit.kafka import KafkaProbe
-from tests.kit.probes import wait_until
+from tests.kit.probes import lease_partition, wait_until
 from tests.kit.relay import make_relay, message_ids
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,16 +37,6 @@ def other_database(pg_server: LocalPostgres, db: psycopg.Connection, table: Outb
         init_db(conn, table)
     yield pg_server.dsn_for(name)
     db.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
-def _lease(db: psycopg.Connection, table: OutboxTable, worker: str) -> None:
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (topic, partition, locked_by, available_after) "
-            "VALUES ('t', 0, %s, now() + interval '1 hour')"
-        ).format(table.offsets),
-        (worker,),
-    )
 
 
 def _lock_waits(db: psycopg.Connection) -> int:
@@ -69,7 +59,7 @@ def test_a_worker_id_alive_in_another_database_keeps_no_dead_worker_of_this_one_
         WorkerPresence(staging, table, "twin-0", "session").register()  # alive, in the other database
         prod = connect()
         assert WorkerPresence(prod, table, "twin-0", "session").register() == "session"
-        _lease(db, table, "twin-0")
+        lease_partition(db, table, "twin-0")
         _crash(db, prod)
 
         assert [w.worker_id for w in live_workers(db, table, 60.0)] == []  # the sensor's coverage count
@@ -86,7 +76,7 @@ def test_the_same_worker_id_in_another_outbox_schema_of_the_database_is_another_
     prod = connect()
 
     assert WorkerPresence(prod, a, "twin-0", "session").register() == "session"
-    _lease(db, a, "twin-0")
+    lease_partition(db, a, "twin-0")
     _crash(db, prod)
     assert reap(db, a).partitions == 1
     assert [w.worker_id for w in live_workers(db, b, 60.0)] == ["twin-0"]

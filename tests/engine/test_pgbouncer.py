@@ -23,7 +23,7 @@ from outbox_pipeline.liveness import reap
 from outbox_pipeline.localstack import free_port
 from outbox_pipeline.presence import WorkerPresence
 from outbox_pipeline.relay import RelaySettings
-from tests.kit.probes import wait_until
+from tests.kit.probes import lease_partition, wait_until
 
 PGBOUNCER = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer" if Path("/usr/sbin/pgbouncer").exists() else None)
 pytestmark = pytest.mark.skipif(PGBOUNCER is None, reason="pgbouncer is not installed (apt-get install pgbouncer)")
@@ -74,17 +74,6 @@ pidfile = {tmp_path / "pgbouncer.pid"}
         process.wait(10)
 
 
-def _lease(db: psycopg.Connection, table: OutboxTable, worker: str) -> None:
-    """A partition leased to ``worker`` for an hour."""
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (topic, partition, locked_by, available_after) "
-            "VALUES ('t', 0, %s, now() + interval '1 hour')"
-        ).format(table.offsets),
-        (worker,),
-    )
-
-
 def test_a_pooled_worker_whose_next_transaction_runs_elsewhere_falls_back_to_expiry(
     pooled_dsn: str, db: psycopg.Connection, table: OutboxTable
 ) -> None:
@@ -108,7 +97,7 @@ def test_the_leases_of_a_pooled_worker_that_died_end_by_expiry_not_by_a_reap(
 ) -> None:
     with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
         WorkerPresence(conn, table, "pooled-2", "session").register()
-        _lease(db, table, "pooled-2")
+        lease_partition(db, table, "pooled-2")
     # The client is gone; PgBouncer keeps its server connections (and whatever lock one of them holds).
     assert reap(db, table).partitions == 0
     held = db.execute(sql.SQL("SELECT locked_by FROM {} WHERE topic = 't'").format(table.offsets)).fetchone()
@@ -119,7 +108,7 @@ def test_a_direct_worker_that_died_is_reaped_at_once(dsn: str, db: psycopg.Conne
     """The contrast: the same, connected directly (session liveness): freed by the next reap."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert WorkerPresence(conn, table, "direct-1", "session").register() == "session"
-        _lease(db, table, "direct-1")
+        lease_partition(db, table, "direct-1")
         assert reap(db, table).partitions == 0  # alive: its session holds the lock
     # Its backend releases the lock as it exits, a moment after the client closed the connection.
     wait_until("a reap to free the dead worker's partition", lambda: reap(db, table).partitions == 1, 10)
@@ -135,7 +124,7 @@ def test_a_worker_behind_a_quiet_transaction_pool_registers_as_expiry_and_a_recy
     (``server_lifetime``, a restart), the lock goes with it while the worker lives on."""
     with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
         assert WorkerPresence(conn, table, "quiet-1", RelaySettings().liveness).register() == "expiry"
-        _lease(db, table, "quiet-1")
+        lease_partition(db, table, "quiet-1")
         row = db.execute(sql.SQL("SELECT backend_pid FROM {} WHERE worker_id = 'quiet-1'").format(table.workers))
         server_connection = row.fetchone()
         assert server_connection is not None

@@ -73,3 +73,16 @@ def row_positions(db: psycopg.Connection, table: OutboxTable) -> dict[int, tuple
         sql.SQL("SELECT id, topic, partition, transaction_id::text FROM {}").format(table.messages)
     ).fetchall()
     return {int(oid): (topic, part, int(xid)) for oid, topic, part, xid in rows}
+
+
+def lease_partition(
+    db: psycopg.Connection, table: OutboxTable, worker: str, topic: str = "t", partition: int = 0
+) -> None:
+    """An offsets row leased to ``worker`` for an hour, as a worker holding the partition leaves it."""
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (topic, partition, locked_by, available_after) "
+            "VALUES (%s, %s, %s, now() + interval '1 hour')"
+        ).format(table.offsets),
+        (topic, partition, worker),
+    )

@@ -6,7 +6,9 @@ import threading
 
 import psycopg
 
-from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline import Enqueued, Message, OutboxTable, enqueue, enqueue_many
+
+from .relay import drain
 
 
 class Writer(threading.Thread):
@@ -89,3 +91,19 @@ def write(dsn: str, table: OutboxTable, topic: str, count: int, *, serialized: b
     with psycopg.connect(dsn) as conn, conn.transaction():
         messages = [Message(topic, {"n": i}, key=f"k{i % keys}") for i in range(count)]
         return [str(w.message_id) for w in enqueue_many(conn, messages, serialized=serialized, table=table)]
+
+
+def enqueued_behind_the_serialized_position(
+    db: psycopg.Connection, slow: psycopg.Connection, table: OutboxTable, topic: str, bootstrap: str
+) -> Enqueued:
+    """A "write first, enqueue last" writer (``slow``) on a serialized outbox: its transaction begins (an older xid),
+    another writer's row is committed and relayed by ``serialized``, then it enqueues and commits. Its row has a
+    higher id and a lower transaction id than a row already relayed: pending for serialized, behind the position in
+    partitioned's (xid, id) order. Returns it."""
+    slow.execute("BEGIN")
+    slow.execute("SELECT pg_current_xact_id()")  # its business write: the older transaction id
+    enqueue(db, topic, {"n": 1}, key="k", serialized=True, table=table)
+    drain(db.info.dsn, table, bootstrap, "serialized")  # the position passes that row
+    late = enqueue(slow, topic, {"n": 2}, key="k", serialized=True, table=table)
+    slow.execute("COMMIT")
+    return late

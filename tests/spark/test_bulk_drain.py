@@ -22,7 +22,7 @@ from resources.kafka import KafkaResource
 from tests.kit.kafka import KafkaProbe, Record
 from tests.kit.probes import positions, row_positions
 from tests.kit.relay import committed_message_ids, drain, message_ids, order_by_key
-from tests.kit.writer import Writer
+from tests.kit.writer import Writer, enqueued_behind_the_serialized_position
 
 pytestmark = pytest.mark.spark
 
@@ -162,13 +162,7 @@ def test_a_drain_with_no_strategy_configured_uses_the_relays_and_skips_no_row(
     a position it committed past its id, and the serialized relay never published it."""
     topic = new_topic()
     set_topic_partitions(db, table, topic, 1)
-    slow = connect()
-    slow.execute("BEGIN")
-    slow.execute("SELECT pg_current_xact_id()")  # its business write: the older transaction id
-    enqueue(db, topic, {"n": 1}, key="k", serialized=True, table=table)
-    drain(dsn, table, kafka.bootstrap_servers, "serialized")
-    late = enqueue(slow, topic, {"n": 2}, key="k", serialized=True, table=table)
-    slow.execute("COMMIT")
+    late = enqueued_behind_the_serialized_position(db, connect(), table, topic, kafka.bootstrap_servers)
     for n in range(3, 50):
         enqueue(db, topic, {"n": n}, key="k", serialized=True, table=table)
 
