@@ -288,6 +288,7 @@ class Relay:
                         idle_wait = self.settings.poll_interval_s
                     strategies = self._instances()
                     strategy = strategies[self._turn % len(strategies)]
+                    self._coalesce_wake_ups()
                     claim = self._claim(strategy, in_flight) if self.settings.pipeline or in_flight is None else None
                     if in_flight is not None:
                         previous, in_flight = in_flight, None
@@ -384,6 +385,13 @@ class Relay:
         except psycopg.OperationalError:
             self._disconnect()
             self.stop.wait(timeout_s)
+
+    def _coalesce_wake_ups(self) -> None:
+        """Drop the NOTIFYs already received: the claim that follows sees every commit they announce (a NOTIFY is
+        sent at commit), so each would only wake an empty cycle later (a lease that finds nothing, a discovery)."""
+        if self._listening and self._control is not None:
+            for _ in self._control.notifies(timeout=0):
+                pass
 
     def _stand_by(self, timeout_s: float) -> None:
         """Wait to ask for the active worker's role again (Strategy.standing_by). Not listening

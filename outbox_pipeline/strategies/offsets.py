@@ -65,51 +65,97 @@ class PartitionLease:
     released: bool = False  # some hold is released and its held rows are ready to publish
 
 
-def discover(conn: psycopg.Connection, table: OutboxTable) -> int:
-    """Create offsets rows for (topic, partition) pairs that have rows but no position yet; how many.
+@dataclass(frozen=True, slots=True)
+class Discovered:
+    """What a discovery did: offsets rows created, and the highest message id it had covered."""
 
-    A loose index scan (one index probe per distinct pair), not a DISTINCT over the whole table.
+    created: int
+    seen_id: int
+    complete: bool = True  # False: more new rows than a recent look reads; look at every pair instead
+
+
+def discover(conn: psycopg.Connection, table: OutboxTable) -> Discovered:
+    """Create offsets rows for (topic, partition) pairs that have rows but no position yet.
+
+    A loose index scan (one index probe per distinct pair), not a DISTINCT over the whole table; with it, the
+    highest id now, from which ``discover_recent`` looks next.
     """
-    cur = conn.execute(
+    row = conn.execute(
         sql.SQL(
             """
-            WITH RECURSIVE {pairs}
-            INSERT INTO {offsets} (topic, partition)
-            SELECT topic, partition FROM pairs
-            ON CONFLICT (topic, partition) DO NOTHING
+            WITH RECURSIVE {pairs},
+            created AS (
+                INSERT INTO {offsets} (topic, partition)
+                SELECT topic, partition FROM pairs
+                ON CONFLICT (topic, partition) DO NOTHING
+                RETURNING 1
+            )
+            SELECT (SELECT count(*) FROM created), coalesce((SELECT max(id) FROM {messages}), 0)
             """
-        ).format(pairs=partition_pairs(table), offsets=table.offsets)
-    )
-    return cur.rowcount
+        ).format(pairs=partition_pairs(table), offsets=table.offsets, messages=table.messages)
+    ).fetchone()
+    assert row is not None
+    return Discovered(int(row[0]), int(row[1]))
+
+
+# How many rows written since the last look ``discover_recent`` reads; past it, a full discovery is cheaper.
+RECENT_ROWS = 10_000
+
+
+def discover_recent(conn: psycopg.Connection, table: OutboxTable, after_id: int) -> Discovered:
+    """Create offsets rows for the pairs of rows with ids above ``after_id`` that have none: what a lease that
+    found nothing asks (a new partition's first rows), reading only what was written since the last look. A row of
+    a new partition committed late with a lower id is found by the next full ``discover`` (DISCOVERY_INTERVAL_S)."""
+    row = conn.execute(
+        sql.SQL(
+            """
+            WITH recent AS (
+                SELECT m.id, m.topic, m.partition FROM {messages} m
+                WHERE m.id > %(after)s ORDER BY m.id LIMIT %(cap)s
+            ),
+            created AS (
+                INSERT INTO {offsets} (topic, partition)
+                SELECT DISTINCT r.topic, r.partition FROM recent r
+                WHERE NOT EXISTS (SELECT 1 FROM {offsets} o WHERE o.topic = r.topic AND o.partition = r.partition)
+                ON CONFLICT (topic, partition) DO NOTHING
+                RETURNING 1
+            )
+            SELECT (SELECT count(*) FROM created), (SELECT max(id) FROM recent), (SELECT count(*) FROM recent)
+            """
+        ).format(messages=table.messages, offsets=table.offsets),
+        {"after": after_id, "cap": RECENT_ROWS},
+    ).fetchone()
+    assert row is not None
+    created, seen, rows = int(row[0]), row[1], int(row[2])
+    return Discovered(created, after_id if seen is None else int(seen), complete=rows < RECENT_ROWS)
 
 
 # The talk's "longest unchecked partition first", restricted to partitions that have work (one
 # index probe per partition), so an empty partition costs no lease round trips and "nothing
-# claimed" really means "nothing to publish". SKIP LOCKED keeps two workers off one partition.
-# The probe is a LIMIT 1 subquery ordered like the read: with 10M relayed rows behind the
-# positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
-# bitmap scan of every pending entry of the partition (25,000 in `outbox bench --retained`);
-# in index order, with LIMIT 1, it stops at the first.
-# Home partitions first, then others whose oldest pending row waited STEAL_AFTER_S (sharing.py).
+# claimed" really means "nothing to publish". The probe is a LIMIT 1 subquery ordered like the read: with 10M
+# relayed rows behind the positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
+# bitmap scan of every pending entry of the partition (25,000 in `outbox bench --retained`); in index order, with
+# LIMIT 1, it stops at the first. Home partitions first, then others whose oldest pending row waited STEAL_AFTER_S
+# (sharing.py). Free: not leased by anyone (this worker's own leases included).
+_CANDIDATES = """
+    SELECT o.topic, o.partition, o.available_after FROM {offsets} o
+    LEFT JOIN LATERAL (
+        SELECT m.created_at FROM {messages} m
+        WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+        ORDER BY {order} LIMIT 1
+    ) oldest ON true
+    WHERE o.available_after <= now() {scope}
+      AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
+      AND ({home} OR coalesce(oldest.created_at, '-infinity')
+                     <= now() - make_interval(secs => %(steal_after)s))
+"""
+
+# SKIP LOCKED keeps two workers off one partition.
 _LEASE = """
         UPDATE {offsets} target
         SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(worker)s,
             updated_at = now()
-        FROM (
-            SELECT o.topic, o.partition FROM {offsets} o
-            LEFT JOIN LATERAL (
-                SELECT m.created_at FROM {messages} m
-                WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
-                ORDER BY {order} LIMIT 1
-            ) oldest ON true
-            WHERE o.available_after <= now() {scope}
-              AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
-              AND ({home} OR coalesce(oldest.created_at, '-infinity')
-                             <= now() - make_interval(secs => %(steal_after)s))
-            ORDER BY {home} DESC, o.available_after
-            LIMIT 1
-            FOR UPDATE OF o SKIP LOCKED
-        ) free
+        FROM ({candidates} ORDER BY {home} DESC, o.available_after LIMIT 1 FOR UPDATE OF o SKIP LOCKED) free
         WHERE target.topic = free.topic AND target.partition = free.partition
         RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
                   target.last_processed_id, target.attempts,
@@ -119,30 +165,38 @@ _LEASE = """
         """
 
 
-def lease_next(
-    conn: psycopg.Connection,
-    config: StrategyConfig,
-    *,
-    work: str,
-    order: str,
-    dealt: Mapping[str, object],
-) -> PartitionLease | None:
-    """Lease the next partition with work (``work``/``order``: the strategy's condition and read order)."""
+def candidates(config: StrategyConfig, *, work: str, order: str) -> sql.Composed:
+    """The partitions this worker could lease now: free, in scope, with work (see _CANDIDATES); parameters from
+    ``Home.params()``. Also how a batch read ahead yields to a partition that waits (positions.py)."""
     table = config.table
-    row = conn.execute(
-        sql.SQL(_LEASE).format(
-            offsets=table.offsets,
-            messages=table.messages,
-            work=sql.SQL(work),
-            order=sql.SQL(order),
-            scope=scope_condition(config, "o"),
-            home=IS_HOME,
-            holds=table.holds,
-            released=_released_hold(table, "o"),
-            released_target=_released_hold(table, "target"),
-        ),
-        {"lease": config.lease_s, "worker": config.worker_id, **dealt},
-    ).fetchone()
+    return sql.SQL(_CANDIDATES).format(
+        offsets=table.offsets,
+        messages=table.messages,
+        work=sql.SQL(work),
+        order=sql.SQL(order),
+        scope=scope_condition(config, "o"),
+        home=IS_HOME,
+        released=_released_hold(table, "o"),
+    )
+
+
+def lease_sql(config: StrategyConfig, *, work: str, order: str) -> sql.Composed:
+    """The lease statement for the strategy's condition and read order (``work``/``order``); compose once."""
+    table = config.table
+    return sql.SQL(_LEASE).format(
+        offsets=table.offsets,
+        candidates=candidates(config, work=work, order=order),
+        home=IS_HOME,
+        holds=table.holds,
+        released_target=_released_hold(table, "target"),
+    )
+
+
+def lease_next(
+    conn: psycopg.Connection, config: StrategyConfig, query: sql.Composed, dealt: Mapping[str, object]
+) -> PartitionLease | None:
+    """Lease the next partition with work (``query`` from lease_sql)."""
+    row = conn.execute(query, {"lease": config.lease_s, "worker": config.worker_id, **dealt}).fetchone()
     return PartitionLease(*row) if row else None
 
 

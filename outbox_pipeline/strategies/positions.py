@@ -42,7 +42,7 @@ from .offsets import PartitionLease
 from .quarantine import NO_HOLDS, HoldView, Quarantine
 from .sharing import Dealer, Home
 
-# New (topic, partition) pairs get an offsets row at most this often while busy.
+# Every (topic, partition) pair gets looked at this often (a lease that finds nothing looks at new rows only).
 DISCOVERY_INTERVAL_S = 5.0
 
 
@@ -75,11 +75,16 @@ class PositionStrategy(Strategy):
         super().__init__(conn, config)
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         self._discovered_at = float("-inf")
+        self._seen_id = 0  # the highest message id a discovery covered
         self._chains: dict[tuple[str, int], _Chain] = {}
         self._checked_tx_at = float("-inf")
         self._tx_ids: frozenset[str] | None = None
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
         self._quarantine = Quarantine(conn, config, self.read_order)
+        # Composed once: composing costs on every claim, and the same text keeps the statements prepared.
+        self._read_sql = self._read_query(yielding=False)
+        self._read_yielding_sql = self._read_query(yielding=True)
+        self._lease_sql = offsets.lease_sql(config, work=self.work_condition, order=self.read_order)
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
@@ -95,7 +100,19 @@ class PositionStrategy(Strategy):
     # -- claim -------------------------------------------------------------------------------
 
     def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
-        # Pipelining: keep reading a partition whose previous batch is still in flight, past that batch.
+        """Fair service: a batch is read ahead on a partition still in flight (pipelining) only while no other
+        partition this worker could lease has work; otherwise that partition goes first. So a partition that never
+        runs dry delays a quiet one by about one batch, not until it runs dry."""
+        ahead = self._read_ahead(limit, yield_to_others=True)
+        if ahead is not None:
+            return ahead
+        claim = self._claim_new(limit)
+        if claim is None and self._chains:  # the partition that waited was taken by another worker meanwhile
+            return self._read_ahead(limit, yield_to_others=False)
+        return claim
+
+    def _read_ahead(self, limit: int, *, yield_to_others: bool) -> Claim | None:
+        """The next batch of a partition whose previous batch is still in flight, past that batch."""
         for chain in self._chains.values():
             if chain.broken or chain.draining:
                 continue
@@ -106,15 +123,20 @@ class PositionStrategy(Strategy):
                 if chain.draining:
                     continue
             ahead = replace(chain.lease, xid=chain.read_xid, last_id=chain.read_id, attempts=0)
-            records = self._read(ahead, limit)
+            records = self._read(ahead, limit, yield_to_others=yield_to_others)
             if records:
                 chain.extend(records[-1])
                 return self._claim_of(ahead, records, view)
-        if time.monotonic() - self._discovered_at > DISCOVERY_INTERVAL_S:
-            self.discover_partitions()
+        return None
+
+    def _claim_new(self, limit: int) -> Claim | None:
+        """Lease the partition that waited longest (home first) and read it."""
         lease = self._lease_partition()
-        if lease is None and self.discover_partitions():
-            lease = self._lease_partition()  # a topic or partition that is new since the last look
+        # A partition new since the last look has no offsets row yet: read the rows written since then (an empty
+        # lease is also how every wake-up that finds its rows already published ends: a full look each time cost more
+        # than the rest of the cycle).
+        if lease is None and self._discover_recent():
+            lease = self._lease_partition()
         if lease is None:
             return None
         if lease.released and (release := self._claim_release(lease, limit)) is not None:
@@ -156,14 +178,25 @@ class PositionStrategy(Strategy):
             release=True,
         )
 
-    def _read(self, lease: PartitionLease, limit: int) -> list[OutboxRecord]:
-        query = sql.SQL(
+    def _read(self, lease: PartitionLease, limit: int, *, yield_to_others: bool = False) -> list[OutboxRecord]:
+        """The partition's next rows past ``lease``'s position. ``yield_to_others``: none at all if another partition
+        this worker could lease has work (a one-time filter, not a second statement)."""
+        query = self._read_yielding_sql if yield_to_others else self._read_sql
+        params = {"topic": lease.topic, "partition": lease.partition, "xid": lease.xid, "id": lease.last_id}
+        dealt = self._dealer.current().params() if yield_to_others else {}
+        return fetch_records(self.conn, query, {**params, **dealt, "limit": limit})
+
+    def _read_query(self, *, yielding: bool) -> sql.Composed:
+        others = sql.SQL("AND NOT EXISTS ({})").format(
+            offsets.candidates(self.config, work=self.work_condition, order=self.read_order)
+        )
+        return sql.SQL(
             """
             SELECT {columns}
             FROM {messages} m,
                  (SELECT %(topic)s::text AS topic, %(partition)s::int AS partition,
                          %(xid)s::xid8 AS last_processed_transaction_id, %(id)s::bigint AS last_processed_id) o
-            WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+            WHERE m.topic = o.topic AND m.partition = o.partition AND {work} {others}
             ORDER BY {order}
             LIMIT %(limit)s
             """
@@ -171,10 +204,9 @@ class PositionStrategy(Strategy):
             columns=sql.SQL(RECORD_COLUMNS),
             messages=self.table.messages,
             work=sql.SQL(self.work_condition),
+            others=others if yielding else sql.SQL(""),
             order=sql.SQL(self.read_order),
         )
-        params = {"topic": lease.topic, "partition": lease.partition, "xid": lease.xid, "id": lease.last_id}
-        return fetch_records(self.conn, query, {**params, "limit": limit})
 
     @property
     def home(self) -> Home:
@@ -183,15 +215,21 @@ class PositionStrategy(Strategy):
 
     def discover_partitions(self) -> int:
         """Create offsets rows for (topic, partition) pairs that have rows but no position yet."""
-        created = offsets.discover(self.conn, self.table)
-        self._discovered_at = time.monotonic()
-        if created:
+        return self._discovered(offsets.discover(self.conn, self.table))
+
+    def _discover_recent(self) -> int:
+        """The same for rows written since the last look only; every pair when too many were."""
+        found = offsets.discover_recent(self.conn, self.table, self._seen_id)
+        return self._discovered(found) if found.complete else self.discover_partitions()
+
+    def _discovered(self, found: offsets.Discovered) -> int:
+        self._seen_id = max(self._seen_id, found.seen_id)
+        if found.created:
             self._dealer.invalidate()  # a new partition is nobody's home until the next deal
-        return created
+        return found.created
 
     def _lease_partition(self) -> PartitionLease | None:
-        dealt = self._dealer.current().params()
-        return offsets.lease_next(self.conn, self.config, work=self.work_condition, order=self.read_order, dealt=dealt)
+        return offsets.lease_next(self.conn, self.config, self._lease_sql, self._dealer.current().params())
 
     def before_publish(self, claim: Claim) -> Claim | None:
         """A batch read ahead is published only if the batch before it acked in full while owned: past a
@@ -276,18 +314,24 @@ class PositionStrategy(Strategy):
             if stopped_at is not None:
                 chain.broken = True  # the position stops here: batches read past it will not ack
         keep_lease = chain is not None and chain.in_flight > 0 and not chain.broken
-        with self.conn.transaction():
-            self._dead_letter(dead)
-            if self._quarantine.hold(dead) and chain is not None:
-                chain.has_holds = True
-            self._quarantine.move_to_held(to_hold, delete=False)
-            # A transport failure leaves the head's attempts as they were (see FailureKind).
-            attempts = head_attempts + stopped_at.counts if stopped_at else 0
+        # A transport failure leaves the head's attempts as they were (see FailureKind).
+        attempts = head_attempts + stopped_at.counts if stopped_at else 0
+        if not dead and not to_hold:
+            # The common case: the compare-and-set alone, one statement in its own transaction (not three).
             owned = offsets.advance(
                 self.conn, self.config, self.name, lease, advanced, stopped_at, attempts, keep_lease
             )
-            if not owned:
-                raise psycopg.Rollback()  # undo the dead letters too (the transaction block swallows it)
+        else:
+            with self.conn.transaction():
+                self._dead_letter(dead)
+                if self._quarantine.hold(dead) and chain is not None:
+                    chain.has_holds = True
+                self._quarantine.move_to_held(to_hold, delete=False)
+                owned = offsets.advance(
+                    self.conn, self.config, self.name, lease, advanced, stopped_at, attempts, keep_lease
+                )
+                if not owned:
+                    raise psycopg.Rollback()  # undo the dead letters too (the transaction block swallows it)
         if chain is not None:
             chain.broken = chain.broken or not owned
             if chain.in_flight == 0:
