@@ -17,11 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
-from psycopg import sql
 
 from .lag import explain_pending, partition_lag
 from .liveness import LivenessMode
-from .migrations import notify_channel
 from .presence import WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
@@ -29,6 +27,7 @@ from .schema import require_current
 from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
 from .strategies.sharing import UNSCOPED_KIND
 from .timestamps import PG_EPOCH
+from .wakeups import WakeUps
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class Relay:
         self._connections: list[psycopg.Connection] = []
         self._strategies: list[Strategy] = []
         self._control: psycopg.Connection | None = None
-        self._listening = False  # LISTEN is on for the control connection (off while standing by)
+        self._wake_ups = WakeUps(strategy_config.table, self.stop)
         self._presence: WorkerPresence | None = None
         self._upkeep_at = float("-inf")
         self._turn = 0
@@ -143,14 +142,9 @@ class Relay:
             presence.register(wait_s=self.settings.worker_id_wait_s, stop=self.stop)
             self.registered.set()
             if self.settings.listen:
-                self._listen(conn, True)
+                self._wake_ups.listen(conn)
             self._presence = presence
         return self._presence
-
-    def _listen(self, conn: psycopg.Connection, on: bool) -> None:
-        channel = sql.Identifier(notify_channel(self.strategy_config.table))
-        conn.execute(sql.SQL("LISTEN {}" if on else "UNLISTEN {}").format(channel))
-        self._listening = on
 
     @property
     def _application_name(self) -> str:
@@ -176,7 +170,7 @@ class Relay:
             except Exception:  # the connection is already broken; closing is best effort
                 pass
         self._strategies, self._connections, self._control, self._presence = [], [], None, None
-        self._listening = False
+        self._wake_ups.forget()
 
     def close(self) -> None:
         self._disconnect(deregister=True)
@@ -288,7 +282,7 @@ class Relay:
                         idle_wait = self.settings.poll_interval_s
                     strategies = self._instances()
                     strategy = strategies[self._turn % len(strategies)]
-                    self._coalesce_wake_ups()
+                    self._wake_ups.coalesce(self._control)
                     claim = self._claim(strategy, in_flight) if self.settings.pipeline or in_flight is None else None
                     if in_flight is not None:
                         previous, in_flight = in_flight, None
@@ -365,43 +359,26 @@ class Relay:
         return random.uniform(ceiling / 2, ceiling)
 
     def _wait_for_work(self, timeout_s: float) -> None:
-        """Wake at the first NOTIFY (a commit that inserted rows) or after the timeout."""
+        """Wake at the first NOTIFY (a commit that inserted rows) or after the timeout (wakeups.py)."""
         if not self.settings.listen:
             self.stop.wait(timeout_s)
             return
         try:
-            control = self._control
-            if control is None:
+            if self._control is None:
                 self._connect_control()
                 return  # rows committed before LISTEN sent no wake-up: look once more before waiting
-            if not self._listening:
-                self._listen(control, True)
-                return  # the same after standing by
-            # Short slices, so a stop request is seen promptly.
-            deadline = time.monotonic() + timeout_s
-            while not self.stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
-                if any(True for _ in control.notifies(timeout=min(remaining, 0.5), stop_after=1)):
-                    return
+            self._wake_ups.wait(self._control, timeout_s)
         except psycopg.OperationalError:
             self._disconnect()
             self.stop.wait(timeout_s)
 
-    def _coalesce_wake_ups(self) -> None:
-        """Drop the NOTIFYs already received: the claim that follows sees every commit they announce (a NOTIFY is
-        sent at commit), so each would only wake an empty cycle later (a lease that finds nothing, a discovery)."""
-        if self._listening and self._control is not None:
-            for _ in self._control.notifies(timeout=0):
-                pass
-
     def _stand_by(self, timeout_s: float) -> None:
-        """Wait to ask for the active worker's role again (Strategy.standing_by). Not listening
-        meanwhile: every commit would wake every standby, and notifications nobody reads pile up for the session."""
+        """Wait to ask for the active worker's role again (Strategy.standing_by), not listening meanwhile."""
         try:
-            if self._listening and self._control is not None:
-                self._listen(self._control, False)
+            self._wake_ups.stand_by(self._control, timeout_s)
         except psycopg.OperationalError:
             self._disconnect()
-        self.stop.wait(timeout_s)
+            self.stop.wait(timeout_s)
 
 
 def _oldest_age_s(claim: Claim) -> float | None:

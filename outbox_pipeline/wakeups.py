@@ -1,0 +1,60 @@
+"""Engine room: how an idle relay learns that there is work, on its control connection.
+
+The outbox's insert trigger sends a NOTIFY at commit; an idle relay LISTENs and claims within milliseconds. NOTIFYs
+that arrive while it works are dropped before its next claim (``coalesce``): that claim sees every commit they
+announce, and each would otherwise wake an empty cycle. A standby (``advisory``) does not listen: every commit would
+wake every standby. Without LISTEN (``--no-listen``), or for rows that announce nothing (two-phase commit writers,
+rows a long transaction held back), the relay's poll interval is the bound.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+from psycopg import sql
+
+from .config import OutboxTable
+from .migrations import notify_channel
+
+
+class WakeUps:
+    """The LISTEN state of one relay's control connection (not thread-safe: the relay loop's own)."""
+
+    def __init__(self, table: OutboxTable, stop: threading.Event) -> None:
+        self._channel = sql.Identifier(notify_channel(table))
+        self._stop = stop
+        self.listening = False
+
+    def listen(self, conn: psycopg.Connection, on: bool = True) -> None:
+        conn.execute(sql.SQL("LISTEN {}" if on else "UNLISTEN {}").format(self._channel))
+        self.listening = on
+
+    def forget(self) -> None:
+        """The connection is gone, and its LISTEN with it."""
+        self.listening = False
+
+    def coalesce(self, conn: psycopg.Connection | None) -> None:
+        """Drop the NOTIFYs already received (the claim that follows sees what they announce)."""
+        if self.listening and conn is not None:
+            for _ in conn.notifies(timeout=0):
+                pass
+
+    def wait(self, conn: psycopg.Connection, timeout_s: float) -> None:
+        """Until the first NOTIFY, ``timeout_s`` or a stop request. A connection that was not listening starts to
+        and returns at once: rows committed before LISTEN announced nothing to it, so the caller looks once more."""
+        if not self.listening:
+            self.listen(conn)
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self._stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
+            # Short slices, so a stop request is seen promptly.
+            if any(True for _ in conn.notifies(timeout=min(remaining, 0.5), stop_after=1)):
+                return
+
+    def stand_by(self, conn: psycopg.Connection | None, timeout_s: float) -> None:
+        """Wait without listening (a standby asks for the active role again at its poll interval)."""
+        if self.listening and conn is not None:
+            self.listen(conn, False)
+        self._stop.wait(timeout_s)
