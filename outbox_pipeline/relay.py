@@ -101,6 +101,9 @@ class Relay:
         self._strategies: list[Strategy] = []
         self._control: psycopg.Connection | None = None
         self._wake_ups = WakeUps(strategy_config.table, self.stop)
+        # Whether a claim may find anything: False after an empty or partial one, until a NOTIFY arrives (or the
+        # poll interval passes); a claim that could only find nothing costs statements at every cycle.
+        self._may_have_work = True
         self._presence: WorkerPresence | None = None
         self._upkeep_at = float("-inf")
         self._turn = 0
@@ -195,11 +198,18 @@ class Relay:
         if claim is not None and self.instruments is not None:
             rows = len(claim.records) + len(claim.withheld)
             self.instruments.claimed(time.monotonic() - started, rows, claim.collisions)
-        if claim is not None and not claim.records and not claim.withheld:
+        if claim is None:
+            self._may_have_work = False  # until a NOTIFY says otherwise, or the poll interval passes
+            return None
+        if not claim.records and not claim.withheld:
             # Every candidate was taken by another worker first: no batch, but the collisions count.
             self.stats.collisions += claim.collisions
             strategy.give_back(claim, "empty claim")
+            self._may_have_work = True
             return None
+        # Claim again at once only if more may be there: a full batch, or other work seen waiting.
+        full = len(claim.records) + len(claim.withheld) >= self.settings.batch_size
+        self._may_have_work = full or claim.others_waiting
         return claim
 
     def _publish(self, strategy: Strategy, claim: Claim) -> _InFlight:
@@ -279,11 +289,14 @@ class Relay:
                     self.instruments.loop()
                 try:
                     if self._upkeep():
-                        idle_wait = self.settings.poll_interval_s
+                        idle_wait, self._may_have_work = self.settings.poll_interval_s, True
                     strategies = self._instances()
                     strategy = strategies[self._turn % len(strategies)]
-                    self._wake_ups.coalesce(self._control)
-                    claim = self._claim(strategy, in_flight) if self.settings.pipeline or in_flight is None else None
+                    if self._wake_ups.coalesce(self._control) or not self._wake_ups.listening:
+                        self._may_have_work = True  # commits since the last claim (or no way to hear of them)
+                    claim = None
+                    if self._may_have_work and (self.settings.pipeline or in_flight is None):
+                        claim = self._claim(strategy, in_flight)
                     if in_flight is not None:
                         previous, in_flight = in_flight, None
                         outcome = self._finish(previous)
@@ -292,14 +305,19 @@ class Relay:
                         # published-but-unacked batch (the duplicates bound), at the cost of one
                         # round trip not overlapped with Kafka.
                         self._ack(previous, outcome)
+                        if outcome.failed:
+                            self._may_have_work = True  # what Kafka did not confirm is to publish again
                         if claim is not None and not kafka_down:
                             # Read while N was in Kafka: the strategy renews it, trims it, or gives it
                             # back when N did not ack in full (then N+1 would only add duplicates).
                             if (ready := strategy.before_publish(claim)) is not None:
                                 in_flight = self._publish(strategy, ready)
                                 self._turn += 1
+                            else:
+                                self._may_have_work = True  # given back: its rows are still to publish
                         elif claim is not None:
                             strategy.give_back(claim, "Kafka accepted nothing of the previous batch")
+                            self._may_have_work = True
                         if kafka_down and self.settings.until_idle:
                             break  # a run that cannot progress ends; its orchestrator retries it
                         if kafka_down:
@@ -319,6 +337,7 @@ class Relay:
                     in_flight = None
                     failures += 1
                     self.stats.errors += 1
+                    self._may_have_work = True
                     if self.instruments is not None:
                         self.instruments.error()
                     log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
@@ -330,6 +349,7 @@ class Relay:
                 if self.settings.until_empty and not self._pending():
                     break
                 self.stats.idle_waits += 1
+                self._may_have_work = True  # woken by a commit, or time to look again (a poll)
                 if strategy.standing_by:
                     self._stand_by(min(self.settings.poll_interval_s, self.settings.upkeep_interval_s))
                     continue

@@ -35,11 +35,11 @@ class WakeUps:
         """The connection is gone, and its LISTEN with it."""
         self.listening = False
 
-    def coalesce(self, conn: psycopg.Connection | None) -> None:
-        """Drop the NOTIFYs already received (the claim that follows sees what they announce)."""
-        if self.listening and conn is not None:
-            for _ in conn.notifies(timeout=0):
-                pass
+    def coalesce(self, conn: psycopg.Connection | None) -> int:
+        """Drop the NOTIFYs already received (the claim that follows sees what they announce); how many."""
+        if not self.listening or conn is None:
+            return 0
+        return sum(1 for _ in conn.notifies(timeout=0))
 
     def wait(self, conn: psycopg.Connection, timeout_s: float) -> None:
         """Until the first NOTIFY, ``timeout_s`` or a stop request. A connection that was not listening starts to

@@ -157,6 +157,9 @@ class Claim:
     # The quarantine version the claim was read under, and whether it publishes released held rows.
     holds_version: int = 0
     release: bool = False
+    # Whether other work was waiting when this was claimed (another partition a position strategy could lease): the
+    # relay claims again at once. A full batch means the same; otherwise it waits for a NOTIFY or its poll.
+    others_waiting: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ class PartitionLease:
     attempts: int
     has_holds: bool = False
     released: bool = False  # some hold is released and its held rows are ready to publish
+    others: bool = False  # another partition this worker could lease has work too
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +162,9 @@ _LEASE = """
                   target.last_processed_id, target.attempts,
                   EXISTS (SELECT 1 FROM {holds} h
                           WHERE h.topic = target.topic AND h.partition = target.partition),
-                  EXISTS ({released_target})
+                  EXISTS ({released_target}),
+                  EXISTS (SELECT 1 FROM ({candidates}) c
+                          WHERE (c.topic, c.partition) <> (target.topic, target.partition))
         """
 
 

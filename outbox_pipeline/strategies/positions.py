@@ -148,7 +148,9 @@ class PositionStrategy(Strategy):
             return None
         chain = _Chain(lease, records[-1].transaction_id, records[-1].id, has_holds=bool(view.keys))
         self._chains[(lease.topic, lease.partition)] = chain
-        return self._claim_of(lease, records, view)
+        claim = self._claim_of(lease, records, view)
+        claim.others_waiting = lease.others
+        return claim
 
     def _claim_of(self, lease: PartitionLease, records: list[OutboxRecord], view: HoldView) -> Claim:
         publish, withheld = view.split(records)
