@@ -1,14 +1,15 @@
 """Engine room: the offsets table of the position strategies (partitioned, serialized).
 
 One row per (topic, virtual partition): its stored position, and the lease that makes one worker its reader.
-Each function is one statement: discover partitions that have rows but no offsets row, lease the partition to
-read next, advance a position by compare-and-set, release a lease, and copy undeliverable rows to the dead
-letters. The reading and acking logic around them is positions.py.
+Each function is one statement: discover partitions that have rows but no offsets row, the partitions a worker could
+lease (the claim that leases and reads them is position_reads.py), advance a batch's positions by compare-and-set,
+release leases, and copy undeliverable rows to the dead letters. The reading and acking logic around them is
+positions.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
@@ -63,7 +64,6 @@ class PartitionLease:
     attempts: int
     has_holds: bool = False
     released: bool = False  # some hold is released and its held rows are ready to publish
-    others: bool = False  # another partition this worker could lease has work too
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,22 +151,6 @@ _CANDIDATES = """
                      <= now() - make_interval(secs => %(steal_after)s))
 """
 
-# SKIP LOCKED keeps two workers off one partition.
-_LEASE = """
-        UPDATE {offsets} target
-        SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(worker)s,
-            updated_at = now()
-        FROM ({candidates} ORDER BY {home} DESC, o.available_after LIMIT 1 FOR UPDATE OF o SKIP LOCKED) free
-        WHERE target.topic = free.topic AND target.partition = free.partition
-        RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
-                  target.last_processed_id, target.attempts,
-                  EXISTS (SELECT 1 FROM {holds} h
-                          WHERE h.topic = target.topic AND h.partition = target.partition),
-                  EXISTS ({released_target}),
-                  EXISTS (SELECT 1 FROM ({candidates}) c
-                          WHERE (c.topic, c.partition) <> (target.topic, target.partition))
-        """
-
 
 def candidates(config: StrategyConfig, *, work: str, order: str) -> sql.Composed:
     """The partitions this worker could lease now: free, in scope, with work (see _CANDIDATES); parameters from
@@ -179,99 +163,88 @@ def candidates(config: StrategyConfig, *, work: str, order: str) -> sql.Composed
         order=sql.SQL(order),
         scope=scope_condition(config, "o"),
         home=IS_HOME,
-        released=_released_hold(table, "o"),
+        released=released_hold(table, "o"),
     )
 
 
-def lease_sql(config: StrategyConfig, *, work: str, order: str) -> sql.Composed:
-    """The lease statement for the strategy's condition and read order (``work``/``order``); compose once."""
-    table = config.table
-    return sql.SQL(_LEASE).format(
-        offsets=table.offsets,
-        candidates=candidates(config, work=work, order=order),
-        home=IS_HOME,
-        holds=table.holds,
-        released_target=_released_hold(table, "target"),
-    )
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One partition's outcome of a batch: from where (``lease``: owner and old position, the compare-and-set) to
+    where (``to``: the last row passed; None: the position stays), and how the partition goes on."""
+
+    lease: PartitionLease
+    to: OutboxRecord | None
+    attempts: int
+    error: str | None  # the failure the position stopped at: the partition backs off
+    keep_lease: bool  # a later batch of the partition is in flight and moves the position on from here
 
 
-def lease_next(
-    conn: psycopg.Connection, config: StrategyConfig, query: sql.Composed, dealt: Mapping[str, object]
-) -> PartitionLease | None:
-    """Lease the next partition with work (``query`` from lease_sql)."""
-    row = conn.execute(query, {"lease": config.lease_s, "worker": config.worker_id, **dealt}).fetchone()
-    return PartitionLease(*row) if row else None
-
-
-def advance(
-    conn: psycopg.Connection,
-    config: StrategyConfig,
-    strategy: str,
-    lease: PartitionLease,
-    to: OutboxRecord | None,
-    failure: DeliveryFailure | None,
-    attempts: int,
-    keep_lease: bool = False,
-) -> bool:
-    """Compare-and-set the position; False when this worker no longer owns the partition.
-
-    ``keep_lease`` renews the lease instead of releasing it: a later batch of the same partition is
-    in flight and will advance the position from where this one ends.
-    """
-    cur = conn.execute(
+def advance_many(
+    conn: psycopg.Connection, config: StrategyConfig, strategy: str, moves: Sequence[Move]
+) -> set[tuple[str, int]]:
+    """Compare-and-set every position of a batch in one statement; the partitions this worker still owned (the
+    others moved nothing). A kept lease is renewed, otherwise released now, or after a backoff past an error."""
+    rows = conn.execute(
         sql.SQL(
             """
-            UPDATE {offsets}
-            SET last_processed_transaction_id = coalesce(%(to_xid)s::xid8, last_processed_transaction_id),
-                last_processed_id = coalesce(%(to_id)s, last_processed_id),
-                attempts = %(attempts)s,
-                last_error = %(error)s,
+            UPDATE {offsets} o
+            SET last_processed_transaction_id = coalesce(v.to_xid, o.last_processed_transaction_id),
+                last_processed_id = coalesce(v.to_id, o.last_processed_id),
+                attempts = v.attempts,
+                last_error = v.error,
                 read_by = %(strategy)s,
-                locked_by = CASE WHEN %(keep)s THEN locked_by END,
+                locked_by = CASE WHEN v.keep THEN o.locked_by END,
                 available_after = CASE
-                    WHEN %(keep)s THEN now() + make_interval(secs => %(lease)s)
-                    WHEN %(error)s::text IS NULL THEN now()
+                    WHEN v.keep THEN now() + make_interval(secs => %(lease)s)
+                    WHEN v.error IS NULL THEN now()
                     ELSE clock_timestamp() + make_interval(
-                        secs => least(%(max)s, %(base)s * power(2, %(attempts)s - 1)) * (0.5 + random() / 2))
+                        secs => least(%(max)s, %(base)s * power(2, v.attempts - 1)) * (0.5 + random() / 2))
                 END,
                 updated_at = now()
-            WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
-              AND last_processed_transaction_id = %(from_xid)s::xid8 AND last_processed_id = %(from_id)s
+            FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(from_xids)s::xid8[], %(from_ids)s::bigint[],
+                        %(to_xids)s::xid8[], %(to_ids)s::bigint[], %(attempts)s::int[], %(errors)s::text[],
+                        %(keeps)s::bool[])
+                 AS v(topic, partition, from_xid, from_id, to_xid, to_id, attempts, error, keep)
+            WHERE o.topic = v.topic AND o.partition = v.partition AND o.locked_by = %(worker)s
+              AND o.last_processed_transaction_id = v.from_xid AND o.last_processed_id = v.from_id
+            RETURNING o.topic, o.partition
             """
         ).format(offsets=config.table.offsets),
         {
-            "to_xid": to.transaction_id if to else None,
-            "to_id": to.id if to else None,
-            "attempts": attempts,
-            "error": failure.error if failure else None,
+            "topics": [m.lease.topic for m in moves],
+            "partitions": [m.lease.partition for m in moves],
+            "from_xids": [m.lease.xid for m in moves],
+            "from_ids": [m.lease.last_id for m in moves],
+            "to_xids": [m.to.transaction_id if m.to else None for m in moves],
+            "to_ids": [m.to.id if m.to else None for m in moves],
+            "attempts": [m.attempts for m in moves],
+            "errors": [m.error for m in moves],
+            "keeps": [m.keep_lease for m in moves],
+            "strategy": strategy,
+            "lease": config.lease_s,
             "max": config.backoff_max_s,
             "base": config.backoff_base_s,
-            "topic": lease.topic,
-            "partition": lease.partition,
             "worker": config.worker_id,
-            "from_xid": lease.xid,
-            "from_id": lease.last_id,
-            "keep": keep_lease,
-            "lease": config.lease_s,
-            "strategy": strategy,
         },
-    )
-    return cur.rowcount == 1
+    ).fetchall()
+    return {(topic, int(partition)) for topic, partition in rows}
 
 
-def release(conn: psycopg.Connection, config: StrategyConfig, lease: PartitionLease) -> bool:
-    """End this worker's lease now; False when it no longer held it."""
+def release_many(conn: psycopg.Connection, config: StrategyConfig, pairs: Sequence[tuple[str, int]]) -> int:
+    """End this worker's leases of ``pairs`` now; how many it still held."""
+    if not pairs:
+        return 0
     cur = conn.execute(
         sql.SQL(
             """
-            UPDATE {offsets}
-            SET available_after = now(), locked_by = NULL, updated_at = now()
-            WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(worker)s
+            UPDATE {offsets} o SET available_after = now(), locked_by = NULL, updated_at = now()
+            FROM unnest(%(topics)s::text[], %(partitions)s::int[]) AS p(topic, partition)
+            WHERE o.topic = p.topic AND o.partition = p.partition AND o.locked_by = %(worker)s
             """
         ).format(offsets=config.table.offsets),
-        {"topic": lease.topic, "partition": lease.partition, "worker": config.worker_id},
+        {"topics": [t for t, _ in pairs], "partitions": [p for _, p in pairs], "worker": config.worker_id},
     )
-    return cur.rowcount == 1
+    return cur.rowcount
 
 
 def reclaim_own(conn: psycopg.Connection, config: StrategyConfig) -> None:
@@ -328,7 +301,7 @@ def dead_letter(conn: psycopg.Connection, config: StrategyConfig, failures: list
     )
 
 
-def _released_hold(table: OutboxTable, alias: str) -> sql.Composed:
+def released_hold(table: OutboxTable, alias: str) -> sql.Composed:
     """A released hold of the offsets row ``alias``'s partition whose held rows may go out now."""
     return sql.SQL(
         """

@@ -1,49 +1,44 @@
 """Engine room: what the ordered, read-only strategies (partitioned, serialized) share.
 
-They never touch message rows. A worker leases one virtual partition's ``outbox_offsets`` row (the
-talk's one-statement ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``), reads the rows past
-its stored position in order, publishes them, and advances the position with a compare-and-set on
-(owner, old position) in the same transaction as any dead letters. A worker that lost its lease (it
-was frozen past expiry and another worker took over) therefore advances nothing and dead-letters
-nothing: its batch counts as published-but-ack-failed and the new owner publishes it again.
+They never touch message rows. A claim leases the virtual partitions that wait (their ``outbox_offsets`` rows, the
+talk's ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``) and reads each past its stored position, in order,
+together with the partitions whose previous batch is still in Kafka (read past that batch: pipelining), in one
+statement (position_reads.py). A batch therefore spans partitions: each gets a fair share of it, so a partition that
+never runs dry cannot keep the others waiting. The ack advances every position of the batch with a compare-and-set
+on (owner, old position), in one statement, in the same transaction as any dead letters. A worker that lost a
+partition's lease (it was frozen past expiry and another worker took over) advances nothing there and dead-letters
+nothing: that partition's rows count as published-but-ack-failed and the new owner publishes them again.
 
-Failures keep the order: the position stops before the first row Kafka did not confirm, and the
-partition backs off (``attempts``, ``last_error``, ``available_after`` on the offsets row). Rows after
-it that Kafka did confirm are published again on the retry (at-least-once: duplicates bounded by one
-batch). A row that can never be delivered (too large, invalid topic) or that ran out of attempts is
-copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the default)
-its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
-are published without it. The statements on the offsets table are in offsets.py.
+Failures keep each partition's order: its position stops before the first row Kafka did not confirm, and the
+partition backs off (``attempts``, ``last_error``, ``available_after`` on the offsets row); the batch's other
+partitions move on. Rows after the failure that Kafka did confirm are published again on the retry (at-least-once:
+duplicates bounded by one batch). A row that can never be delivered (too large, invalid topic) or that ran out of
+attempts is copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the
+default) its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
+are published without it. With Kafka transactions (one transactional id per partition) a claim is one partition.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import psycopg
-from psycopg import IsolationLevel, sql
+from psycopg import IsolationLevel
 
 from . import offsets
-from .base import (
-    RECORD_COLUMNS,
-    AckResult,
-    Claim,
-    DeliveryFailure,
-    OutboxRecord,
-    PublishOutcome,
-    Strategy,
-    StrategyConfig,
-    fetch_records,
-)
-from .offsets import PartitionLease
-from .quarantine import NO_HOLDS, HoldView, Quarantine
+from .base import AckResult, Claim, DeliveryFailure, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
+from .offsets import Move, PartitionLease
+from .position_reads import MAX_PARTITIONS_PER_CLAIM, PartitionRead, claim_sql, read_partitions
+from .quarantine import NO_HOLDS, Quarantine
 from .sharing import Dealer, Home
 
-# Every (topic, partition) pair gets looked at this often (a lease that finds nothing looks at new rows only).
+# Every (topic, partition) pair gets looked at this often (a claim that finds nothing looks at new rows only).
 DISCOVERY_INTERVAL_S = 5.0
+
+Key = tuple[str, int]
 
 
 @dataclass
@@ -53,7 +48,7 @@ class _Chain:
     lease: PartitionLease
     read_xid: str
     read_id: int
-    in_flight: int = 1
+    in_flight: int = 0
     broken: bool = False
     # The partition has holds (quarantine.py): reads are split into rows to publish and rows to withhold.
     has_holds: bool = False
@@ -65,9 +60,27 @@ class _Chain:
         self.read_xid, self.read_id = last.transaction_id, last.id
         self.in_flight += 1
 
+    @property
+    def ahead(self) -> PartitionLease:
+        """Where the next batch is read from (and its compare-and-set base): past the batches in flight."""
+        return replace(self.lease, xid=self.read_xid, last_id=self.read_id, attempts=0)
+
+
+@dataclass
+class _Settled:
+    """One partition's share of a batch's outcome (see ``settle``)."""
+
+    advanced: OutboxRecord | None = None
+    acked: int = 0
+    attempts: int = 0
+    stopped_at: DeliveryFailure | None = None
+    dead: list[DeliveryFailure] | None = None
+    to_hold: list[OutboxRecord] | None = None
+    retried: int = 0
+
 
 class PositionStrategy(Strategy):
-    """Lease a partition, read past its position, advance the position only over confirmed rows."""
+    """Lease what waits, read past each position, advance each position only over confirmed rows."""
 
     ordered: ClassVar[bool] = True
 
@@ -76,15 +89,13 @@ class PositionStrategy(Strategy):
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         self._discovered_at = float("-inf")
         self._seen_id = 0  # the highest message id a discovery covered
-        self._chains: dict[tuple[str, int], _Chain] = {}
+        self._chains: dict[Key, _Chain] = {}
         self._checked_tx_at = float("-inf")
         self._tx_ids: frozenset[str] | None = None
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
         self._quarantine = Quarantine(conn, config, self.read_order)
-        # Composed once: composing costs on every claim, and the same text keeps the statements prepared.
-        self._read_sql = self._read_query(yielding=False)
-        self._read_yielding_sql = self._read_query(yielding=True)
-        self._lease_sql = offsets.lease_sql(config, work=self.work_condition, order=self.read_order)
+        # Composed once: composing costs on every claim, and the same text keeps the statement prepared.
+        self._claim_sql = claim_sql(config, work=self.work_condition, order=self.read_order)
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
@@ -100,67 +111,89 @@ class PositionStrategy(Strategy):
     # -- claim -------------------------------------------------------------------------------
 
     def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
-        """Fair service: a batch is read ahead on a partition still in flight (pipelining) only while no other
-        partition this worker could lease has work; otherwise that partition goes first. So a partition that never
-        runs dry delays a quiet one by about one batch, not until it runs dry."""
-        ahead = self._read_ahead(limit, yield_to_others=True)
-        if ahead is not None:
-            return ahead
-        claim = self._claim_new(limit)
-        if claim is None and self._chains:  # the partition that waited was taken by another worker meanwhile
-            return self._read_ahead(limit, yield_to_others=False)
+        if time.monotonic() - self._discovered_at > DISCOVERY_INTERVAL_S:
+            self.discover_partitions()  # a new partition is nobody's candidate until it has an offsets row
+            self._discovered_at = time.monotonic()
+        claim = self._claim(limit)
+        # Nothing to claim: a partition new since the last look has no offsets row yet. Read the rows written since
+        # then (every wake-up that finds its rows already published ends here: a full look each time cost more than
+        # the rest of the cycle).
+        if claim is None and self._discover_recent():
+            claim = self._claim(limit)
         return claim
 
-    def _read_ahead(self, limit: int, *, yield_to_others: bool) -> Claim | None:
-        """The next batch of a partition whose previous batch is still in flight, past that batch."""
-        for chain in self._chains.values():
-            if chain.broken or chain.draining:
+    def _claim(self, limit: int, *, again: bool = True) -> Claim | None:
+        ahead = [c.ahead for c in self._chains.values() if not c.broken and not c.draining]
+        max_new = MAX_PARTITIONS_PER_CLAIM - len(ahead)
+        if self.config.kafka_transactions:  # one partition per claim: one transactional id per partition
+            ahead, max_new = ahead[:1], 0 if ahead else 1
+        reads = read_partitions(
+            self.conn,
+            self.config,
+            self._claim_sql,
+            ahead=ahead,
+            max_new=max_new,
+            limit=limit,
+            dealt=self._dealer.current().params(),
+        )
+        if released := next((r for r in reads.partitions if r.lease.released), None):
+            # A released hold's held rows go before anything else of its partition, and alone.
+            self._release([r.key for r in reads.partitions if r.leased_now and r is not released])
+            release = self._claim_release(released.lease, limit)
+            return release if release is not None or not again else self._claim(limit, again=False)
+        publish: list[OutboxRecord] = []
+        withheld: list[OutboxRecord] = []
+        state: dict[Key, PartitionLease] = {}
+        idle: list[Key] = []
+        for read in reads.partitions:
+            split = self._split(read)
+            if split is None:
+                if read.leased_now:
+                    idle.append(read.key)
                 continue
-            view = NO_HOLDS
-            if chain.has_holds:
-                view = self._quarantine.view(chain.lease.topic, chain.lease.partition)
-                chain.has_holds, chain.draining = bool(view.keys), view.released
-                if chain.draining:
-                    continue
-            ahead = replace(chain.lease, xid=chain.read_xid, last_id=chain.read_id, attempts=0)
-            records = self._read(ahead, limit, yield_to_others=yield_to_others)
-            if records:
-                chain.extend(records[-1])
-                return self._claim_of(ahead, records, view)
-        return None
-
-    def _claim_new(self, limit: int) -> Claim | None:
-        """Lease the partition that waited longest (home first) and read it."""
-        lease = self._lease_partition()
-        # A partition new since the last look has no offsets row yet: read the rows written since then (an empty
-        # lease is also how every wake-up that finds its rows already published ends: a full look each time cost more
-        # than the rest of the cycle).
-        if lease is None and self._discover_recent():
-            lease = self._lease_partition()
-        if lease is None:
+            records, held = split
+            publish += records
+            withheld += held
+            state[read.key] = read.lease
+        self._release(idle)
+        if not state:
             return None
-        if lease.released and (release := self._claim_release(lease, limit)) is not None:
-            return release
-        view = self._quarantine.view(lease.topic, lease.partition) if lease.has_holds else NO_HOLDS
-        records = self._read(lease, limit)
-        if not records:  # the position moved under us (the lease rules it out) or only a release was due
-            self._release(lease)
-            return None
-        chain = _Chain(lease, records[-1].transaction_id, records[-1].id, has_holds=bool(view.keys))
-        self._chains[(lease.topic, lease.partition)] = chain
-        claim = self._claim_of(lease, records, view)
-        claim.others_waiting = lease.others
-        return claim
-
-    def _claim_of(self, lease: PartitionLease, records: list[OutboxRecord], view: HoldView) -> Claim:
-        publish, withheld = view.split(records)
+        only = next(iter(state.values())) if len(state) == 1 else None
         return Claim(
             publish,
-            state=lease,
-            transactional_id=self._transactional_id(lease),
+            state=state,
+            transactional_id=self._transactional_id(only) if only is not None else None,
             withheld=withheld,
             holds_version=self._quarantine.version,
+            # Claim again at once: more partitions may wait than one claim leases, or one gave its whole share.
+            others_waiting=sum(r.leased_now for r in reads.partitions) >= max_new > 0
+            or any(len(r.records) >= reads.share for r in reads.partitions),
         )
+
+    def _split(self, read: PartitionRead) -> tuple[list[OutboxRecord], list[OutboxRecord]] | None:
+        """A partition's rows of this claim as (to publish, to withhold), its chain extended; None: nothing of it."""
+        if not read.records:
+            return None
+        chain = self._chains.get(read.key)
+        if read.leased_now or chain is None:
+            chain = self._chains[read.key] = _Chain(read.lease, read.lease.xid, read.lease.last_id)
+            chain.has_holds = read.lease.has_holds
+        view = NO_HOLDS
+        if chain.has_holds:
+            view = self._quarantine.view(*read.key)
+            chain.has_holds, chain.draining = bool(view.keys), view.released
+            if chain.draining:  # its released held rows go first: nothing more of it is read meanwhile
+                return None
+        records = self._in_order(read.records)
+        chain.extend(records[-1])
+        return view.split(records)
+
+    def _in_order(self, records: list[OutboxRecord]) -> list[OutboxRecord]:
+        """The rows in publishing order (the statement returns them so; checked, since order is the promise)."""
+        keys = [self.order_key(r) for r in records]
+        if all(a < b for a, b in zip(keys, keys[1:], strict=False)):
+            return records
+        return sorted(records, key=self.order_key)
 
     def _claim_release(self, lease: PartitionLease, limit: int) -> Claim | None:
         """The held rows of the partition's released holds, before anything else of it; nothing is read
@@ -169,8 +202,9 @@ class PositionStrategy(Strategy):
         records = self._quarantine.read_released(limit, lease.topic, lease.partition)
         if not records:
             self._quarantine.finish_releases(lease.topic, lease.partition)
+            self._release([(lease.topic, lease.partition)])
             return None
-        chain = _Chain(lease, lease.xid, lease.last_id, has_holds=True, draining=True)
+        chain = _Chain(lease, lease.xid, lease.last_id, in_flight=1, has_holds=True, draining=True)
         self._chains[(lease.topic, lease.partition)] = chain
         return Claim(
             records,
@@ -178,36 +212,6 @@ class PositionStrategy(Strategy):
             transactional_id=self._transactional_id(lease),
             holds_version=self._quarantine.version,
             release=True,
-        )
-
-    def _read(self, lease: PartitionLease, limit: int, *, yield_to_others: bool = False) -> list[OutboxRecord]:
-        """The partition's next rows past ``lease``'s position. ``yield_to_others``: none at all if another partition
-        this worker could lease has work (a one-time filter, not a second statement)."""
-        query = self._read_yielding_sql if yield_to_others else self._read_sql
-        params = {"topic": lease.topic, "partition": lease.partition, "xid": lease.xid, "id": lease.last_id}
-        dealt = self._dealer.current().params() if yield_to_others else {}
-        return fetch_records(self.conn, query, {**params, **dealt, "limit": limit})
-
-    def _read_query(self, *, yielding: bool) -> sql.Composed:
-        others = sql.SQL("AND NOT EXISTS ({})").format(
-            offsets.candidates(self.config, work=self.work_condition, order=self.read_order)
-        )
-        return sql.SQL(
-            """
-            SELECT {columns}
-            FROM {messages} m,
-                 (SELECT %(topic)s::text AS topic, %(partition)s::int AS partition,
-                         %(xid)s::xid8 AS last_processed_transaction_id, %(id)s::bigint AS last_processed_id) o
-            WHERE m.topic = o.topic AND m.partition = o.partition AND {work} {others}
-            ORDER BY {order}
-            LIMIT %(limit)s
-            """
-        ).format(
-            columns=sql.SQL(RECORD_COLUMNS),
-            messages=self.table.messages,
-            work=sql.SQL(self.work_condition),
-            others=others if yielding else sql.SQL(""),
-            order=sql.SQL(self.read_order),
         )
 
     @property
@@ -230,20 +234,35 @@ class PositionStrategy(Strategy):
             self._dealer.invalidate()  # a new partition is nobody's home until the next deal
         return found.created
 
-    def _lease_partition(self) -> PartitionLease | None:
-        return offsets.lease_next(self.conn, self.config, self._lease_sql, self._dealer.current().params())
-
     def before_publish(self, claim: Claim) -> Claim | None:
-        """A batch read ahead is published only if the batch before it acked in full while owned: past a
-        failure or a lost lease the position cannot move, so publishing it would only add duplicates
-        (the README's bound is one batch). Nor if a hold began or ended since it was read: it may hold a
-        row that is held now."""
-        lease: PartitionLease = claim.state
-        chain = self._chains.get((lease.topic, lease.partition))
-        if chain is None or chain.broken or claim.holds_version != self._quarantine.version:
-            self.give_back(claim, "the batch before it did not ack in full, or a hold began or ended")
+        """A batch read ahead is published only where the batch before it acked in full while owned: past a
+        failure or a lost lease the position cannot move, so publishing it would only add duplicates (the
+        README's bound is one batch); those partitions are given back, the rest goes. Nor if a hold began or
+        ended since it was read: it may hold a row that is held now."""
+        if claim.release:
+            lease: PartitionLease = claim.state
+            chain = self._chains.get((lease.topic, lease.partition))
+            if chain is None or chain.broken or claim.holds_version != self._quarantine.version:
+                self.give_back(claim, "a hold began or ended")
+                return None
+            return claim
+        if claim.holds_version != self._quarantine.version:
+            self.give_back(claim, "a hold began or ended since it was read")
             return None
-        return claim
+        state: dict[Key, PartitionLease] = claim.state
+        stale = [key for key in state if (c := self._chains.get(key)) is None or c.broken]
+        if not stale:
+            return claim
+        self._give_back(stale)
+        kept = {key: lease for key, lease in state.items() if key not in stale}
+        if not kept:
+            return None
+        return replace(
+            claim,
+            records=[r for r in claim.records if (r.topic, r.partition) in kept],
+            withheld=[r for r in claim.withheld if (r.topic, r.partition) in kept],
+            state=kept,
+        )
 
     def transactional_ids(self) -> frozenset[str] | None:
         """Ids of the partitions no other worker holds a live lease on; a producer for any other id was
@@ -275,105 +294,164 @@ class PositionStrategy(Strategy):
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
         if claim.release:
             return self._ack_release(claim, outcome)
-        lease: PartitionLease = claim.state
-        advanced: OutboxRecord | None = None
-        acked = 0
-        dead: list[DeliveryFailure] = []
-        to_hold: list[OutboxRecord] = []
-        held_now: set[tuple[str, bytes | None]] = set()  # keys dead-lettered in this batch
-        stopped_at: DeliveryFailure | None = None
-        head_attempts = lease.attempts
-        withheld = {r.id for r in claim.withheld}
-        if claim.records and not withheld and not outcome.failed and len(outcome.delivered) == len(claim.records):
-            # The common case: Kafka took the whole batch. The read's order is the position's order, so the
-            # position moves to the batch's last row without sorting or walking it (13 % of the relay's CPU).
-            advanced, acked, head_attempts = claim.records[-1], len(claim.records), 0
-        else:
-            delivered = {r.id for r in outcome.delivered}
-            failures = {f.record.id: f for f in outcome.failed}
-            for record in sorted([*claim.records, *claim.withheld], key=self.order_key):
-                if record.id in withheld or (record.topic, record.key) in held_now:
-                    # Held (even if Kafka took it: it goes out again after the dead letter it waits for).
-                    to_hold.append(record)
-                    advanced, head_attempts = record, 0
-                    continue
-                if record.id in delivered:
-                    advanced, acked, head_attempts = record, acked + 1, 0
-                    continue
-                failure = failures[record.id]
-                if failure.permanent or (failure.counts and head_attempts + 1 >= self.config.max_attempts):
-                    # Attempts of an ordered partition are counted on its offsets row (rows never change).
-                    dead.append(replace(failure, record=record._replace(attempts=head_attempts)))
-                    advanced, head_attempts = record, 0
-                    if self._quarantine.enabled and record.key is not None:
-                        held_now.add((record.topic, record.key))
-                    continue
-                stopped_at = failure
-                break
-        chain = self._chains.get((lease.topic, lease.partition))
-        if chain is not None:
-            chain.in_flight -= 1
-            if stopped_at is not None:
-                chain.broken = True  # the position stops here: batches read past it will not ack
-        keep_lease = chain is not None and chain.in_flight > 0 and not chain.broken
-        # A transport failure leaves the head's attempts as they were (see FailureKind).
-        attempts = head_attempts + stopped_at.counts if stopped_at else 0
+        state: dict[Key, PartitionLease] = claim.state
+        settled = self._settle_all(claim, outcome)
+        moves: list[Move] = []
+        for key, lease in state.items():
+            done = settled[key]
+            chain = self._chains.get(key)
+            if chain is not None:
+                chain.in_flight -= 1
+                if done.stopped_at is not None:
+                    chain.broken = True  # the position stops here: batches read past it will not ack
+            keep = chain is not None and chain.in_flight > 0 and not chain.broken
+            error = done.stopped_at.error if done.stopped_at else None
+            moves.append(Move(lease, done.advanced, done.attempts, error, keep))
+        dead = [f for key in state for f in settled[key].dead or ()]
+        to_hold = [r for key in state for r in settled[key].to_hold or ()]
         if not dead and not to_hold:
-            # The common case: the compare-and-set alone, one statement in its own transaction (not three).
-            owned = offsets.advance(
-                self.conn, self.config, self.name, lease, advanced, stopped_at, attempts, keep_lease
-            )
+            # The common case: the compare-and-sets alone, one statement in its own transaction.
+            owned = offsets.advance_many(self.conn, self.config, self.name, moves)
         else:
             with self.conn.transaction():
-                self._dead_letter(dead)
-                if self._quarantine.hold(dead) and chain is not None:
-                    chain.has_holds = True
-                self._quarantine.move_to_held(to_hold, delete=False)
-                owned = offsets.advance(
-                    self.conn, self.config, self.name, lease, advanced, stopped_at, attempts, keep_lease
+                owned = offsets.advance_many(self.conn, self.config, self.name, moves)
+                # Only where this worker still owned the partition (elsewhere its new owner decides).
+                dead = [f for f in dead if (f.record.topic, f.record.partition) in owned]
+                offsets.dead_letter(self.conn, self.config, dead)
+                held = self._quarantine.hold(dead)
+                for failure in dead:
+                    chain = self._chains.get((failure.record.topic, failure.record.partition))
+                    if chain is not None and (failure.record.topic, failure.record.key) in held:
+                        chain.has_holds = True
+                self._quarantine.move_to_held([r for r in to_hold if (r.topic, r.partition) in owned], delete=False)
+        result = AckResult()
+        delivered_in = _count_by_partition(outcome.delivered)
+        for key in state:
+            chain = self._chains.get(key)
+            if chain is not None:
+                chain.broken = chain.broken or key not in owned
+                if chain.in_flight == 0:
+                    del self._chains[key]
+            done = settled[key]
+            if key in owned:
+                result = replace(
+                    result,
+                    acked=result.acked + done.acked,
+                    retried=result.retried + done.retried,
+                    dead_lettered=result.dead_lettered + len(done.dead or ()),
                 )
-                if not owned:
-                    raise psycopg.Rollback()  # undo the dead letters too (the transaction block swallows it)
-        if chain is not None:
-            chain.broken = chain.broken or not owned
-            if chain.in_flight == 0:
-                del self._chains[(lease.topic, lease.partition)]
-        if not owned:
-            return AckResult(lost_ownership=len(outcome.delivered))
-        retried = len(claim.records) - acked - len(dead) - len([r for r in to_hold if r.id not in withheld])
-        return AckResult(acked=acked, retried=retried, dead_lettered=len(dead))
+            else:
+                result = replace(result, lost_ownership=result.lost_ownership + delivered_in.get(key, 0))
+        return result
+
+    def _settle_all(self, claim: Claim, outcome: PublishOutcome) -> dict[Key, _Settled]:
+        state: dict[Key, PartitionLease] = claim.state
+        if not claim.withheld and not outcome.failed and len(outcome.delivered) == len(claim.records):
+            # The common case: Kafka took the whole batch. Each partition's rows are in the position's order, so each
+            # position moves to its last row without sorting or walking them (13 % of the relay's CPU once).
+            last: dict[Key, OutboxRecord] = {}
+            counts = _count_by_partition(claim.records)
+            for record in claim.records:
+                last[(record.topic, record.partition)] = record
+            return {key: _Settled(last.get(key), counts.get(key, 0)) for key in state}
+        delivered = {r.id for r in outcome.delivered}
+        failures = {f.record.id: f for f in outcome.failed}
+        withheld = {r.id for r in claim.withheld}
+        rows: dict[Key, list[OutboxRecord]] = {key: [] for key in state}
+        for record in (*claim.records, *claim.withheld):
+            rows[(record.topic, record.partition)].append(record)
+        return {
+            key: self._settle(lease, sorted(rows[key], key=self.order_key), withheld, delivered, failures)
+            for key, lease in state.items()
+        }
+
+    def _settle(
+        self,
+        lease: PartitionLease,
+        records: Sequence[OutboxRecord],
+        withheld: Collection[int],
+        delivered: Collection[int],
+        failures: dict[int, DeliveryFailure],
+    ) -> _Settled:
+        """One partition, in order: how far its position moves, what is dead-lettered or held, where it stops."""
+        done = _Settled(attempts=lease.attempts, dead=[], to_hold=[])
+        assert done.dead is not None and done.to_hold is not None
+        held_now: set[tuple[str, bytes | None]] = set()  # keys dead-lettered in this batch
+        for record in records:
+            if record.id in withheld or (record.topic, record.key) in held_now:
+                # Held (even if Kafka took it: it goes out again after the dead letter it waits for).
+                done.to_hold.append(record)
+                done.advanced, done.attempts = record, 0
+                continue
+            if record.id in delivered:
+                done.advanced, done.acked, done.attempts = record, done.acked + 1, 0
+                continue
+            failure = failures[record.id]
+            if failure.permanent or (failure.counts and done.attempts + 1 >= self.config.max_attempts):
+                # Attempts of an ordered partition are counted on its offsets row (rows never change).
+                done.dead.append(replace(failure, record=record._replace(attempts=done.attempts)))
+                done.advanced, done.attempts = record, 0
+                if self._quarantine.enabled and record.key is not None:
+                    held_now.add((record.topic, record.key))
+                continue
+            done.stopped_at = failure
+            # A transport failure leaves the head's attempts as they were (see FailureKind).
+            done.attempts += failure.counts
+            break
+        if done.stopped_at is None:
+            done.attempts = 0
+        newly_held = len([r for r in done.to_hold if r.id not in withheld])
+        done.retried = len([r for r in records if r.id not in withheld]) - done.acked - len(done.dead) - newly_held
+        return done
 
     def _ack_release(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
         """A release batch: done held rows leave the hold, then the partition is released (its lease ends,
         so the next claim looks at what is left, released or not)."""
         lease: PartitionLease = claim.state
-        chain = self._chains.get((lease.topic, lease.partition))
+        key = (lease.topic, lease.partition)
+        chain = self._chains.get(key)
         if chain is not None:
             chain.in_flight -= 1
             if chain.in_flight == 0:
-                del self._chains[(lease.topic, lease.partition)]
+                del self._chains[key]
         with self.conn.transaction():
             acked, retried, dead = self._quarantine.ack_released(claim.records, outcome, lease.topic, lease.partition)
-            owned = self._release(lease)
+            owned = offsets.release_many(self.conn, self.config, [key]) == 1
             if not owned:
                 raise psycopg.Rollback()
         if not owned:
             return AckResult(lost_ownership=len(outcome.delivered))
         return AckResult(acked=acked, retried=retried, dead_lettered=dead)
 
-    def _dead_letter(self, failures: list[DeliveryFailure]) -> None:
-        offsets.dead_letter(self.conn, self.config, failures)
-
     def give_back(self, claim: Claim, error: str) -> None:
-        lease: PartitionLease = claim.state
-        chain = self._chains.get((lease.topic, lease.partition))
-        if chain is not None:
-            chain.in_flight -= 1
-            chain.broken = True  # this batch was not published: nothing may be read past it
-            if chain.in_flight > 0:
-                return  # the earlier batch in flight acks, then releases the partition
-            del self._chains[(lease.topic, lease.partition)]
-        self._release(lease)
+        if claim.release:
+            lease: PartitionLease = claim.state
+            self._give_back([(lease.topic, lease.partition)])
+        else:
+            self._give_back(list(claim.state))
 
-    def _release(self, lease: PartitionLease) -> bool:
-        return offsets.release(self.conn, self.config, lease)
+    def _give_back(self, keys: Iterable[Key]) -> None:
+        """These partitions' batch was not published: nothing may be read past it; a partition with no other batch
+        in flight is released now (the earlier batch in flight acks, then releases it)."""
+        free: list[Key] = []
+        for key in keys:
+            chain = self._chains.get(key)
+            if chain is not None:
+                chain.in_flight -= 1
+                chain.broken = True
+                if chain.in_flight > 0:
+                    continue
+                del self._chains[key]
+            free.append(key)
+        self._release(free)
+
+    def _release(self, keys: Sequence[Key]) -> None:
+        offsets.release_many(self.conn, self.config, keys)
+
+
+def _count_by_partition(records: Iterable[OutboxRecord]) -> dict[Key, int]:
+    counts: dict[Key, int] = {}
+    for record in records:
+        key = (record.topic, record.partition)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
