@@ -130,8 +130,12 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
         statements = relay_statements(servers.dsn, why)
         runs = relay.runs()
         for writer in writers:
-            writer.finish(60.0)
+            if writer.wait_line("done", 60.0) is None:
+                raise RuntimeError("a bench writer did not finish its schedule")
         outputs = [traffic.read_output(plan.out) for plan in plans]
+        for writer in writers:
+            writer.say("exit")
+            writer.finish(30.0)
         committed = [row for _, rows in outputs for row in rows]
         drain_s = max(60.0, 2 * seconds)
         arrivals: dict[str, float] | None = None

@@ -5,7 +5,8 @@ transactions on a fixed schedule (a late transaction does not shift the ones aft
 ``time.time()`` right after its COMMIT returns, and at the end writes ``message_id, commit time, key class`` to a
 file, after a header that says how well it kept the schedule. Protocol with the bench: one argument (the plan, JSON;
 the DSN comes from $OUTBOX_PG_DSN so no password shows in ``ps``); it prints ``ready`` once connected, reads
-``go <epoch>`` from stdin and starts its schedule then.
+``go <epoch>`` from stdin and starts its schedule then; once its file is written it prints ``done`` and keeps its
+database session until the next line (or EOF) on stdin.
 """
 
 from __future__ import annotations
@@ -84,45 +85,55 @@ class WriterHeader:
 
 
 def run(plan: WriterPlan, dsn: str) -> None:
-    table = OutboxTable(schema=plan.schema)
     with psycopg.connect(dsn) as conn:
         print("ready", flush=True)
         command = sys.stdin.readline().split()
         if command[:1] != ["go"]:
             raise SystemExit(f"traffic: expected 'go <epoch>', got {command!r}")
-        t0 = float(command[1])
-        end = t0 + plan.seconds
-        due: list[tuple[float, int, int]] = []  # (due time, stream, transaction number)
-        scheduled = 0
-        for s, stream in enumerate(plan.streams):
-            first = t0 + (stream.phase + plan.index) * stream.interval_s
-            scheduled += max(0, int((end - first) / (stream.interval_s * plan.of) + 0.999999))
-            heapq.heappush(due, (first, s, plan.index))
-        committed: list[tuple[str, float, str]] = []
-        late: list[float] = []
-        cpu_from: tuple[float, float] | None = None
-        while due:
-            at, s, n = heapq.heappop(due)
-            if at >= end or time.time() >= end:
-                continue  # past the schedule's end: what is left is reported as not done
-            stream = plan.streams[s]
-            heapq.heappush(due, (t0 + (stream.phase + n + plan.of) * stream.interval_s, s, n + plan.of))
-            pause = at - time.time()
-            if pause > 0:
-                time.sleep(pause)  # pacing the load generator
-            if cpu_from is None and at >= t0 + plan.warmup_s:
-                cpu_from = (time.process_time(), time.time())
-            late.append(max(0.0, time.time() - at))
-            batch = [
-                Message(
-                    stream.topic, {"n": n, "i": i}, key=stream.key_of(n * stream.rows + i), partition=stream.partition
-                )
-                for i in range(stream.rows)
-            ]
-            written = enqueue_many(conn, batch, table=table)
-            conn.commit()
-            stamp = time.time()
-            committed.extend((str(w.message_id), stamp, stream.key_class) for w in written)
+        header, committed = _schedule(conn, plan, float(command[1]))
+        with open(plan.out, "w") as out:
+            out.write(json.dumps(asdict(header)) + "\n")
+            out.writelines(f"{mid}\t{stamp!r}\t{key_class}\n" for mid, stamp, key_class in committed)
+        # The session stays until the bench says so: a backend ending while the bench reads PostgreSQL's CPU could
+        # be reaped between the postmaster's reading and its own, and counted nowhere.
+        print("done", flush=True)
+        sys.stdin.readline()
+
+
+def _schedule(
+    conn: psycopg.Connection, plan: WriterPlan, t0: float
+) -> tuple[WriterHeader, list[tuple[str, float, str]]]:
+    table = OutboxTable(schema=plan.schema)
+    end = t0 + plan.seconds
+    due: list[tuple[float, int, int]] = []  # (due time, stream, transaction number)
+    scheduled = 0
+    for s, stream in enumerate(plan.streams):
+        first = t0 + (stream.phase + plan.index) * stream.interval_s
+        scheduled += max(0, int((end - first) / (stream.interval_s * plan.of) + 0.999999))
+        heapq.heappush(due, (first, s, plan.index))
+    committed: list[tuple[str, float, str]] = []
+    late: list[float] = []
+    cpu_from: tuple[float, float] | None = None
+    while due:
+        at, s, n = heapq.heappop(due)
+        if at >= end or time.time() >= end:
+            continue  # past the schedule's end: what is left is reported as not done
+        stream = plan.streams[s]
+        heapq.heappush(due, (t0 + (stream.phase + n + plan.of) * stream.interval_s, s, n + plan.of))
+        pause = at - time.time()
+        if pause > 0:
+            time.sleep(pause)  # pacing the load generator
+        if cpu_from is None and at >= t0 + plan.warmup_s:
+            cpu_from = (time.process_time(), time.time())
+        late.append(max(0.0, time.time() - at))
+        batch = [
+            Message(stream.topic, {"n": n, "i": i}, key=stream.key_of(n * stream.rows + i), partition=stream.partition)
+            for i in range(stream.rows)
+        ]
+        written = enqueue_many(conn, batch, table=table)
+        conn.commit()
+        stamp = time.time()
+        committed.extend((str(w.message_id), stamp, stream.key_class) for w in written)
     cpu_to = (time.process_time(), time.time())
     late.sort()
     header = WriterHeader(
@@ -134,9 +145,7 @@ def run(plan: WriterPlan, dsn: str) -> None:
         cpu_s=cpu_to[0] - cpu_from[0] if cpu_from else 0.0,
         cpu_window_s=cpu_to[1] - cpu_from[1] if cpu_from else 0.0,
     )
-    with open(plan.out, "w") as out:
-        out.write(json.dumps(asdict(header)) + "\n")
-        out.writelines(f"{mid}\t{stamp!r}\t{key_class}\n" for mid, stamp, key_class in committed)
+    return header, committed
 
 
 def read_output(path: str) -> tuple[WriterHeader, list[tuple[str, float, str]]]:
