@@ -178,7 +178,7 @@ def run_lines(r: ScenarioResult) -> str:
     )
     per_message = _ms(r.relay_us_per_message)
     lines += [
-        f"    cores: {_groups(r.cores)}; machine {r.machine_cores:.3f}",
+        f"    cores: {_groups(r.cores)}; machine {r.machine_cores:.3f}, of which other processes {r.other_cores:.3f}",
         f"    relay {r.relay_cores:.3f} cores = {per_message} us/message over {r.window_messages:,} messages; "
         f"batches/s {_ms(r.batches_per_s)}; statements {statements}",
         f"    writers: {r.writers_transactions:,} of {r.writers_scheduled:,} scheduled transactions, started late by "

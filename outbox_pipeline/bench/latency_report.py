@@ -79,8 +79,8 @@ def _resources(grouped: dict[tuple[str, str, str], list[ScenarioResult]]) -> lis
     lines = [
         "CPU (cores, averaged over the window after the warm-up), batches and statements:",
         "| strategy | relay | scenario | relay | relay us/msg | relay's PG sessions | postgresql | broker | writers "
-        "| observer | machine | batches/s | statements / 1k msgs | writers late p99 ms | probe p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| observer | machine | other | batches/s | statements / 1k msgs | writers late p99 ms | probe p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (strategy, relay, scenario), runs in grouped.items():
 
@@ -91,7 +91,8 @@ def _resources(grouped: dict[tuple[str, str, str], list[ScenarioResult]]) -> lis
             f"| {strategy} | {relay} | {scenario} | {_f(_median(runs, lambda r: r.relay_cores), 3)} | "
             f"{_f(_median(runs, lambda r: r.relay_us_per_message), 0)} | {cores(SESSIONS)} | {cores('postgresql')} | "
             f"{cores('broker')} | {cores('writers')} | {cores('observer')} | "
-            f"{_f(_median(runs, lambda r: r.machine_cores), 3)} | {_f(_median(runs, lambda r: r.batches_per_s))} | "
+            f"{_f(_median(runs, lambda r: r.machine_cores), 3)} | {_f(_median(runs, lambda r: r.other_cores), 3)} | "
+            f"{_f(_median(runs, lambda r: r.batches_per_s))} | "
             f"{_f(_median(runs, lambda r: r.statements_per_1000))} | "
             f"{_f(_median(runs, lambda r: r.writers_late_p99_ms))} | "
             f"{_f(_median(runs, lambda r: r.probe_ms.get('p99')))} |"

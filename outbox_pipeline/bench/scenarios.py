@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..partitioning import partition_for
-from .gauges import Statements
+from .gauges import SESSIONS, Statements
 from .traffic import Stream, WriterPlan
 
 WARMUP_S = 2.0  # connections, the producer's first metadata, plans: not steady state
@@ -167,6 +167,11 @@ class ScenarioResult:
     @property
     def complete(self) -> bool:
         return self.missing == 0
+
+    @property
+    def other_cores(self) -> float:
+        """The machine's CPU outside every group measured: other work on a shared machine skews this run."""
+        return self.machine_cores - sum(v for k, v in self.cores.items() if k != SESSIONS)
 
 
 @dataclass(frozen=True)
