@@ -2,7 +2,8 @@
 
     outbox bench --strategy partitioned --workers 2 --baseline --runs 3
     outbox bench --matrix --messages 1000000
-    outbox bench --dagster --latency 20 --seconds 60 --runs 2
+    outbox bench --latency 200,2000,5000,10000 --rows-per-transaction 10,100 --hot-key 0,2000,4000 --runs 3
+    outbox bench --latency 2000 --strategies all --dagster
     outbox bench --writers --runs 5
     outbox bench --strategy serialized --held 0,10000
 
@@ -15,19 +16,17 @@ import argparse
 import os
 import platform
 import signal
-import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 from .. import settings
 from ..strategies import STRATEGY_NAMES
-from . import held, latency, retained, writers
+from . import held, latency_cli, retained, writers
 from .comparison import HEADLINE, PRODUCE_ONLY, READ_ONLY, Comparison, bench_lines, compare
-from .orchestrated import DagsterRelay
 from .runner import RunSpec, Servers
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
@@ -52,7 +51,7 @@ BENCH_PG_SETTINGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="partitioned", choices=STRATEGY_NAMES)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, help="relay workers (default 2; the latency bench: 1)")
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--payload-bytes", type=int, default=256)
@@ -60,7 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partitions", type=int, default=1, help="partitions per topic (the talk: 1)")
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument(
-        "--rows-per-transaction", type=int, default=100, help="load commits every N rows, as services would"
+        "--rows-per-transaction",
+        type=_counts,
+        metavar="N[,N...]",
+        help="load commits every N rows, as services would (default 100); the latency bench's curve: one line per N "
+        "(default 10)",
     )
     parser.add_argument("--mode", choices=("delete", "mark-sent"), default="delete")
     parser.add_argument("--runs", type=int, default=1, help="repetitions; medians are reported")
@@ -98,14 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="claim latency (p50/p99, plans) with N already-relayed rows kept, e.g. 0,1000000,10000000",
     )
-    parser.add_argument("--latency", type=float, metavar="RATE", help="commit -> consumer latency at RATE msg/s")
-    parser.add_argument("--seconds", type=float, default=20.0, help="--latency: how long to write")
-    parser.add_argument(
-        "--dagster",
-        action="store_true",
-        help="--latency: the relay driven by `dagster dev` (its lag sensor and long-lived relay run), interleaved "
-        "with the CLI relay at the same rate (--runs pairs); CPU per process group, runs launched and queued",
-    )
+    latency_cli.add_arguments(parser)
     parser.add_argument("--pending", type=int, default=50_000, help="--retained: unsent rows behind the history")
     parser.add_argument(
         "--held",
@@ -156,6 +152,16 @@ def _steps(text: str) -> list[int]:
     return steps
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part.replace("_", "")) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts, got {text!r}") from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError("counts must be >= 1")
+    return counts
+
+
 def _mmss(seconds: float) -> str:
     return f"{int(seconds // 60):02d}:{seconds % 60:04.1f}"
 
@@ -168,16 +174,22 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the embedded PostgreSQL and broker are
     # stopped instead of outliving the benchmark.
     signal.signal(signal.SIGTERM, _interrupt)
+    if args.latency is not None or args.hot_key is not None:
+        with servers(args.embedded) as found:
+            return latency_cli.run(found, args)
+    rows = args.rows_per_transaction or [100]
+    if len(rows) > 1:
+        raise SystemExit("outbox bench: several --rows-per-transaction are for the latency bench (--latency)")
     base = RunSpec(
         strategy=args.strategy,
-        workers=args.workers,
+        workers=2 if args.workers is None else args.workers,
         batch_size=args.batch_size,
         messages=args.messages,
         payload_bytes=args.payload_bytes,
         topics=args.topics,
         partitions=args.partitions,
         keys=args.keys,
-        rows_per_transaction=args.rows_per_transaction,
+        rows_per_transaction=rows[0],
         mode=args.mode,
         verify=args.verify,
         statements=args.statements,
@@ -188,14 +200,6 @@ def run(args: argparse.Namespace) -> int:
             results = writers.measure(found, transactions=args.transactions, rows=args.messages, runs=args.runs)
             print("\n" + results.render())
             return 0
-        if args.latency is not None and args.dagster:
-            return _orchestrated(found, args.strategy, args.latency, args.seconds, args.runs)
-        if args.latency is not None:
-            report = latency.measure(
-                found, strategy=args.strategy, workers=args.workers, rate=args.latency, seconds=args.seconds
-            )
-            print("\n" + report.render())
-            return 0 if report.arrived == report.committed else 1
         if args.held is not None:
             held_steps = held.measure(found, args.strategy, args.held, batch_size=min(args.batch_size, 1000))
             print("\n" + held.render(args.strategy, held_steps, min(args.batch_size, 1000)))
@@ -212,36 +216,6 @@ def run(args: argparse.Namespace) -> int:
         comparison = compare(found, lines, args.runs)
         print("\n" + render_comparison(base, comparison, args.runs))
         return 0 if comparison.complete else 1
-
-
-def _orchestrated(found: Servers, strategy: str, rate: float, seconds: float, runs: int) -> int:
-    """Dagster-driven and CLI relay at the same rate, interleaved; medians and the CPU ratio."""
-    reports: dict[str, list[latency.LatencyReport]] = {"dagster": [], "cli": []}
-    for n in range(runs):
-        for relay in (DagsterRelay(strategy), latency.CliRelay(strategy, 1, seconds + 60)):
-            print(f"\n== run {n + 1}/{runs}: {relay.name}", flush=True)
-            report = latency.measure(found, strategy=strategy, rate=rate, seconds=seconds, relay=relay)
-            print(report.render(), flush=True)
-            reports[relay.name].append(report)
-
-    def median(name: str, value: Callable[[latency.LatencyReport], float]) -> float:
-        return statistics.median(value(r) for r in reports[name])
-
-    print(f"\n{strategy} at {rate:,.0f} msg/s for {seconds:.0f} s, medians of {runs} interleaved pair(s):")
-    print("| relay | p50 ms | p99 ms | machine cores | runs launched | runs queued |")
-    print("|---|---|---|---|---|---|")
-    for name in ("dagster", "cli"):
-        launched = f"{median(name, lambda r: r.runs_launched or 0):g}" if name == "dagster" else "-"
-        queued = f"{median(name, lambda r: r.runs_queued or 0):g}" if name == "dagster" else "-"
-        print(
-            f"| {name} | {median(name, lambda r: r.p50_ms):.1f} | {median(name, lambda r: r.p99_ms):.1f} | "
-            f"{median(name, lambda r: r.machine_cores):.3f} | {launched} | {queued} |"
-        )
-    cli = median("cli", lambda r: r.machine_cores)
-    ratio = median("dagster", lambda r: r.machine_cores) / cli if cli else float("nan")
-    print(f"machine CPU, Dagster-driven / CLI relay: {ratio:.2f}x")
-    complete = all(r.arrived == r.committed for rs in reports.values() for r in rs)
-    return 0 if complete else 1
 
 
 _WHAT = {

@@ -1,4 +1,4 @@
-"""Engine room (benchmarks): the relay as Dagster drives it, for `outbox bench --dagster --latency RATE`.
+"""Engine room (benchmarks): the relay as Dagster drives it, for `outbox bench --dagster --latency RATE ...`.
 
 `dagster dev` (the project's workspace.yaml, the local stack's dagster.yaml) runs against the benchmark's
 servers and schema; its lag sensor launches the long-lived `relay_stream` run, and the measurement starts
@@ -24,8 +24,8 @@ from .. import settings
 from ..config import OutboxTable
 from ..localstack.dev import group_members, wait_group_gone
 from ..localstack.ports import free_port
-from .latency import wait_until_registered
 from .procstat import cmdline, process_cpu_s
+from .relays import RelayCounters, wait_until_registered
 from .runner import Servers
 
 START_TIMEOUT_S = 240.0  # dagster dev up, the sensor's first tick, the run launched and registered
@@ -102,6 +102,10 @@ class DagsterRelay:
         for group, seconds in self._seen.values():
             groups[group] = groups.get(group, 0.0) + seconds
         return groups
+
+    def counters(self) -> RelayCounters | None:
+        """The relay runs inside Dagster's run process: no metrics port of its own here."""
+        return None
 
     def runs(self) -> tuple[int, int] | None:
         request = urllib.request.Request(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -12,7 +15,7 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.bench.ceilings import ConfirmingPublisher
 from outbox_pipeline.bench.talk_table import create_talk_table, index_talk_table
 from outbox_pipeline.cli import main
-from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.localstack import LocalBroker, LocalPostgres, PostgresSpec, free_port
 from outbox_pipeline.relay import RelaySettings
 from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.workers import WorkerSpec, build_relay
@@ -108,16 +111,81 @@ def test_bench_rejects_descending_retained_steps(capsys: pytest.CaptureFixture[s
     assert "ascending" in capsys.readouterr().err
 
 
-def test_bench_latency_reports_percentiles_once_every_committed_message_arrived(
-    bench_servers: str, capsys: pytest.CaptureFixture[str]
+@pytest.fixture(scope="module")
+def counting_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    """A PostgreSQL that preloads pg_stat_statements, as the bench's embedded one does (the session's does not):
+    the latency bench counts the relay's statements with it."""
+    server = LocalPostgres(
+        PostgresSpec(
+            data_dir=tmp_path_factory.mktemp("pg-statements") / "data",
+            port=free_port(),
+            settings={"fsync": "off", "synchronous_commit": "off", "shared_preload_libraries": "pg_stat_statements"},
+        )
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop("fast", force=True)
+
+
+def test_bench_latency_measures_each_key_class_at_a_separate_observer_with_cpu_groups_and_the_relays_statements(
+    counting_pg: LocalPostgres,
+    broker: LocalBroker,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(["bench", "--strategy", "partitioned", "--workers", "1", "--latency", "200", "--seconds", "4"])
+    monkeypatch.setenv("OUTBOX_PG_DSN", counting_pg.dsn)
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", broker.bootstrap_servers)
+    out_json = tmp_path / "latency.json"
+    code = main(["bench", "--latency", "100", "--hot-key", "40", "--quiet-keys", "3", "--seconds", "4",
+                 "--idle-seconds", "1", "--json", str(out_json)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out  # every committed message arrived
+    report = json.loads(out_json.read_text())
+    scenarios = {r["scenario"]: r for r in report["scenarios"]}
+    assert sorted(scenarios) == ["100 msg/s x 10", "hot key 40 msg/s"], out
+    assert [c["key_class"] for c in scenarios["100 msg/s x 10"]["classes"]] == ["all"]
+    assert [c["key_class"] for c in scenarios["hot key 40 msg/s"]["classes"]] == ["quiet", "hot"]
+    for r in scenarios.values():
+        assert r["missing"] == 0 and r["duplicates"] == 0
+        for c in r["classes"]:
+            assert c["arrived"] == c["committed"] > 0, c
+            assert 0 <= c["p50_ms"] <= c["p95_ms"] <= c["p99_ms"] <= c["max_ms"], c
+        # Each group's CPU, found by pid: the relay's processes, its sessions, the servers (not started by the
+        # bench here: found by their ports), the writers and the observer.
+        assert {"relay", "relay's PostgreSQL sessions", "postgresql", "broker", "writers", "observer"} <= set(
+            r["cores"]
+        ), r["cores"]
+        assert r["statements"]["calls"] > 0 and r["statements_per_1000"] > 0, r["statements"]
+        assert r["batches_per_s"] > 0 and r["relay_us_per_message"] > 0
+    idle = report["idle"][0]
+    assert {"relay", "broker"} <= set(idle["cores"]) and "observer" in idle["cores_observed"]
+    assert idle["statements_per_s"] is not None
+    for row in ("100 msg/s x 10 | all", "hot key 40 msg/s | quiet", "hot key 40 msg/s | hot", "40"):
+        assert re.search(rf"^\| partitioned \| cli \| {re.escape(row)} \|", out, re.MULTILINE), (row, out)
+    assert _bench_schemas(counting_pg.dsn) == []
+
+
+def test_bench_latency_without_the_observer_counts_arrivals_by_the_relays_own_counter(
+    bench_servers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "latency.json"
+    code = main(["bench", "--latency", "100", "--seconds", "3", "--idle-seconds", "0", "--no-observer",
+                 "--json", str(out_json)])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
-    found = re.search(r"p50 [\d.]+ ms, p95 [\d.]+ ms, p99 [\d.]+ ms, max [\d.]+ ms \(([\d,]+)/([\d,]+) arrived", out)
-    assert found is not None, out
-    assert found.group(1) == found.group(2) != "0"
+    (result,) = json.loads(out_json.read_text())["scenarios"]
+    assert result["missing"] == 0 and result["classes"][0]["p99_ms"] is None
+    assert "observer" not in result["cores"] and "broker" in result["cores"]
+    assert "pg_stat_statements is not available" in result["statements"]["why"]  # the session's server: said so
     assert _bench_schemas(bench_servers) == []
+
+
+def test_bench_rejects_several_transaction_sizes_outside_the_latency_bench() -> None:
+    with pytest.raises(SystemExit, match="latency bench"):
+        main(["bench", "--rows-per-transaction", "10,100"])
 
 
 def test_bench_writers_compares_routing_in_python_and_in_the_database_against_a_plain_insert(
@@ -140,15 +208,19 @@ def test_bench_writers_compares_routing_in_python_and_in_the_database_against_a_
 
 
 def test_bench_dagster_drives_the_relay_with_one_run_and_compares_it_with_the_cli_relay(
-    bench_servers: str, capsys: pytest.CaptureFixture[str]
+    bench_servers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["bench", "--dagster", "--latency", "50", "--seconds", "4", "--runs", "1"])
+    out_json = tmp_path / "latency.json"
+    code = main(["bench", "--dagster", "--latency", "50", "--seconds", "4", "--runs", "1", "--idle-seconds", "0",
+                 "--json", str(out_json)])  # fmt: skip
     out = capsys.readouterr().out
-    assert code == 0, out  # every committed message arrived, in both modes
-    assert re.search(r"^\| dagster \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 1 \| 0 \|$", out, re.MULTILINE), out
-    assert re.search(r"^\| cli \| [\d.]+ \| [\d.]+ \| [\d.]+ \| - \| - \|$", out, re.MULTILINE), out
-    assert re.search(r"dagster: .*dagster runs [\d.]+", out), out  # the run's CPU is counted as its own group
-    assert re.search(r"Dagster-driven / CLI relay: [\d.]+x", out), out
+    assert code == 0, out  # every committed message arrived, with both relays
+    assert re.search(r"^\| partitioned \| dagster \| 50 msg/s x 10 \| all \|", out, re.MULTILINE), out
+    assert re.search(r"^\| partitioned \| cli \| 50 msg/s x 10 \| all \|", out, re.MULTILINE), out
+    assert re.search(r"Dagster-driven / CLI relay: [\d.]+x; runs launched 1, queued 0", out), out
+    dagster, cli = json.loads(out_json.read_text())["scenarios"]
+    assert "dagster runs" in dagster["cores"] and "relay" in cli["cores"]  # the run's CPU is a group of its own
+    assert (dagster["relay"], dagster["runs_launched"], dagster["runs_queued"]) == ("dagster", 1, 0)
     assert _bench_schemas(bench_servers) == []
 
 

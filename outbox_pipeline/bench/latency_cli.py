@@ -1,0 +1,105 @@
+"""Engine room (benchmarks): `outbox bench --latency RATE,... / --hot-key RATE,...`: its flags and its run.
+
+    outbox bench --latency 200,2000,5000,10000 --rows-per-transaction 10,100 --hot-key 0,2000,4000 --runs 3
+    outbox bench --hot-key 0,2000,4000 --strategies all
+    outbox bench --latency 2000 --dagster
+    outbox bench --latency 2000 --no-observer --idle-seconds 0
+
+`--strategy`, `--workers` (default 1 here), `--rows-per-transaction`, `--seconds` and `--runs` are shared with the
+other benches (bench/command.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from ..strategies import STRATEGY_NAMES
+from . import latency, latency_report
+from .runner import Servers
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--latency",
+        type=rates,
+        metavar="RATE[,RATE...]",
+        help="commit -> consumer latency under steady traffic at each RATE msg/s (a curve, per --rows-per-transaction)",
+    )
+    parser.add_argument(
+        "--hot-key",
+        type=rates,
+        metavar="RATE[,RATE...]",
+        help="latency bench: the hot-key scenario, a hot key at each RATE msg/s (0: the quiet keys alone) beside "
+        "--quiet-keys quiet ones at 10 msg/s each, one outbox partition each",
+    )
+    parser.add_argument("--quiet-keys", type=int, default=7, help="--hot-key: quiet keys (default 7)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="latency bench: how long each scenario writes")
+    parser.add_argument(
+        "--strategies",
+        type=strategy_list,
+        metavar="S,S,...|all",
+        help="latency bench: these strategies in turn (all: the ordered ones first) instead of --strategy",
+    )
+    parser.add_argument(
+        "--no-observer",
+        action="store_true",
+        help="latency bench: no consumer (no latencies; the other figures without the observer's cost)",
+    )
+    parser.add_argument(
+        "--idle-seconds", type=float, default=10.0, help="latency bench: the relay's idle CPU over N s first (0: not)"
+    )
+    parser.add_argument(
+        "--observer-wait-ms", type=int, default=20, help="latency bench: the observer's fetch.wait.max.ms"
+    )
+    parser.add_argument("--json", type=Path, help="latency bench: where to write every number (default under .outbox)")
+    parser.add_argument(
+        "--dagster",
+        action="store_true",
+        help="latency bench: also with the relay driven by `dagster dev` (its lag sensor and long-lived relay run), "
+        "interleaved with the CLI relay; CPU per process group, runs launched and queued",
+    )
+
+
+def rates(text: str) -> list[float]:
+    try:
+        rates = [float(part.replace("_", "")) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates (msg/s), got {text!r}") from None
+    if any(r < 0 for r in rates):
+        raise argparse.ArgumentTypeError("rates must be >= 0")
+    return rates
+
+
+def strategy_list(text: str) -> list[str]:
+    names = list(latency.ALL_STRATEGIES) if text == "all" else [s for s in text.split(",") if s]
+    unknown = sorted(set(names) - set(STRATEGY_NAMES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGY_NAMES)}")
+    return names
+
+
+def run(found: Servers, args: argparse.Namespace) -> int:
+    """The latency bench: its tables at the end, every number in a JSON file; 1 if a message went missing."""
+    options = latency.LatencyOptions(
+        strategies=tuple(args.strategies or [args.strategy]),
+        rates=tuple(args.latency or ()),
+        rows=tuple(args.rows_per_transaction or [10]),
+        hot_rates=tuple(args.hot_key or ()),
+        quiet_keys=args.quiet_keys,
+        seconds=args.seconds,
+        runs=args.runs,
+        workers=1 if args.workers is None else args.workers,
+        observe=not args.no_observer,
+        idle_seconds=args.idle_seconds,
+        fetch_wait_ms=args.observer_wait_ms,
+        dagster=args.dagster,
+    )
+    command = shlex.join(["outbox", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "outbox bench (from Python)"
+    bench = latency.run(found, options, command)
+    path = bench.write_json(args.json or latency.default_json_path())
+    print("\n" + latency_report.render(bench), flush=True)
+    print(f"\nevery number: {path.resolve()}")
+    return 0 if bench.complete else 1
