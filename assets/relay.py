@@ -69,7 +69,7 @@ def relayed_outbox(
         kafka_transactions=config.kafka_transactions,
         on_poison=settings.poison,
     )
-    relay_settings = RelaySettings(
+    relay_settings = RelaySettings.from_env(
         batch_size=config.batch_size, listen=False, max_seconds=config.max_seconds or settings.relay_max_seconds
     )
     with postgres.connect() as conn:

@@ -13,13 +13,15 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
+from . import settings
 from .lag import explain_pending, partition_lag
-from .liveness import LivenessMode
+from .liveness import LivenessMode, liveness_from_env
 from .presence import WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
@@ -59,6 +61,21 @@ class RelaySettings:
     liveness: LivenessMode = "auto"
     # At start, how long to wait for another live session holding this worker's id before refusing to start.
     worker_id_wait_s: float = 60.0
+    # After a claim that took everything there was, the next one no sooner than this (Relay._pace_s).
+    min_cycle_s: float = settings.RELAY_LINGER_MS.default / 1000
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> RelaySettings:
+        """The settings the environment sets (liveness, worker id wait, linger), and ``fields``: what the CLI, the
+        Dagster runs and the bench all build a relay with."""
+        return cls(
+            **{
+                "liveness": liveness_from_env(env),
+                "worker_id_wait_s": settings.WORKER_ID_WAIT_S.read(env),
+                "min_cycle_s": settings.RELAY_LINGER_MS.read(env) / 1000,
+                **fields,
+            }
+        )
 
 
 @dataclass
@@ -104,6 +121,7 @@ class Relay:
         # Whether a claim may find anything: False after an empty or partial one, until a NOTIFY arrives (or the
         # poll interval passes); a claim that could only find nothing costs statements at every cycle.
         self._may_have_work = True
+        self._claimed_at, self._claimed_all = float("-inf"), False  # the last claim: when, and whether it took all
         self._presence: WorkerPresence | None = None
         self._upkeep_at = float("-inf")
         self._turn = 0
@@ -198,6 +216,7 @@ class Relay:
         if claim is not None and self.instruments is not None:
             rows = len(claim.records) + len(claim.withheld)
             self.instruments.claimed(time.monotonic() - started, rows, claim.collisions)
+        self._claimed_at, self._claimed_all = started, claim is None
         if claim is None:
             self._may_have_work = False  # until a NOTIFY says otherwise, or the poll interval passes
             return None
@@ -209,8 +228,18 @@ class Relay:
             return None
         # Claim again at once only if more may be there: a full batch, or other work seen waiting.
         full = len(claim.records) + len(claim.withheld) >= self.settings.batch_size
-        self._may_have_work = full or claim.others_waiting
+        more = full or claim.others_waiting
+        self._may_have_work, self._claimed_all = more, not more
         return claim
+
+    def _pace_s(self) -> float:
+        """How long to let commits gather before the next claim. A claim that took everything there was (a partial
+        batch) is followed by the next one no sooner than ``min_cycle_s`` after it: under steady traffic faster than
+        that, each claim, ack, flush and produce request carries several commits (their fixed cost per message is
+        what the relay's CPU was); a commit after a quieter spell is claimed at once, and a backlog is never paced."""
+        if not self._claimed_all:
+            return 0.0
+        return self._claimed_at + self.settings.min_cycle_s - time.monotonic()
 
     def _publish(self, strategy: Strategy, claim: Claim) -> _InFlight:
         batch = _InFlight(strategy, claim, time.monotonic())
@@ -296,7 +325,12 @@ class Relay:
                         self._may_have_work = True  # commits since the last claim (or no way to hear of them)
                     claim = None
                     if self._may_have_work and (self.settings.pipeline or in_flight is None):
-                        claim = self._claim(strategy, in_flight)
+                        pause = self._pace_s()
+                        if pause > 0 and in_flight is None:
+                            self.stop.wait(pause)  # commits gather meanwhile: the next claim takes them together
+                            self._wake_ups.coalesce(self._control)
+                        if pause <= 0 or in_flight is None:
+                            claim = self._claim(strategy, in_flight)
                     if in_flight is not None:
                         previous, in_flight = in_flight, None
                         outcome = self._finish(previous)

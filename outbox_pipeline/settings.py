@@ -88,6 +88,14 @@ LIVENESS = Setting(
     "expiry behind a pooler or proxy (a transaction-pooling PgBouncer moves sessions between clients)",
     _one_of("auto", "session", "expiry"),
 )
+RELAY_LINGER_MS = Setting(
+    "OUTBOX_RELAY_LINGER_MS",
+    10.0,
+    "under steady traffic, the least time between two claims that each took everything there was: commits gather so "
+    "that one claim, ack and produce request carries several (CPU per message); a commit after a quieter spell is "
+    "claimed at once, and a backlog is never paced (0: claim at every commit)",
+    _number,
+)
 WORKER_ID_WAIT_S = Setting(
     "OUTBOX_WORKER_ID_WAIT_S",
     60.0,
@@ -229,6 +237,7 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     SCHEMA,
     MAX_MESSAGE_BYTES,
     LIVENESS,
+    RELAY_LINGER_MS,
     WORKER_ID_WAIT_S,
     ON_POISON,
     LAG_WARN_AGE_S,

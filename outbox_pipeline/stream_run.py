@@ -45,6 +45,8 @@ class PartitionProgress:
     partition: int
     published: int  # confirmed by Kafka in the interval
     failed: int  # delivery failures in the interval (retried or dead-lettered, see the run's totals)
+    last_failure: str | None  # the last delivery error this worker saw in the interval (a retry may have cleared
+    # the position's own last_error by the time the interval is reported)
     interval_s: float
     lag: PartitionLag | None  # at the end of the interval; None: no rows and no position
     home: bool  # dealt to this worker (False: it helped with a partition whose row waited)
@@ -75,18 +77,21 @@ class _Tally:
         self._lock = threading.Lock()
         self._published: Counter[Pair] = Counter()
         self._failed: Counter[Pair] = Counter()
+        self._errors: dict[Pair, str] = {}
 
     def observe(self, outcome: PublishOutcome) -> None:
         published = Counter((r.topic, r.partition) for r in outcome.delivered)
         failed = Counter((f.record.topic, f.record.partition) for f in outcome.failed)
+        errors = {(f.record.topic, f.record.partition): f.error for f in outcome.failed}
         with self._lock:
             self._published.update(published)
             self._failed.update(failed)
+            self._errors.update(errors)
 
-    def take(self) -> tuple[Counter[Pair], Counter[Pair]]:
+    def take(self) -> tuple[Counter[Pair], Counter[Pair], dict[Pair, str]]:
         with self._lock:
-            taken = self._published, self._failed
-            self._published, self._failed = Counter(), Counter()
+            taken = self._published, self._failed, self._errors
+            self._published, self._failed, self._errors = Counter(), Counter(), {}
         return taken
 
 
@@ -197,7 +202,7 @@ class StreamRun:
     def _report(
         self, conn: psycopg.Connection, interval_s: float, before: _Totals, now: _Totals, final: bool
     ) -> StreamReport:
-        published, failed = self._tally.take()
+        published, failed, errors = self._tally.take()
         table = self.config.table
         lags = {
             (lag.topic, lag.partition): lag for lag in partition_lag(conn, table, self.strategy, cap=REPORT_LAG_CAP)
@@ -217,6 +222,7 @@ class StreamRun:
                     partition=partition,
                     published=published[(topic, partition)],
                     failed=failed[(topic, partition)],
+                    last_failure=errors.get((topic, partition)),
                     interval_s=interval_s,
                     lag=lags.get((topic, partition)),
                     home=(topic, partition) in dealt,

@@ -11,6 +11,23 @@ from typing import Any
 
 pytest_plugins = ["tests.kit.servers", "tests.kit.schema", "tests.kit.workers"]
 
+# The fault suite's FAULT lines (tests/faults/conftest.py attaches them to each test's report): printed here, since
+# under pytest-xdist only the controller writes the terminal summary, and it loads no folder's conftest.
+FAULT_FIGURE = "fault_figure"
+_FAULT_LINES: list[str] = []
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    if report.when == "call":
+        _FAULT_LINES.extend(str(value) for name, value in report.user_properties if name == FAULT_FIGURE)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FAULT_LINES:
+        terminalreporter.section("fault figures")
+        for line in _FAULT_LINES:
+            terminalreporter.write_line(line)
+
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
     """Scopes by module, Spark's modules as one (xdist's own ``loadgroup`` marks do not take with pytest 9)."""

@@ -55,6 +55,8 @@ class LatencyOptions:
     idle_seconds: float = 10.0
     fetch_wait_ms: int = 20
     dagster: bool = False
+    # Other checkouts of the project whose `outbox relay` runs too, interleaved in every round (an A/B).
+    relay_checkouts: tuple[str, ...] = ()
 
     def scenarios(self) -> list[Scenario]:
         curve = [Scenario("curve", rate, rows) for rows in self.rows for rate in self.rates]
@@ -105,8 +107,12 @@ def default_json_path() -> Path:
 
 
 def _relays(options: LatencyOptions, strategy: str, budget_s: float, scratch: Path) -> list[RelayUnderTest]:
-    cli = CliRelay(strategy, options.workers, budget_s, scratch / f"relay-{strategy}-{uuid.uuid4().hex[:6]}.log")
-    return [DagsterRelay(strategy), cli] if options.dagster else [cli]
+    def cli(checkout: Path | None = None) -> CliRelay:
+        log = scratch / f"relay-{strategy}-{uuid.uuid4().hex[:6]}.log"
+        return CliRelay(strategy, options.workers, budget_s, log, checkout)
+
+    others: list[RelayUnderTest] = [cli(Path(c)) for c in options.relay_checkouts]
+    return [DagsterRelay(strategy), cli(), *others] if options.dagster else [cli(), *others]
 
 
 def run(

@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", type=Path, help="latency bench: where to write every number (default under .outbox)")
     parser.add_argument(
+        "--relay-checkout",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="latency bench: also run `outbox relay` from this other checkout of the project, interleaved in every "
+        "round (an A/B of two versions of the relay); repeatable",
+    )
+    parser.add_argument(
         "--dagster",
         action="store_true",
         help="latency bench: also with the relay driven by `dagster dev` (its lag sensor and long-lived relay run), "
@@ -96,6 +104,7 @@ def run(found: Servers, args: argparse.Namespace) -> int:
         idle_seconds=args.idle_seconds,
         fetch_wait_ms=args.observer_wait_ms,
         dagster=args.dagster,
+        relay_checkouts=tuple(args.relay_checkout),
     )
     command = shlex.join(["outbox", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "outbox bench (from Python)"
     bench = latency.run(found, options, command)

@@ -58,24 +58,29 @@ class RelayUnderTest(Protocol):
 
 
 class CliRelay:
-    """`outbox relay --strategy S --workers W --metrics-port P`, in its own process group."""
+    """`outbox relay --strategy S --workers W --metrics-port P`, in its own process group; ``checkout``: that of
+    another checkout of the project (an A/B of two versions of the relay, named ``cli@<directory>``)."""
 
-    name = "cli"
-
-    def __init__(self, strategy: str, workers: int, max_seconds: float, log: Path | None = None) -> None:
+    def __init__(
+        self, strategy: str, workers: int, max_seconds: float, log: Path | None = None, checkout: Path | None = None
+    ) -> None:
         self.strategy, self.workers, self.max_seconds, self.log = strategy, workers, max_seconds, log
+        self.checkout = checkout
+        self.name = "cli" if checkout is None else f"cli@{checkout.resolve().name}"
         self.port = free_port()
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self, servers: Servers, table: OutboxTable) -> None:
         env = {**os.environ, settings.PG_DSN.name: servers.dsn, "KAFKA_BOOTSTRAP_SERVERS": servers.bootstrap}
+        if self.checkout is not None:  # `python -m` imports the package from there (it comes first on the path)
+            env["PYTHONPATH"] = str(self.checkout.resolve())
         command = [sys.executable, "-m", "outbox_pipeline.cli", "relay", "--schema", table.schema]
         command += ["--strategy", self.strategy, "--workers", str(self.workers)]
         command += ["--max-seconds", f"{self.max_seconds:.0f}", "--metrics-port", str(self.port)]
         # Its log goes to a file: its periodic summaries would interleave with the bench's lines.
         with open(self.log or os.devnull, "ab") as log:
             self._process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, env=env, cwd=self.checkout, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         try:
             wait_until_registered(servers.dsn, table, 60.0, self._process)

@@ -12,9 +12,7 @@ import psycopg
 from .. import schema
 from ..config import redact_dsn
 from ..errors import OutboxError
-from ..liveness import liveness_from_env
 from ..relay import RelaySettings
-from ..settings import WORKER_ID_WAIT_S
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
 from ..strategies.quarantine import on_poison_from_env
@@ -36,13 +34,11 @@ def cmd_relay(args: argparse.Namespace) -> int:
     kafka = kafka_config_of(args)
     with psycopg.connect(dsn, autocommit=True) as conn:
         schema.require_current(conn, table)
-    settings = RelaySettings(
+    settings = RelaySettings.from_env(
         batch_size=args.batch_size,
         listen=not args.no_listen,
         until_empty=args.until_empty,
         max_seconds=args.max_seconds,
-        liveness=liveness_from_env(),
-        worker_id_wait_s=WORKER_ID_WAIT_S.read(),
     )
     config = StrategyConfig(
         table=table,

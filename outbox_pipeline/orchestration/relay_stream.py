@@ -86,7 +86,7 @@ def relay_outbox_stream(
             on_poison=settings.poison,
         ),
         kafka.publisher(),
-        RelaySettings(batch_size=config.batch_size, max_seconds=window_s, listen=True),
+        RelaySettings.from_env(batch_size=config.batch_size, max_seconds=window_s, listen=True),
         report_every_s=config.report_interval_s or settings.report_interval_s,
         instruments=pusher.metrics if pusher else None,
     )
@@ -192,7 +192,7 @@ def _metadata(p: PartitionProgress, report: StreamReport, worker_id: str) -> dic
         "lag": dg.MetadataValue.int(lag.pending if lag else 0),
         "oldest_pending_age_s": dg.MetadataValue.float(round((lag.oldest_pending_age_s if lag else None) or 0.0, 3)),
         "failed_deliveries": dg.MetadataValue.int(p.failed),
-        "last_error": dg.MetadataValue.text((lag.last_error if lag else None) or "-"),
+        "last_error": dg.MetadataValue.text(p.last_failure or (lag.last_error if lag else None) or "-"),
         "position": dg.MetadataValue.text((lag.position if lag else None) or "-"),
         "interval_s": dg.MetadataValue.float(round(p.interval_s, 1)),
         "dealt_to_this_run": dg.MetadataValue.bool(p.home),

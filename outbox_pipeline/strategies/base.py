@@ -84,15 +84,17 @@ class OutboxRecord(NamedTuple):
 
 
 def fetch_records(
-    conn: psycopg.Connection,
-    query: sql.Composed,
+    source: psycopg.Connection | psycopg.Cursor[Any],
+    query: sql.Composed | bytes,
     params: Mapping[str, object] | None = None,
     *,
     prepare: bool | None = None,
 ) -> list[OutboxRecord]:
     """Run a query selecting RECORD_COLUMNS; binary results load bytea without any decoding, and
-    ``created_at`` as the integer it is on the wire (psycopg's C int8 loader: no datetime per row)."""
-    rows = stamped_cursor(conn).execute(query, params, prepare=prepare).fetchall()
+    ``created_at`` as the integer it is on the wire (psycopg's C int8 loader: no datetime per row). ``source``: a
+    connection, or a cursor from ``stamped_cursor`` kept for the next reads (making one copies the adapters)."""
+    cur = stamped_cursor(source) if isinstance(source, psycopg.Connection) else source
+    rows = cur.execute(query, params, prepare=prepare).fetchall()
     return list(map(OutboxRecord._make, rows))
 
 

@@ -12,14 +12,16 @@ them. ``partitioned``'s snapshot rule and every other read condition are the str
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from .base import RECORD_COLUMNS, OutboxRecord, StrategyConfig, stamped_cursor
+from .base import RECORD_COLUMNS, OutboxRecord, StrategyConfig
 from .offsets import PartitionLease, candidates, released_hold
 from .sharing import IS_HOME
 
@@ -44,8 +46,7 @@ _CLAIM = """
         FROM leased
         UNION ALL
         SELECT a.topic, a.partition, a.xid, a.id, 0, false, false, false
-        FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(xids)s::xid8[], %(ids)s::bigint[])
-             AS a(topic, partition, xid, id)
+        FROM jsonb_to_recordset(%(ahead)s::jsonb) AS a(topic text, partition int, xid xid8, id bigint)
     )
     SELECT o.topic::varchar, o.partition, o.last_processed_transaction_id::text::varchar, o.last_processed_id,
            o.attempts, o.has_holds, o.released, o.leased_now, r.*
@@ -59,19 +60,24 @@ _CLAIM = """
 """
 
 
-def claim_sql(config: StrategyConfig, *, work: str, order: str) -> sql.Composed:
-    """The claim statement for the strategy's condition and read order; compose once per strategy instance."""
+def claim_sql(config: StrategyConfig, *, work: str, order: str) -> bytes:
+    """The claim statement for the strategy's condition and read order; compose once per strategy instance (as
+    bytes: psycopg would render a composed statement again at every execution)."""
     table = config.table
-    return sql.SQL(_CLAIM).format(
-        offsets=table.offsets,
-        candidates=candidates(config, work=work, order=order),
-        home=IS_HOME,
-        holds=table.holds,
-        released_target=released_hold(table, "target"),
-        columns=sql.SQL(RECORD_COLUMNS),
-        messages=table.messages,
-        work=sql.SQL(work),
-        order=sql.SQL(order),
+    return (
+        sql.SQL(_CLAIM)
+        .format(
+            offsets=table.offsets,
+            candidates=candidates(config, work=work, order=order),
+            home=IS_HOME,
+            holds=table.holds,
+            released_target=released_hold(table, "target"),
+            columns=sql.SQL(RECORD_COLUMNS),
+            messages=table.messages,
+            work=sql.SQL(work),
+            order=sql.SQL(order),
+        )
+        .as_bytes(None)
     )
 
 
@@ -100,34 +106,21 @@ def share_of(limit: int, partitions: int) -> int:
 
 
 def read_partitions(
-    conn: psycopg.Connection,
+    cursor: psycopg.Cursor[Any],
     config: StrategyConfig,
-    query: sql.Composed,
+    query: bytes,
     *,
     ahead: Sequence[PartitionLease],
     max_new: int,
     limit: int,
     dealt: Mapping[str, object],
 ) -> Reads:
-    """Lease up to ``max_new`` waiting partitions and read them with the ``ahead`` ones (positions to read past)."""
-    rows = (
-        stamped_cursor(conn)
-        .execute(
-            query,
-            {
-                "lease": config.lease_s,
-                "worker": config.worker_id,
-                "max_new": max_new,
-                "topics": [a.topic for a in ahead],
-                "partitions": [a.partition for a in ahead],
-                "xids": [a.xid for a in ahead],
-                "ids": [a.last_id for a in ahead],
-                "limit": limit,
-                **dealt,
-            },
-        )
-        .fetchall()
-    )
+    """Lease up to ``max_new`` waiting partitions and read them with the ``ahead`` ones (positions to read past);
+    ``cursor`` from base.stamped_cursor. The positions go as one JSON document: dumping four arrays of them cost
+    more CPU than the rest of the claim."""
+    positions = json.dumps([{"topic": a.topic, "partition": a.partition, "xid": a.xid, "id": a.last_id} for a in ahead])
+    params = {"lease": config.lease_s, "worker": config.worker_id, "max_new": max_new, "ahead": positions}
+    rows = cursor.execute(query, {**params, "limit": limit, **dealt}).fetchall()
     by_partition: dict[tuple[str, int], PartitionRead] = {}
     for row in rows:
         topic, partition, xid, last_id, attempts, has_holds, released, leased_now = row[:8]

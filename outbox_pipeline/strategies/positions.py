@@ -29,14 +29,25 @@ import psycopg
 from psycopg import IsolationLevel
 
 from . import offsets
-from .base import AckResult, Claim, DeliveryFailure, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
+from .base import (
+    AckResult,
+    Claim,
+    OutboxRecord,
+    PublishOutcome,
+    Strategy,
+    StrategyConfig,
+    stamped_cursor,
+)
 from .offsets import Move, PartitionLease
 from .position_reads import MAX_PARTITIONS_PER_CLAIM, PartitionRead, claim_sql, read_partitions
+from .position_settle import count_by_partition, settle_all
 from .quarantine import NO_HOLDS, Quarantine
 from .sharing import Dealer, Home
 
-# Every (topic, partition) pair gets looked at this often (a claim that finds nothing looks at new rows only).
+# Every (topic, partition) pair gets looked at this often, and the rows written since the last look this often
+# while claims find work (see claim()).
 DISCOVERY_INTERVAL_S = 5.0
+RECENT_DISCOVERY_S = 0.5
 
 Key = tuple[str, int]
 
@@ -63,20 +74,7 @@ class _Chain:
     @property
     def ahead(self) -> PartitionLease:
         """Where the next batch is read from (and its compare-and-set base): past the batches in flight."""
-        return replace(self.lease, xid=self.read_xid, last_id=self.read_id, attempts=0)
-
-
-@dataclass
-class _Settled:
-    """One partition's share of a batch's outcome (see ``settle``)."""
-
-    advanced: OutboxRecord | None = None
-    acked: int = 0
-    attempts: int = 0
-    stopped_at: DeliveryFailure | None = None
-    dead: list[DeliveryFailure] | None = None
-    to_hold: list[OutboxRecord] | None = None
-    retried: int = 0
+        return PartitionLease(self.lease.topic, self.lease.partition, self.read_xid, self.read_id, 0)
 
 
 class PositionStrategy(Strategy):
@@ -87,7 +85,7 @@ class PositionStrategy(Strategy):
     def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
         super().__init__(conn, config)
         conn.isolation_level = IsolationLevel.READ_COMMITTED
-        self._discovered_at = float("-inf")
+        self._discovered_at = self._recent_at = float("-inf")
         self._seen_id = 0  # the highest message id a discovery covered
         self._chains: dict[Key, _Chain] = {}
         self._checked_tx_at = float("-inf")
@@ -96,6 +94,7 @@ class PositionStrategy(Strategy):
         self._quarantine = Quarantine(conn, config, self.read_order)
         # Composed once: composing costs on every claim, and the same text keeps the statement prepared.
         self._claim_sql = claim_sql(config, work=self.work_condition, order=self.read_order)
+        self._cursor = stamped_cursor(conn)  # kept: making one copies the connection's adapters
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
@@ -111,13 +110,18 @@ class PositionStrategy(Strategy):
     # -- claim -------------------------------------------------------------------------------
 
     def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
-        if time.monotonic() - self._discovered_at > DISCOVERY_INTERVAL_S:
-            self.discover_partitions()  # a new partition is nobody's candidate until it has an offsets row
-            self._discovered_at = time.monotonic()
-        claim = self._claim(limit)
-        # Nothing to claim: a partition new since the last look has no offsets row yet. Read the rows written since
-        # then (every wake-up that finds its rows already published ends here: a full look each time cost more than
+        # A partition is nobody's to lease until it has an offsets row: every pair is looked at every
+        # DISCOVERY_INTERVAL_S, the rows written since the last look every RECENT_DISCOVERY_S while claims find work
+        # (a new topic's first rows must not wait for a busy partition to run dry), and whenever a claim finds
+        # nothing (every wake-up whose rows were already published ends so: a full look each time cost more than
         # the rest of the cycle).
+        now = time.monotonic()
+        if now - self._discovered_at > DISCOVERY_INTERVAL_S:
+            self.discover_partitions()
+            self._discovered_at = self._recent_at = now
+        elif now - self._recent_at > RECENT_DISCOVERY_S:
+            self._discover_recent()
+        claim = self._claim(limit)
         if claim is None and self._discover_recent():
             claim = self._claim(limit)
         return claim
@@ -128,7 +132,7 @@ class PositionStrategy(Strategy):
         if self.config.kafka_transactions:  # one partition per claim: one transactional id per partition
             ahead, max_new = ahead[:1], 0 if ahead else 1
         reads = read_partitions(
-            self.conn,
+            self._cursor,
             self.config,
             self._claim_sql,
             ahead=ahead,
@@ -225,6 +229,7 @@ class PositionStrategy(Strategy):
 
     def _discover_recent(self) -> int:
         """The same for rows written since the last look only; every pair when too many were."""
+        self._recent_at = time.monotonic()
         found = offsets.discover_recent(self.conn, self.table, self._seen_id)
         return self._discovered(found) if found.complete else self.discover_partitions()
 
@@ -295,7 +300,7 @@ class PositionStrategy(Strategy):
         if claim.release:
             return self._ack_release(claim, outcome)
         state: dict[Key, PartitionLease] = claim.state
-        settled = self._settle_all(claim, outcome)
+        settled = settle_all(claim, outcome, self.order_key, self.config.max_attempts, self._quarantine.enabled)
         moves: list[Move] = []
         for key, lease in state.items():
             done = settled[key]
@@ -324,8 +329,8 @@ class PositionStrategy(Strategy):
                     if chain is not None and (failure.record.topic, failure.record.key) in held:
                         chain.has_holds = True
                 self._quarantine.move_to_held([r for r in to_hold if (r.topic, r.partition) in owned], delete=False)
-        result = AckResult()
-        delivered_in = _count_by_partition(outcome.delivered)
+        acked = retried = dead_lettered = lost = 0
+        delivered_in = count_by_partition(outcome.delivered) if len(owned) < len(state) else {}
         for key in state:
             chain = self._chains.get(key)
             if chain is not None:
@@ -334,75 +339,11 @@ class PositionStrategy(Strategy):
                     del self._chains[key]
             done = settled[key]
             if key in owned:
-                result = replace(
-                    result,
-                    acked=result.acked + done.acked,
-                    retried=result.retried + done.retried,
-                    dead_lettered=result.dead_lettered + len(done.dead or ()),
-                )
+                acked, retried = acked + done.acked, retried + done.retried
+                dead_lettered += len(done.dead or ())
             else:
-                result = replace(result, lost_ownership=result.lost_ownership + delivered_in.get(key, 0))
-        return result
-
-    def _settle_all(self, claim: Claim, outcome: PublishOutcome) -> dict[Key, _Settled]:
-        state: dict[Key, PartitionLease] = claim.state
-        if not claim.withheld and not outcome.failed and len(outcome.delivered) == len(claim.records):
-            # The common case: Kafka took the whole batch. Each partition's rows are in the position's order, so each
-            # position moves to its last row without sorting or walking them (13 % of the relay's CPU once).
-            last: dict[Key, OutboxRecord] = {}
-            counts = _count_by_partition(claim.records)
-            for record in claim.records:
-                last[(record.topic, record.partition)] = record
-            return {key: _Settled(last.get(key), counts.get(key, 0)) for key in state}
-        delivered = {r.id for r in outcome.delivered}
-        failures = {f.record.id: f for f in outcome.failed}
-        withheld = {r.id for r in claim.withheld}
-        rows: dict[Key, list[OutboxRecord]] = {key: [] for key in state}
-        for record in (*claim.records, *claim.withheld):
-            rows[(record.topic, record.partition)].append(record)
-        return {
-            key: self._settle(lease, sorted(rows[key], key=self.order_key), withheld, delivered, failures)
-            for key, lease in state.items()
-        }
-
-    def _settle(
-        self,
-        lease: PartitionLease,
-        records: Sequence[OutboxRecord],
-        withheld: Collection[int],
-        delivered: Collection[int],
-        failures: dict[int, DeliveryFailure],
-    ) -> _Settled:
-        """One partition, in order: how far its position moves, what is dead-lettered or held, where it stops."""
-        done = _Settled(attempts=lease.attempts, dead=[], to_hold=[])
-        assert done.dead is not None and done.to_hold is not None
-        held_now: set[tuple[str, bytes | None]] = set()  # keys dead-lettered in this batch
-        for record in records:
-            if record.id in withheld or (record.topic, record.key) in held_now:
-                # Held (even if Kafka took it: it goes out again after the dead letter it waits for).
-                done.to_hold.append(record)
-                done.advanced, done.attempts = record, 0
-                continue
-            if record.id in delivered:
-                done.advanced, done.acked, done.attempts = record, done.acked + 1, 0
-                continue
-            failure = failures[record.id]
-            if failure.permanent or (failure.counts and done.attempts + 1 >= self.config.max_attempts):
-                # Attempts of an ordered partition are counted on its offsets row (rows never change).
-                done.dead.append(replace(failure, record=record._replace(attempts=done.attempts)))
-                done.advanced, done.attempts = record, 0
-                if self._quarantine.enabled and record.key is not None:
-                    held_now.add((record.topic, record.key))
-                continue
-            done.stopped_at = failure
-            # A transport failure leaves the head's attempts as they were (see FailureKind).
-            done.attempts += failure.counts
-            break
-        if done.stopped_at is None:
-            done.attempts = 0
-        newly_held = len([r for r in done.to_hold if r.id not in withheld])
-        done.retried = len([r for r in records if r.id not in withheld]) - done.acked - len(done.dead) - newly_held
-        return done
+                lost += delivered_in.get(key, 0)
+        return AckResult(acked=acked, lost_ownership=lost, retried=retried, dead_lettered=dead_lettered)
 
     def _ack_release(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
         """A release batch: done held rows leave the hold, then the partition is released (its lease ends,
@@ -447,11 +388,3 @@ class PositionStrategy(Strategy):
 
     def _release(self, keys: Sequence[Key]) -> None:
         offsets.release_many(self.conn, self.config, keys)
-
-
-def _count_by_partition(records: Iterable[OutboxRecord]) -> dict[Key, int]:
-    counts: dict[Key, int] = {}
-    for record in records:
-        key = (record.topic, record.partition)
-        counts[key] = counts.get(key, 0) + 1
-    return counts

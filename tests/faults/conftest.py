@@ -7,39 +7,24 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
 from tests.kit.tcp_proxy import TcpProxy
 
+from ..conftest import FAULT_FIGURE
 from .helpers import FIGURES
 
-# The FAULT lines of every scenario, gathered where the terminal summary is written (with pytest-xdist, the
-# controller: each worker sends its lines along with the test's report).
-_SUMMARY: list[str] = []
-_FIGURE = "fault_figure"
 
-
+# Each scenario's FAULT lines ride along with its test's report; tests/conftest.py prints them where the terminal
+# summary is written (with pytest-xdist, the controller, which loads no folder's conftest).
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     if call.when == "call":
-        item.user_properties.extend((_FIGURE, line) for line in FIGURES)
+        item.user_properties.extend((FAULT_FIGURE, line) for line in FIGURES)
         FIGURES.clear()
     yield
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when == "call":
-        _SUMMARY.extend(str(value) for name, value in report.user_properties if name == _FIGURE)
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if _SUMMARY:
-        terminalreporter.section("fault figures")
-        for line in _SUMMARY:
-            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="module")
