@@ -33,6 +33,9 @@ from .wakeups import WakeUps
 
 log = logging.getLogger(__name__)
 
+# A claim of this many rows or more is followed by the whole linger, a smaller one by its share (Relay._pace_s).
+LINGER_FULL_ROWS = 20
+
 StrategyFactory = Callable[[psycopg.Connection, StrategyConfig], Strategy]
 # Called with every batch's outcome after its ack (in the relay's thread): per-partition accounting.
 OutcomeObserver = Callable[[PublishOutcome], None]
@@ -121,7 +124,8 @@ class Relay:
         # Whether a claim may find anything: False after an empty or partial one, until a NOTIFY arrives (or the
         # poll interval passes); a claim that could only find nothing costs statements at every cycle.
         self._may_have_work = True
-        self._claimed_at, self._claimed_all = float("-inf"), False  # the last claim: when, and whether it took all
+        # The last claim: when, whether it took everything there was, and how many rows.
+        self._claimed_at, self._claimed_all, self._claimed_rows = float("-inf"), False, 0
         self._presence: WorkerPresence | None = None
         self._upkeep_at = float("-inf")
         self._turn = 0
@@ -217,6 +221,7 @@ class Relay:
             rows = len(claim.records) + len(claim.withheld)
             self.instruments.claimed(time.monotonic() - started, rows, claim.collisions)
         self._claimed_at, self._claimed_all = started, claim is None
+        self._claimed_rows = len(claim.records) + len(claim.withheld) if claim is not None else 0
         if claim is None:
             self._may_have_work = False  # until a NOTIFY says otherwise, or the poll interval passes
             return None
@@ -234,12 +239,14 @@ class Relay:
 
     def _pace_s(self) -> float:
         """How long to let commits gather before the next claim. A claim that took everything there was (a partial
-        batch) is followed by the next one no sooner than ``min_cycle_s`` after it: under steady traffic faster than
-        that, each claim, ack, flush and produce request carries several commits (their fixed cost per message is
-        what the relay's CPU was); a commit after a quieter spell is claimed at once, and a backlog is never paced."""
+        batch) is followed by the next one no sooner than ``min_cycle_s`` after it, scaled by its rows up to
+        LINGER_FULL_ROWS: under steady traffic each claim, ack, flush and produce request then carries dozens of
+        commits (their fixed cost per cycle is what the relay's CPU was), while a trickle of commits pauses next to
+        nothing (one row: a twentieth of the linger) and a backlog is never paced."""
         if not self._claimed_all:
             return 0.0
-        return self._claimed_at + self.settings.min_cycle_s - time.monotonic()
+        share = min(1.0, self._claimed_rows / LINGER_FULL_ROWS)
+        return self._claimed_at + self.settings.min_cycle_s * share - time.monotonic()
 
     def _publish(self, strategy: Strategy, claim: Claim) -> _InFlight:
         batch = _InFlight(strategy, claim, time.monotonic())
@@ -321,15 +328,19 @@ class Relay:
                         idle_wait, self._may_have_work = self.settings.poll_interval_s, True
                     strategies = self._instances()
                     strategy = strategies[self._turn % len(strategies)]
-                    if self._wake_ups.coalesce(self._control) or not self._wake_ups.listening:
-                        self._may_have_work = True  # commits since the last claim (or no way to hear of them)
+                    # Commits since the last claim (or no way to hear of them)? Asked only when it matters: a look at
+                    # the connection costs about as much as a tenth of a cycle.
+                    if not self._may_have_work and (
+                        self._wake_ups.coalesce(self._control) or not self._wake_ups.listening
+                    ):
+                        self._may_have_work = True
                     claim = None
                     if self._may_have_work and (self.settings.pipeline or in_flight is None):
                         pause = self._pace_s()
                         if pause > 0 and in_flight is None:
                             self.stop.wait(pause)  # commits gather meanwhile: the next claim takes them together
-                            self._wake_ups.coalesce(self._control)
                         if pause <= 0 or in_flight is None:
+                            self._wake_ups.coalesce(self._control)  # the claim sees what they announce
                             claim = self._claim(strategy, in_flight)
                     if in_flight is not None:
                         previous, in_flight = in_flight, None

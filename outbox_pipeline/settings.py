@@ -90,10 +90,11 @@ LIVENESS = Setting(
 )
 RELAY_LINGER_MS = Setting(
     "OUTBOX_RELAY_LINGER_MS",
-    10.0,
-    "under steady traffic, the least time between two claims that each took everything there was: commits gather so "
-    "that one claim, ack and produce request carries several (CPU per message); a commit after a quieter spell is "
-    "claimed at once, and a backlog is never paced (0: claim at every commit)",
+    25.0,
+    "under steady traffic, the least time between two claims that each took everything there was, scaled by the "
+    "rows the last one took (all of it from 20 rows, a twentieth for one): commits gather so that one claim, ack and "
+    "produce request carries dozens (CPU per message); a trickle of commits pauses next to nothing, and a backlog is "
+    "never paced (0: claim at every commit)",
     _number,
 )
 WORKER_ID_WAIT_S = Setting(
