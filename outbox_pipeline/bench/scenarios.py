@@ -21,6 +21,7 @@ from .traffic import Stream, WriterPlan
 
 WARMUP_S = 2.0  # connections, the producer's first metadata, plans: not steady state
 WRITER_TX_PER_S = 200  # transactions a second one writer process is given, so it keeps its schedule
+WRITER_MSG_PER_S = 3_000  # and messages a second (one process fell behind at 10,000 msg/s in 100-row transactions)
 CURVE_PARTITIONS = 8
 CURVE_KEYS = 1000
 QUIET_RATE = 10.0
@@ -62,14 +63,21 @@ class Scenario:
         return streams
 
 
-def writer_plans(streams: Sequence[Stream], schema: str, seconds: float, scratch: Path) -> list[WriterPlan]:
-    """Per key class, as many writer processes as its transactions a second need (each takes every n-th one)."""
+def writer_plans(
+    streams: Sequence[Stream], schema: str, seconds: float, scratch: Path, *, serialized: bool = False
+) -> list[WriterPlan]:
+    """Per key class, as many writer processes as its transactions and messages a second need (each takes every
+    n-th transaction); ``serialized``: they write as strategy `serialized` requires."""
     plans = []
     for key_class in dict.fromkeys(s.key_class for s in streams):
         mine = tuple(s for s in streams if s.key_class == key_class)
-        n = max(1, math.ceil(sum(s.rate / s.rows for s in mine) / WRITER_TX_PER_S))
+        n = max(
+            1,
+            math.ceil(sum(s.rate / s.rows for s in mine) / WRITER_TX_PER_S),
+            math.ceil(sum(s.rate for s in mine) / WRITER_MSG_PER_S),
+        )
         plans += [
-            WriterPlan(schema, mine, seconds, WARMUP_S, str(scratch / f"writer-{key_class}-{i}.tsv"), i, n)
+            WriterPlan(schema, mine, seconds, WARMUP_S, str(scratch / f"writer-{key_class}-{i}.tsv"), i, n, serialized)
             for i in range(n)
         ]
     return plans

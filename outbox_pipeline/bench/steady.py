@@ -107,7 +107,9 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
     servers, relay, seconds = session.servers, session.relay, session.seconds
     topic = _topic(session, scenario.partitions, scenario.kind)
     streams = scenario.streams(topic)
-    plans = writer_plans(streams, session.table.schema, seconds, session.scratch)
+    plans = writer_plans(
+        streams, session.table.schema, seconds, session.scratch, serialized=session.strategy == "serialized"
+    )
     observer = _observer(session, topic, scenario.partitions, probe=True) if session.observe else None
     watcher = observer[0] if observer else None
     writers: list[Child] = []

@@ -60,6 +60,9 @@ class WriterPlan:
     out: str
     index: int = 0
     of: int = 1
+    # Strategy `serialized` requires its writers to take the outbox's write lock (serialized.py): without it,
+    # concurrent writer processes commit ids out of order and the relay passes rows it has not read.
+    serialized: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -130,7 +133,7 @@ def _schedule(
             Message(stream.topic, {"n": n, "i": i}, key=stream.key_of(n * stream.rows + i), partition=stream.partition)
             for i in range(stream.rows)
         ]
-        written = enqueue_many(conn, batch, table=table)
+        written = enqueue_many(conn, batch, serialized=plan.serialized, table=table)
         conn.commit()
         stamp = time.time()
         committed.extend((str(w.message_id), stamp, stream.key_class) for w in written)
