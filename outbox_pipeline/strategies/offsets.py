@@ -149,8 +149,8 @@ _CANDIDATES = """
     ) oldest ON true
     WHERE o.available_after <= now() {scope}
       AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
-      AND ({home} OR coalesce(oldest.created_at, '-infinity')
-                     <= now() - make_interval(secs => %(steal_after)s))
+      AND ({home} OR (%(steal)s AND coalesce(oldest.created_at, '-infinity')
+                                  <= now() - make_interval(secs => %(steal_after)s)))
 """
 
 

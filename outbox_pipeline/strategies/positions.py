@@ -91,6 +91,10 @@ class PositionStrategy(Strategy):
         self._checked_tx_at = float("-inf")
         self._tx_ids: frozenset[str] | None = None
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
+        # Another worker's partition (one that waited STEAL_AFTER_S) is taken only by a worker whose last claim found
+        # no work at home: a claim leases every partition it may, and the first worker of a backlog would otherwise
+        # take every partition, leaving the others idle.
+        self._may_steal = False
         self._quarantine = Quarantine(conn, config, self.read_order)
         # Composed once: composing costs on every claim, and the same text keeps the statement prepared.
         self._claim_sql = claim_sql(config, work=self.work_condition, order=self.read_order)
@@ -131,6 +135,7 @@ class PositionStrategy(Strategy):
         max_new = MAX_PARTITIONS_PER_CLAIM - len(ahead)
         if self.config.kafka_transactions:  # one partition per claim: one transactional id per partition
             ahead, max_new = ahead[:1], 0 if ahead else 1
+        home = self._dealer.current()
         reads = read_partitions(
             self._cursor,
             self.config,
@@ -138,8 +143,9 @@ class PositionStrategy(Strategy):
             ahead=ahead,
             max_new=max_new,
             limit=limit,
-            dealt=self._dealer.current().params(),
+            dealt={**home.params(), "steal": self._may_steal},
         )
+        self._may_steal = not any(r.records and home.holds(*r.key) for r in reads.partitions)
         if released := next((r for r in reads.partitions if r.lease.released), None):
             # A released hold's held rows go before anything else of its partition, and alone.
             self._release([r.key for r in reads.partitions if r.leased_now and r is not released])

@@ -15,6 +15,7 @@ every partition is equally its own.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -58,12 +59,20 @@ class Home:
     def everywhere(self) -> bool:
         return self.topics is None
 
+    @functools.cached_property
+    def _pairs(self) -> frozenset[tuple[str, int]]:
+        return frozenset(zip(self.topics or [], self.partitions or [], strict=True))
+
+    def holds(self, topic: str, partition: int) -> bool:
+        return self.everywhere or (topic, partition) in self._pairs
+
     def params(self) -> dict[str, object]:
         return {
             "everywhere": self.everywhere,
             "home_topics": self.topics or [],
             "home_partitions": self.partitions or [],
             "steal_after": STEAL_AFTER_S,
+            "steal": True,
         }
 
 
