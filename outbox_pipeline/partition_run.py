@@ -18,7 +18,7 @@ from psycopg import sql
 from .config import OutboxTable
 from .lag import PartitionLag, explain_pending, partition_lag
 from .publisher import KafkaPublisher
-from .relay import RelaySettings
+from .relay_settings import RelaySettings
 from .strategies import strategy_class
 from .strategies.base import StrategyConfig
 from .strategies.positions import PositionStrategy

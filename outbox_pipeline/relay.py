@@ -13,17 +13,15 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import psycopg
 
-from . import settings
 from .lag import explain_pending, partition_lag
-from .liveness import LivenessMode, liveness_from_env
 from .presence import WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
+from .relay_settings import Pacer, RelaySettings
 from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
 from .schema import require_current
 from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
@@ -33,52 +31,9 @@ from .wakeups import WakeUps
 
 log = logging.getLogger(__name__)
 
-# A claim of this many rows or more is followed by the whole linger, a smaller one by its share (Relay._pace_s).
-LINGER_FULL_ROWS = 20
-
 StrategyFactory = Callable[[psycopg.Connection, StrategyConfig], Strategy]
 # Called with every batch's outcome after its ack (in the relay's thread): per-partition accounting.
 OutcomeObserver = Callable[[PublishOutcome], None]
-
-
-@dataclass(frozen=True)
-class RelaySettings:
-    batch_size: int = 1000
-    poll_interval_s: float = 0.2
-    max_poll_interval_s: float = 5.0
-    error_backoff_base_s: float = 0.5
-    error_backoff_max_s: float = 30.0
-    listen: bool = True
-    # Stop once nothing is pending: waits (bounded by max_seconds) for rows leased by others or backing off,
-    # and fills RelayStats.remaining when it stops with rows still pending.
-    until_empty: bool = False
-    # Stop at the first claim that finds nothing (a Dagster partition run's "caught up").
-    until_idle: bool = False
-    max_seconds: float | None = None
-    # Read the next batch while Kafka confirms the previous one (see Relay.run).
-    pipeline: bool = True
-    # Heartbeat and reap of dead workers (liveness.py) at most this often; also the longest idle wait.
-    upkeep_interval_s: float = 1.0
-    # "session": this worker's leases end when its session does; "expiry": only when they expire; "auto": session
-    # on a connection verified to be direct (presence.py).
-    liveness: LivenessMode = "auto"
-    # At start, how long to wait for another live session holding this worker's id before refusing to start.
-    worker_id_wait_s: float = 60.0
-    # After a claim that took everything there was, the next one no sooner than this (Relay._pace_s).
-    min_cycle_s: float = settings.RELAY_LINGER_MS.default / 1000
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> RelaySettings:
-        """The settings the environment sets (liveness, worker id wait, linger), and ``fields``: what the CLI, the
-        Dagster runs and the bench all build a relay with."""
-        return cls(
-            **{
-                "liveness": liveness_from_env(env),
-                "worker_id_wait_s": settings.WORKER_ID_WAIT_S.read(env),
-                "min_cycle_s": settings.RELAY_LINGER_MS.read(env) / 1000,
-                **fields,
-            }
-        )
 
 
 @dataclass
@@ -124,8 +79,7 @@ class Relay:
         # Whether a claim may find anything: False after an empty or partial one, until a NOTIFY arrives (or the
         # poll interval passes); a claim that could only find nothing costs statements at every cycle.
         self._may_have_work = True
-        # The last claim: when, whether it took everything there was, and how many rows.
-        self._claimed_at, self._claimed_all, self._claimed_rows = float("-inf"), False, 0
+        self._pacer = Pacer(self.settings.min_cycle_s)
         self._presence: WorkerPresence | None = None
         self._upkeep_at = float("-inf")
         self._turn = 0
@@ -217,11 +171,10 @@ class Relay:
         avoid = [r.id for r in (*in_flight.claim.records, *in_flight.claim.withheld)] if in_flight is not None else ()
         started = time.monotonic()
         claim = strategy.claim(self.settings.batch_size, avoid)
+        rows = len(claim.records) + len(claim.withheld) if claim is not None else 0
         if claim is not None and self.instruments is not None:
-            rows = len(claim.records) + len(claim.withheld)
             self.instruments.claimed(time.monotonic() - started, rows, claim.collisions)
-        self._claimed_at, self._claimed_all = started, claim is None
-        self._claimed_rows = len(claim.records) + len(claim.withheld) if claim is not None else 0
+        self._pacer.claimed(started, rows, took_all=claim is None)
         if claim is None:
             self._may_have_work = False  # until a NOTIFY says otherwise, or the poll interval passes
             return None
@@ -232,21 +185,10 @@ class Relay:
             self._may_have_work = True
             return None
         # Claim again at once only if more may be there: a full batch, or other work seen waiting.
-        full = len(claim.records) + len(claim.withheld) >= self.settings.batch_size
-        more = full or claim.others_waiting
-        self._may_have_work, self._claimed_all = more, not more
+        more = rows >= self.settings.batch_size or claim.others_waiting
+        self._may_have_work = more
+        self._pacer.claimed(started, rows, took_all=not more)
         return claim
-
-    def _pace_s(self) -> float:
-        """How long to let commits gather before the next claim. A claim that took everything there was (a partial
-        batch) is followed by the next one no sooner than ``min_cycle_s`` after it, scaled by its rows up to
-        LINGER_FULL_ROWS: under steady traffic each claim, ack, flush and produce request then carries dozens of
-        commits (their fixed cost per cycle is what the relay's CPU was), while a trickle of commits pauses next to
-        nothing (one row: a twentieth of the linger) and a backlog is never paced."""
-        if not self._claimed_all:
-            return 0.0
-        share = min(1.0, self._claimed_rows / LINGER_FULL_ROWS)
-        return self._claimed_at + self.settings.min_cycle_s * share - time.monotonic()
 
     def _publish(self, strategy: Strategy, claim: Claim) -> _InFlight:
         batch = _InFlight(strategy, claim, time.monotonic())
@@ -336,7 +278,7 @@ class Relay:
                         self._may_have_work = True
                     claim = None
                     if self._may_have_work and (self.settings.pipeline or in_flight is None):
-                        pause = self._pace_s()
+                        pause = self._pacer.pause_s()
                         if pause > 0 and in_flight is None:
                             self.stop.wait(pause)  # commits gather meanwhile: the next claim takes them together
                         if pause <= 0 or in_flight is None:

@@ -24,7 +24,7 @@ import psycopg
 
 from .lag import PartitionLag, partition_lag
 from .publisher import KafkaPublisher
-from .relay import RelaySettings
+from .relay_settings import RelaySettings
 from .relay_stats import RelayInstruments, RelayStats
 from .strategies.base import PublishOutcome, StrategyConfig
 from .strategies.sharing import deal

@@ -24,7 +24,8 @@ from multiprocessing.queues import Queue
 from .config import default_worker_id
 from .errors import OutboxError
 from .publisher import KafkaPublisher
-from .relay import Relay, RelaySettings
+from .relay import Relay
+from .relay_settings import RelaySettings
 from .relay_stats import RelayInstruments
 from .strategies import strategy_class
 from .strategies.base import PublishOutcome, Strategy, StrategyConfig

@@ -20,7 +20,7 @@ from psycopg import sql
 from ..config import OutboxTable
 from ..enqueue import Message, enqueue_many
 from ..lag import held_keys
-from ..relay import RelaySettings
+from ..relay_settings import RelaySettings
 from ..schema import init_db, set_topic_partitions
 from ..strategies.base import StrategyConfig
 from ..workers import WorkerSpec, build_relay

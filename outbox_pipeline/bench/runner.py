@@ -28,7 +28,7 @@ from psycopg import sql
 from ..config import OutboxTable
 from ..demo import load
 from ..publisher import KafkaPublisher
-from ..relay import RelaySettings
+from ..relay_settings import RelaySettings
 from ..schema import init_db, set_topic_partitions
 from ..strategies.base import PublishOutcome, StrategyConfig
 from ..verify import verify

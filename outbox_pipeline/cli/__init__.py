@@ -17,7 +17,7 @@ import psycopg
 from ..config import redact_dsn
 from ..errors import OutboxError
 from ..migrations import DEFAULT_DAYS_AHEAD
-from ..relay import RelaySettings
+from ..relay_settings import RelaySettings
 from ..strategies import STRATEGY_NAMES
 from ..strategies.quarantine import ON_POISON_CHOICES
 from .common import add_db_args, timestamp_arg

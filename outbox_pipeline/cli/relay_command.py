@@ -12,7 +12,7 @@ import psycopg
 from .. import schema
 from ..config import redact_dsn
 from ..errors import OutboxError
-from ..relay import RelaySettings
+from ..relay_settings import RelaySettings
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
 from ..strategies.quarantine import on_poison_from_env

@@ -16,7 +16,7 @@ from outbox_pipeline.bench.ceilings import ConfirmingPublisher
 from outbox_pipeline.bench.talk_table import create_talk_table, index_talk_table
 from outbox_pipeline.cli import main
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres, PostgresSpec, free_port
-from outbox_pipeline.relay import RelaySettings
+from outbox_pipeline.relay_settings import RelaySettings
 from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.workers import WorkerSpec, build_relay
 

@@ -22,7 +22,7 @@ from outbox_pipeline import OutboxTable
 from outbox_pipeline.liveness import reap
 from outbox_pipeline.localstack import free_port
 from outbox_pipeline.presence import WorkerPresence
-from outbox_pipeline.relay import RelaySettings
+from outbox_pipeline.relay_settings import RelaySettings
 from tests.kit.probes import lease_partition, wait_until
 
 PGBOUNCER = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer" if Path("/usr/sbin/pgbouncer").exists() else None)

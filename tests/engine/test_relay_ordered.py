@@ -16,7 +16,8 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.publisher import KafkaPublisher
-from outbox_pipeline.relay import Relay, RelaySettings
+from outbox_pipeline.relay import Relay
+from outbox_pipeline.relay_settings import RelaySettings
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import Claim, PublishOutcome, StrategyConfig

@@ -13,7 +13,7 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.publisher import KafkaPublisher
-from outbox_pipeline.relay import RelaySettings
+from outbox_pipeline.relay_settings import RelaySettings
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.stream_run import StreamReport, StreamRun
