@@ -15,10 +15,14 @@ id). The condition here is the row comparison ``(transaction_id, id) > ($xid, $i
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any, ClassVar
 
 from .base import OutboxRecord
 from .positions import PositionStrategy
+
+_XID, _ID = attrgetter("transaction_id"), attrgetter("id")
 
 
 class PartitionedStrategy(PositionStrategy):
@@ -32,3 +36,7 @@ class PartitionedStrategy(PositionStrategy):
     @staticmethod
     def order_key(record: OutboxRecord) -> tuple[int, int]:
         return int(record.transaction_id), record.id
+
+    @staticmethod
+    def order_keys(records: Sequence[OutboxRecord]) -> list[Any]:
+        return list(zip(map(int, map(_XID, records)), map(_ID, records), strict=True))

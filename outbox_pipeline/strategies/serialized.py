@@ -15,10 +15,14 @@ is needed; ``pg_advisory_xact_lock`` is one and blocks no reader.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any, ClassVar
 
 from .base import OutboxRecord
 from .positions import PositionStrategy
+
+_ID = attrgetter("id")
 
 
 class SerializedStrategy(PositionStrategy):
@@ -29,3 +33,7 @@ class SerializedStrategy(PositionStrategy):
     @staticmethod
     def order_key(record: OutboxRecord) -> tuple[int, int]:
         return 0, record.id
+
+    @staticmethod
+    def order_keys(records: Sequence[OutboxRecord]) -> list[Any]:
+        return list(map(_ID, records))
