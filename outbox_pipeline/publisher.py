@@ -11,23 +11,23 @@ in the producer at a time, so "the queue is empty" means "this batch is settled"
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from .config import redact_kafka_config, redact_kafka_error
-from .enqueue import decode_headers, is_valid_topic
+from .enqueue import is_valid_topic
 from .errors import ConfigurationError
 from .kafka_errors import PRODUCER_RESET_ERRORS, failure_kind
+from .record_headers import Headers, record_headers
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .timestamps import CreatedAtStamps
 from .topic_limits import TopicLimits
+from .transactional import MAX_TRANSACTIONAL_PRODUCERS, TransactionalProducers, drop
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ DEFAULT_PRODUCER_CONFIG: Mapping[str, object] = {
     "message.timeout.ms": 30_000,
     "compression.type": "lz4",
 }
-# Transactional producers kept at most (one per virtual partition this worker published recently).
-MAX_TRANSACTIONAL_PRODUCERS = 16
 
 
 @dataclass
@@ -81,7 +79,7 @@ def check_producer_config(config: Mapping[str, object]) -> None:
 
 
 class KafkaPublisher:
-    """One idempotent producer (plus transactional ones on demand) used by one relay worker."""
+    """One idempotent producer (plus transactional ones on demand, transactional.py) used by one relay worker."""
 
     def __init__(self, config: Mapping[str, object], *, max_transactional: int = MAX_TRANSACTIONAL_PRODUCERS) -> None:
         merged: dict[str, object] = {**DEFAULT_PRODUCER_CONFIG, **config, **REQUIRED_PRODUCER_CONFIG}
@@ -89,13 +87,17 @@ class KafkaPublisher:
         self._timeout_s = float(merged["message.timeout.ms"]) / 1000.0 + 10.0  # type: ignore[arg-type]
         self._producer: Producer | None = None
         self._fatal = False
-        # Least recently used first; bounded (each producer holds threads and broker connections).
-        self._transactional: OrderedDict[str, Producer] = OrderedDict()
-        self._max_transactional = max_transactional
         self._valid_topics: set[str] = set()
         # Each topic's max.message.bytes against the producer's, read the first time it is published to.
         self.limits = TopicLimits(merged)
         self._stamps = CreatedAtStamps()
+        self._transactional = TransactionalProducers(
+            merged,
+            timeout_s=self._timeout_s,
+            limits=self.limits,
+            headers_of=self._headers_of,
+            max_producers=max_transactional,
+        )
         log.debug("producer config: %s", redact_kafka_config(merged))
 
     @property
@@ -113,7 +115,7 @@ class KafkaPublisher:
     def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
         """Publish one batch and wait for it."""
         if transactional_id is not None:
-            return self._publish_transaction(records, transactional_id)
+            return self._transactional.publish(records, transactional_id)
         return self.finish(self.start(records))
 
     def start(self, records: Sequence[OutboxRecord]) -> PendingBatch:
@@ -144,15 +146,7 @@ class KafkaPublisher:
                     continue
                 self._valid_topics.add(topic)
                 self.limits.check(topic)
-            headers: list[tuple[str, bytes | str | None]] = [
-                ("message_id", message_id),
-                ("outbox_id", outbox_id),
-                ("created_at", stamps.get(created_at) or stamps.format(created_at)),
-            ]
-            if type_ is not None:
-                headers.append(("type", type_))
-            if headers_json != "{}":
-                headers.extend(decode_headers(json.loads(headers_json)))
+            headers = record_headers(stamps, message_id, outbox_id, created_at, type_, headers_json)
             while True:
                 try:
                     # Positional (the C signature's order: topic, value, key, partition, callback, on_delivery,
@@ -192,7 +186,7 @@ class KafkaPublisher:
             # outage librdkafka bumps the epoch and the local broker answers PRODUCER_FENCED to every
             # send from then on (not flagged fatal). A fresh producer works at once.
             self._fatal = False
-            self._drop(self._producer)
+            drop(self._producer)
             self._producer = None
         if not pending.errors:
             return PublishOutcome(pending.records, [], time.monotonic() - pending.started)
@@ -234,175 +228,23 @@ class KafkaPublisher:
             for f in failures
         ]
 
-    def _publish_transaction(self, records: Sequence[OutboxRecord], transactional_id: str) -> PublishOutcome:
-        """All or nothing: read_committed consumers see the whole batch or none of it.
-
-        A record Kafka can never take (too large, invalid topic) would abort every transaction it is
-        in, so after such an abort the rest of the batch is sent again, once, in a new transaction.
-        """
-        started = time.monotonic()
-        permanent: list[DeliveryFailure] = []
-        batch = list(records)
-        for _ in range(2):
-            try:
-                producer = self._transactional_producer(transactional_id)
-                producer.begin_transaction()
-                reports = self._produce_all(producer, batch)
-                if not reports.failed_count:
-                    producer.commit_transaction(self._timeout_s)
-                    return PublishOutcome(batch, permanent, time.monotonic() - started)
-                producer.abort_transaction(self._timeout_s)
-            except KafkaException as exc:
-                # Fenced by a newer producer with this id, or a fatal/abortable error: nothing confirmed.
-                kerr = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-                self._drop(self._transactional.pop(transactional_id, None))
-                kind = failure_kind(kerr) if kerr else "transport"
-                failed = [DeliveryFailure(r, kerr.str() if kerr else str(exc), kind) for r in batch]
-                return PublishOutcome([], permanent + failed, time.monotonic() - started)
-            failures = _all_failed(batch, reports.first_error or "a message in the transaction failed", reports)
-            newly_permanent = [f for f in failures if f.permanent]
-            if not newly_permanent:
-                return PublishOutcome([], permanent + failures, time.monotonic() - started)
-            permanent += newly_permanent
-            rejected = {f.record.id for f in newly_permanent}
-            batch = [r for r in batch if r.id not in rejected]
-            if not batch:
-                break
-        transient = [DeliveryFailure(r, "transaction aborted", "transport") for r in batch]
-        return PublishOutcome([], permanent + transient, time.monotonic() - started)
-
-    def _transactional_producer(self, transactional_id: str) -> Producer:
-        producer = self._transactional.get(transactional_id)
-        if producer is not None:
-            self._transactional.move_to_end(transactional_id)
-            return producer
-        while len(self._transactional) >= self._max_transactional:
-            self._drop(self._transactional.popitem(last=False)[1])
-        producer = Producer({**self._config, "transactional.id": transactional_id, "delivery.report.only.error": False})
-        producer.init_transactions(self._timeout_s)
-        self._transactional[transactional_id] = producer
-        return producer
-
     @property
     def transactional_producers(self) -> int:
         return len(self._transactional)
 
     def retain_transactional(self, ids: frozenset[str] | None) -> None:
-        """Drop the transactional producers whose ids are not in ``ids`` (partitions another worker holds
-        now: it fenced, or will fence, ours). None: the strategy uses no transactions, keep everything."""
-        if ids is None:
-            return
-        for stale in [tid for tid in self._transactional if tid not in ids]:
-            log.debug("dropping transactional producer %s: its partition is leased by another worker", stale)
-            self._drop(self._transactional.pop(stale))
+        """Drop the transactional producers of partitions another worker holds now. None: the strategy uses no
+        transactions, keep everything."""
+        if ids is not None:
+            self._transactional.retain(ids)
 
-    def _produce_all(self, producer: Producer, records: Sequence[OutboxRecord]) -> _Reports:
-        """Produce with a report per message (transactions: each must be accounted for)."""
-        reports = _Reports(len(records))
-        for index, record in enumerate(records):
-            refused: dict[int, tuple[str, FailureKind]] = {}
-            if not is_valid_topic(record.topic):
-                reports.fail(index, f"invalid Kafka topic name {record.topic[:260]!r}", "permanent")
-                continue
-            self.limits.check(record.topic)
-            self._produce_one(producer, record, refused, reports.callback(index))
-            if refused:
-                reports.fail(index, *refused[record.id])
-        deadline = time.monotonic() + self._timeout_s
-        while reports.pending and time.monotonic() < deadline:
-            producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
-        if reports.pending:
-            log.warning("%d messages without a delivery report after %.0f s", reports.pending, self._timeout_s)
-        return reports
-
-    def _produce_one(
-        self,
-        producer: Producer,
-        record: OutboxRecord,
-        refused: dict[int, tuple[str, FailureKind]],
-        on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
-    ) -> None:
-        headers: list[tuple[str, str | bytes | None]] = [
-            ("message_id", record.message_id),
-            ("outbox_id", record.outbox_id),
-            ("created_at", self._stamps.get(record.created_at) or self._stamps.format(record.created_at)),
-        ]
-        if record.type is not None:
-            headers.append(("type", record.type))
-        if record.headers != "{}":
-            headers.extend(decode_headers(json.loads(record.headers)))
-        while True:
-            try:
-                if on_delivery is None:
-                    producer.produce(record.topic, record.payload, record.key, headers=headers)
-                else:
-                    producer.produce(record.topic, record.payload, record.key, headers=headers, on_delivery=on_delivery)
-                return
-            except BufferError:
-                producer.poll(0.05)  # local queue full: serve reports, which frees space
-            except KafkaException as exc:
-                error = exc.args[0]
-                refused[record.id] = (error.str(), failure_kind(error))
-                return
+    def _headers_of(self, record: OutboxRecord) -> Headers:
+        return record_headers(
+            self._stamps, record.message_id, record.outbox_id, record.created_at, record.type, record.headers
+        )
 
     def close(self, timeout_s: float = 10.0) -> None:
-        for producer in [self._producer, *self._transactional.values()]:
-            if producer is not None:
-                producer.flush(timeout_s)
+        if self._producer is not None:
+            self._producer.flush(timeout_s)
         self._producer = None
-        self._transactional.clear()
-
-    @staticmethod
-    def _drop(producer: Producer | None) -> None:
-        if producer is not None:
-            producer.purge(in_queue=True, in_flight=False, blocking=False)
-
-
-class _Reports:
-    """Delivery reports of one batch, by position in the batch."""
-
-    def __init__(self, size: int) -> None:
-        self.ok = [False] * size
-        self.errors: dict[int, tuple[str, FailureKind]] = {}
-        self.pending = size
-        self.first_error: str | None = None
-
-    def callback(self, index: int) -> Callable[[KafkaError | None, Message], None]:
-        def on_delivery(error: KafkaError | None, _msg: Message) -> None:
-            if error is None:
-                self.ok[index] = True
-                self.pending -= 1
-            else:
-                self.fail(index, error.str(), failure_kind(error))
-
-        return on_delivery
-
-    def fail(self, index: int, error: str, kind: FailureKind) -> None:
-        self.errors[index] = (error, kind)
-        self.first_error = self.first_error or error
-        self.pending -= 1
-
-    @property
-    def failed_count(self) -> int:
-        return len(self.errors) + self.pending
-
-    def delivered(self, records: Sequence[OutboxRecord]) -> list[OutboxRecord]:
-        return [r for r, ok in zip(records, self.ok, strict=True) if ok]
-
-    def failures(self, records: Sequence[OutboxRecord]) -> list[DeliveryFailure]:
-        failures = []
-        for index, record in enumerate(records):
-            if self.ok[index]:
-                continue
-            error, kind = self.errors.get(index, ("no delivery report before the timeout", "transport"))
-            failures.append(DeliveryFailure(record, error, kind))
-        return failures
-
-
-def _all_failed(records: Sequence[OutboxRecord], error: str, reports: _Reports) -> list[DeliveryFailure]:
-    """After an aborted transaction nothing was delivered; keep the permanent errors we know of."""
-    failures = []
-    for index, record in enumerate(records):
-        own_error, kind = reports.errors.get(index, (f"transaction aborted: {error}", "transport"))
-        failures.append(DeliveryFailure(record, own_error, kind))
-    return failures
+        self._transactional.close(timeout_s)
