@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import psycopg
 from psycopg import sql
 
-from .drain import (
+from .drain_values import (
     DEFAULT_FETCH_ROWS,
     DeliveryError,
     DrainError,

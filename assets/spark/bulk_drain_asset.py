@@ -13,16 +13,13 @@ import psycopg
 from pydantic import Field
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.drain import (
+from outbox_pipeline.drain import backlog_at_least, drain_leases, plan_drain, release_drain
+from outbox_pipeline.drain_values import (
     DEFAULT_FETCH_ROWS,
     DEFAULT_LEASE_S,
     DRAIN_STRATEGIES,
     OWNER_PREFIX,
-    backlog_at_least,
-    drain_leases,
     drain_owner,
-    plan_drain,
-    release_drain,
 )
 from outbox_pipeline.liveness import liveness_from_env
 from outbox_pipeline.orchestration.settings import OrchestrationSettings

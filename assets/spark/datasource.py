@@ -29,9 +29,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.drain import (
-    DEFAULT_FETCH_ROWS,
-)
+from outbox_pipeline.drain_values import DEFAULT_FETCH_ROWS
 from outbox_pipeline.maintenance import (
     ARCHIVE_COLUMNS,
     CHECKSUM_COLUMNS,

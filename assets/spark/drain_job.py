@@ -21,16 +21,16 @@ import psycopg
 from pyspark.accumulators import AccumulatorParam
 from pyspark.sql import SparkSession
 
-from outbox_pipeline.drain import (
+from outbox_pipeline.drain import commit_drain
+from outbox_pipeline.drain_ranges import fetch_range, publish_range
+from outbox_pipeline.drain_values import (
     DEFAULT_FETCH_ROWS,
     DeliveryError,
     DrainOutcome,
     DrainPlan,
     LeaseLostError,
     RangeReport,
-    commit_drain,
 )
-from outbox_pipeline.drain_ranges import fetch_range, publish_range
 from outbox_pipeline.publisher import KafkaPublisher
 
 

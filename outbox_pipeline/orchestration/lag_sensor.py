@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export 
 
 # What define_asset_job returns; not re-exported by dagster, but it is the type sensors accept as a job.
 
-from outbox_pipeline.drain import DRAIN_STRATEGIES
+from outbox_pipeline.drain_values import DRAIN_STRATEGIES
 from outbox_pipeline.lag import PartitionLag, partition_lag
 from outbox_pipeline.liveness import live_workers
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
