@@ -2,8 +2,8 @@
 
 They never touch message rows. A claim leases the virtual partitions that wait (their ``outbox_offsets`` rows, the
 talk's ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``) and reads each past its stored position, in order,
-together with the partitions whose previous batch is still in Kafka (read past that batch: pipelining), in one
-statement (position_reads.py). A batch therefore spans partitions: each gets a fair share of it, so a partition that
+together with the home partitions (sharing.py) whose previous batch is still in Kafka (read past that batch:
+pipelining), in one statement (position_reads.py). A batch therefore spans partitions: each gets a fair share of it, so a partition that
 never runs dry cannot keep the others waiting. The ack advances every position of the batch with a compare-and-set
 on (owner, old position), in one statement, in the same transaction as any dead letters. A worker that lost a
 partition's lease (it was frozen past expiry and another worker took over) advances nothing there and dead-letters
@@ -138,11 +138,14 @@ class PositionStrategy(Strategy):
         return claim
 
     def _claim(self, limit: int, *, again: bool = True) -> Claim | None:
-        ahead = [c.ahead for c in self._chains.values() if not c.broken and not c.draining]
+        home = self._dealer.current()
+        # Read ahead at home only: elsewhere (taken while it was home or its row waited) the lease ends with the
+        # batch in flight, and the partition goes back to its home worker. Reading ahead keeps a lease as long as
+        # the partition has work: the first worker of a backlog kept every partition and the others idled.
+        ahead = [c.ahead for key, c in self._chains.items() if not c.broken and not c.draining and home.holds(*key)]
         max_new = MAX_PARTITIONS_PER_CLAIM - len(ahead)
         if self.config.kafka_transactions:  # one partition per claim: one transactional id per partition
             ahead, max_new = ahead[:1], 0 if ahead else 1
-        home = self._dealer.current()
         reads = read_partitions(
             self._cursor,
             self.config,

@@ -1,7 +1,7 @@
 """Engine room: which partitions a position worker serves first (its *home*), so work spreads evenly.
 
 Leases stay per batch (a free partition is taken, read, published, acked and released), which keeps
-failover, bulk drains and rewinds simple. What spreads the partitions is a preference: the live unscoped
+failover, bulk drains and rewinds simple; reading ahead keeps a lease past its batch at home only. What spreads the partitions is a preference: the live unscoped
 relay workers, sorted by id, deal the offsets rows, sorted, round-robin, so partition *i* is home to worker
 *i mod n*. Homes differ in size by at most one, every worker computes the same deal from the same registry
 (``outbox_workers``), and nothing is handed over when a worker joins or dies: the deal is looked at again

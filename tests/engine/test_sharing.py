@@ -13,7 +13,7 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.presence import WorkerPresence
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.strategies.base import PublishOutcome, StrategyConfig
 from outbox_pipeline.strategies.positions import PositionStrategy
 from outbox_pipeline.strategies.sharing import STEAL_AFTER_S
 
@@ -84,3 +84,31 @@ def test_a_worker_serves_its_home_first_and_takes_another_partition_only_after_i
     stolen = a.claim(10)
     assert stolen is not None and {r.partition for r in stolen.records} == {1}
     assert b.claim(10) is None  # a holds it now
+
+
+@pytest.mark.parametrize("strategy", ["partitioned", "serialized"])
+def test_a_worker_that_leased_every_partition_before_another_joined_hands_over_the_newcomers_home_at_a_batch(
+    strategy: str, db: psycopg.Connection, table: OutboxTable, connect: Callable[[], psycopg.Connection]
+) -> None:
+    """Reading ahead keeps a lease as long as a partition has work (a backlog, steady traffic); a worker alone at
+    start leased every partition, and kept them all after a second worker joined: the newcomer idled through the
+    whole backlog (a bulk drain ran at one worker's speed)."""
+    topic = "shared"
+    set_topic_partitions(db, table, topic, 2)
+    messages = [Message(topic, {"n": n}, key="k", partition=n % 2) for n in range(200)]
+    enqueue_many(db, messages, serialized=strategy == "serialized", table=table)
+    _registered(connect, table, "a")
+    a = _worker(connect, table, strategy, "a")
+    first = a.claim(20)
+    assert first is not None and {r.partition for r in first.records} == {0, 1}  # alone: both are home
+
+    _registered(connect, table, "b")  # "b" is dealt partition 1
+    b = _worker(connect, table, strategy, "b")
+    a._dealer.invalidate()
+    ahead = a.claim(20)
+    assert ahead is not None and {r.partition for r in ahead.records} == {0}, "a read b's partition ahead"
+    a.ack(first, PublishOutcome(first.records, []))
+
+    taken = b.claim(20)
+    assert taken is not None and {r.partition for r in taken.records} == {1}
+    assert min(r.id for r in taken.records) > max(r.id for r in first.records if r.partition == 1)
