@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 import psycopg
 
@@ -388,9 +389,12 @@ class Relay:
             self.stop.wait(timeout_s)
 
 
+_CREATED_AT = attrgetter("created_at")
+
+
 def _oldest_age_s(claim: Claim) -> float | None:
     """Merpay's oldest_task_age: the age of the oldest row in the batch just claimed."""
     if not claim.records:
         return None
-    oldest = min(r.created_at for r in claim.records)
+    oldest = min(map(_CREATED_AT, claim.records))  # no Python call per row
     return (dt.datetime.now(dt.UTC) - PG_EPOCH).total_seconds() - oldest / 1e6

@@ -38,10 +38,14 @@ def settle_all(
     if not claim.withheld and not outcome.failed and len(outcome.delivered) == len(claim.records):
         # The common case: Kafka took the whole batch. Each partition's rows are in the position's order, so each
         # position moves to its last row without sorting or walking them (13 % of the relay's CPU once).
+        if len(state) == 1:  # a bulk drain's batches: one partition
+            (only,) = state
+            return {only: Settled(claim.records[-1] if claim.records else None, len(claim.records))}
         last: dict[Key, OutboxRecord] = {}
-        counts = count_by_partition(claim.records)
+        counts: dict[Key, int] = {}
         for record in claim.records:
-            last[(record.topic, record.partition)] = record
+            key = (record.topic, record.partition)
+            last[key], counts[key] = record, counts.get(key, 0) + 1
         return {key: Settled(last.get(key), counts.get(key, 0)) for key in state}
     delivered = {r.id for r in outcome.delivered}
     failures = {f.record.id: f for f in outcome.failed}

@@ -3,11 +3,12 @@
 They never touch message rows. A claim leases the virtual partitions that wait (their ``outbox_offsets`` rows, the
 talk's ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``) and reads each past its stored position, in order,
 together with the home partitions (sharing.py) whose previous batch is still in Kafka (read past that batch:
-pipelining), in one statement (position_reads.py). A batch therefore spans partitions: each gets a fair share of it, so a partition that
-never runs dry cannot keep the others waiting. The ack advances every position of the batch with a compare-and-set
-on (owner, old position), in one statement, in the same transaction as any dead letters. A worker that lost a
-partition's lease (it was frozen past expiry and another worker took over) advances nothing there and dead-letters
-nothing: that partition's rows count as published-but-ack-failed and the new owner publishes them again.
+pipelining), in one statement (position_reads.py). A batch therefore spans partitions: each gets a fair share of it,
+so a partition that never runs dry cannot keep the others waiting. The ack advances every position of the batch with
+a compare-and-set on (owner, old position), in one statement, in the same transaction as any dead letters. A worker
+that lost a partition's lease (it was frozen past expiry and another worker took over) advances nothing there and
+dead-letters nothing: that partition's rows count as published-but-ack-failed and the new owner publishes them
+again.
 
 Failures keep each partition's order: its position stops before the first row Kafka did not confirm, and the
 partition backs off (``attempts``, ``last_error``, ``available_after`` on the offsets row); the batch's other
