@@ -396,5 +396,5 @@ def _oldest_age_s(claim: Claim) -> float | None:
     """Merpay's oldest_task_age: the age of the oldest row in the batch just claimed."""
     if not claim.records:
         return None
-    oldest = min(map(_CREATED_AT, claim.records))  # no Python call per row
+    oldest: int = min(map(_CREATED_AT, claim.records))  # no Python call per row
     return (dt.datetime.now(dt.UTC) - PG_EPOCH).total_seconds() - oldest / 1e6

@@ -16,6 +16,12 @@ def _fields(pid: int) -> list[str] | None:
         return None
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of a process on this machine (of a PostgreSQL backend: the postmaster); None if not visible."""
+    fields = _fields(pid)
+    return int(fields[1]) if fields is not None else None
+
+
 def process_cpu_s(pid: int, *, with_reaped_children: bool = False) -> float:
     """utime + stime of ``pid`` (all threads); plus children it has reaped, if asked."""
     fields = _fields(pid)

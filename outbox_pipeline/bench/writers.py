@@ -1,10 +1,14 @@
-"""Engine room (benchmarks): what routing in the database costs writers (`outbox bench --writers`).
+"""Engine room (benchmarks): what the outbox costs a service's own transaction (`outbox bench --writers`).
 
-Single-row transactions, one session, interleaved per run: the baseline is a plain INSERT that names its
-partition (what a user writes by hand; the routing trigger does not fire), against the Python ``enqueue``
-(routes in Python, no trigger), a plain INSERT without a partition (the trigger routes it) and the SQL
-``<schema>.enqueue(...)``. Then bulk: ``outbox load`` (COPY) with the partition computed in Python against
-COPY without the partition column (the trigger on every row). Medians of ``runs``.
+The baseline is what a user would write without us: one INSERT of the same rows (topic, key, jsonb payload) into a
+table with only a primary key, in the same schema. Against it, per transaction size (``--rows-per-transaction``,
+default 1, 10 and 100 rows): the Python ``enqueue_many`` (routes in Python, one statement), a plain INSERT into the
+outbox that names each row's partition and one that leaves routing to the trigger, and the SQL ``<schema>.enqueue()``
+once per row. One session each, ``synchronous_commit = off`` (a durable commit would time the disk's flush, the same
+for every writer), every cell in a fresh schema, cells interleaved in every run. Reported: rows/s and PostgreSQL's
+CPU per row (the server's processes, from /proc; embedded stack only), each as a ratio to the baseline's in the same
+run, medians of ``--runs``. Then bulk: ``outbox load`` (COPY) with the partition computed in Python against COPY
+without the partition column (the trigger on every row).
 """
 
 from __future__ import annotations
@@ -12,90 +16,153 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
 from ..demo import load
-from ..enqueue import enqueue
+from ..enqueue import Message, enqueue_many
 from ..partitioning import partition_for
 from ..schema import init_db, set_topic_partitions
+from .procstat import parent_pid, tree_cpu_s, wait_for_client_backends_to_end
 from .runner import Servers
 
 TOPIC = "writers"
 PARTITIONS = 12
 KEYS = 1000
+PAYLOAD = '{"n": 1}'
+# Rows each cell writes: enough transactions to time, few enough that a run of 1-row cells takes seconds.
+ROWS_PER_CELL = {1: 3_000, 10: 10_000, 100: 30_000}
+DEFAULT_ROWS_PER_CELL = 10_000
 
-Writer = Callable[[psycopg.Connection, OutboxTable, int], None]
+# Writes rows ``first .. first + count - 1`` in the caller's open transaction.
+Writer = Callable[[psycopg.Connection, OutboxTable, int, int], None]
 
 
-def _insert_with_partition(conn: psycopg.Connection, table: OutboxTable, i: int) -> None:
-    key = f"key-{i % KEYS}"
+def _keys(first: int, count: int) -> list[str]:
+    return [f"key-{i % KEYS}" for i in range(first, first + count)]
+
+
+def _plain_table(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
     conn.execute(
-        sql.SQL("INSERT INTO {} (topic, key, payload, partition) VALUES (%s, %s, %s, %s)").format(table.messages),
-        (TOPIC, key, '{"n": 1}', partition_for(key, PARTITIONS)),
+        sql.SQL(
+            "INSERT INTO {} (topic, key, payload) SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[])"
+        ).format(table.ident("plain")),
+        ([TOPIC] * count, _keys(first, count), [PAYLOAD] * count),
     )
 
 
-def _insert_routed_by_trigger(conn: psycopg.Connection, table: OutboxTable, i: int) -> None:
+def _python_enqueue(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
+    enqueue_many(conn, [Message(TOPIC, {"n": 1}, key=key) for key in _keys(first, count)], table=table)
+
+
+def _insert_with_partition(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
+    keys = _keys(first, count)
     conn.execute(
-        sql.SQL("INSERT INTO {} (topic, key, payload) VALUES (%s, %s, %s)").format(table.messages),
-        (TOPIC, f"key-{i % KEYS}", '{"n": 1}'),
+        sql.SQL(
+            "INSERT INTO {} (topic, key, payload, partition) "
+            "SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[], %s::int[])"
+        ).format(table.messages),
+        ([TOPIC] * count, keys, [PAYLOAD] * count, [partition_for(k, PARTITIONS) for k in keys]),
     )
 
 
-def _sql_enqueue(conn: psycopg.Connection, table: OutboxTable, i: int) -> None:
+def _insert_routed_by_trigger(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
     conn.execute(
-        sql.SQL("SELECT id, message_id FROM {}(%s, %s, key => %s)").format(table.ident("enqueue")),
-        (TOPIC, '{"n": 1}', f"key-{i % KEYS}"),
+        sql.SQL(
+            "INSERT INTO {} (topic, key, payload) SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[])"
+        ).format(table.messages),
+        ([TOPIC] * count, _keys(first, count), [PAYLOAD] * count),
     )
 
 
-def _python_enqueue(conn: psycopg.Connection, table: OutboxTable, i: int) -> None:
-    enqueue(conn, TOPIC, {"n": 1}, key=f"key-{i % KEYS}", table=table)
+def _sql_enqueue(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
+    query = sql.SQL("SELECT id, message_id FROM {}(%s, %s, key => %s)").format(table.ident("enqueue"))
+    for key in _keys(first, count):
+        conn.execute(query, (TOPIC, PAYLOAD, key))
 
 
-SINGLE_ROW: dict[str, Writer] = {
-    "INSERT naming its partition (baseline)": _insert_with_partition,
-    "Python enqueue()": _python_enqueue,
+BASELINE = "plain table, one INSERT (baseline)"
+WRITERS: dict[str, Writer] = {
+    BASELINE: _plain_table,
+    "Python enqueue_many()": _python_enqueue,
+    "INSERT naming its partitions": _insert_with_partition,
     "INSERT without partition (trigger)": _insert_routed_by_trigger,
-    "SQL enqueue()": _sql_enqueue,
+    "SQL enqueue(), a call per row": _sql_enqueue,
 }
 BULK = {"outbox load, partition from Python": False, "outbox load --route-in-db (trigger)": True}
 
 
+@dataclass
+class Cell:
+    """One writer at one transaction size, per run: rows/s, and PostgreSQL's CPU per row (None: not measurable)."""
+
+    rates: list[float] = field(default_factory=list)
+    pg_us_per_row: list[float | None] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class WriterResults:
-    transactions: int
-    rows: int
-    rates: dict[str, list[float]]  # msg/s per run, by writer
+    sizes: tuple[int, ...]
+    cells: dict[tuple[str, int], Cell]
+    bulk: dict[str, list[float]]  # rows/s per run
+    bulk_rows: int
 
     def render(self) -> str:
-        base = statistics.median(self.rates[next(iter(SINGLE_ROW))])
-        bulk_base = statistics.median(self.rates[next(iter(BULK))])
+        runs = len(self.cells[(BASELINE, self.sizes[0])].rates)
         lines = [
-            f"| writer | msg/s (median of {len(self.rates[next(iter(SINGLE_ROW))])}) | vs. baseline |",
-            "|---|---|---|",
+            f"| writer | rows per transaction | rows/s (median of {runs}) | x baseline | PostgreSQL CPU us/row "
+            "| x baseline |",
+            "|---|---|---|---|---|---|",
         ]
-        for name, rates in self.rates.items():
-            reference = base if name in SINGLE_ROW else bulk_base
-            median = statistics.median(rates)
-            lines.append(f"| {name} | {median:,.0f} | {median / reference:.2f} |")
-        return (
-            f"{self.transactions:,} single-row transactions per writer; {self.rows:,} rows per bulk load "
-            f"(commits every 100 rows)\n" + "\n".join(lines)
-        )
+        for size in self.sizes:
+            base = self.cells[(BASELINE, size)]
+            for name in WRITERS:
+                cell = self.cells[(name, size)]
+                rate = statistics.median(cell.rates)
+                # Ratios per run (the machine's speed swings between runs), then their median.
+                rate_x = statistics.median(r / b for r, b in zip(cell.rates, base.rates, strict=True))
+                cpu = _median_or_none(cell.pg_us_per_row)
+                cpu_x = _median_or_none(
+                    [
+                        c / b if c is not None and b else None
+                        for c, b in zip(cell.pg_us_per_row, base.pg_us_per_row, strict=True)
+                    ]
+                )
+                lines.append(
+                    f"| {name} | {size} | {rate:,.0f} | {rate_x:.2f} | {_fmt(cpu, '.1f')} | {_fmt(cpu_x, '.2f')} |"
+                )
+        bulk_base = statistics.median(self.bulk[next(iter(BULK))])
+        lines += ["", f"| bulk load, {self.bulk_rows:,} rows, commits every 100 | rows/s | x first |", "|---|---|---|"]
+        for name, rates in self.bulk.items():
+            lines.append(f"| {name} | {statistics.median(rates):,.0f} | {statistics.median(rates) / bulk_base:.2f} |")
+        return "\n".join(lines)
 
 
-def measure(found: Servers, *, transactions: int, rows: int, runs: int) -> WriterResults:
-    rates: dict[str, list[float]] = {name: [] for name in [*SINGLE_ROW, *BULK]}
+def _median_or_none(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def measure(found: Servers, *, sizes: Sequence[int], transactions: int | None, rows: int, runs: int) -> WriterResults:
+    """``transactions`` per writer and size (None: ROWS_PER_CELL); ``rows`` per bulk load."""
+    cells = {(name, size): Cell() for size in sizes for name in WRITERS}
+    bulk: dict[str, list[float]] = {name: [] for name in BULK}
     for run in range(runs):
-        for name, writer in SINGLE_ROW.items():
-            rates[name].append(_single_rows(found.dsn, writer, transactions))
-            print(f"run {run + 1}: {name}: {rates[name][-1]:,.0f} msg/s", flush=True)
+        for size in sizes:
+            for name, writer in WRITERS.items():
+                cell_rows = size * transactions if transactions else ROWS_PER_CELL.get(size, DEFAULT_ROWS_PER_CELL)
+                rate, cpu = _write(found, writer, size, cell_rows)
+                cells[(name, size)].rates.append(rate)
+                cells[(name, size)].pg_us_per_row.append(cpu)
+                print(f"run {run + 1}: {name} x {size}: {rate:,.0f} rows/s, PostgreSQL {_fmt(cpu, '.1f')} us/row")
         for name, route_in_db in BULK.items():
             table = _fresh_outbox(found.dsn)
             try:
@@ -104,44 +171,62 @@ def measure(found: Servers, *, transactions: int, rows: int, runs: int) -> Write
                 )
             finally:
                 _drop(found.dsn, table)
-            rates[name].append(rows / elapsed)
-            print(f"run {run + 1}: {name}: {rates[name][-1]:,.0f} msg/s", flush=True)
-    return WriterResults(transactions, rows, rates)
+            bulk[name].append(rows / elapsed)
+            print(f"run {run + 1}: {name}: {bulk[name][-1]:,.0f} rows/s", flush=True)
+    return WriterResults(tuple(sizes), cells, bulk, rows)
 
 
-def _single_rows(dsn: str, writer: Writer, transactions: int) -> float:
-    table = _fresh_outbox(dsn)
+def _write(found: Servers, writer: Writer, size: int, rows: int) -> tuple[float, float | None]:
+    """(rows/s, PostgreSQL CPU us per row) of ``rows`` rows in transactions of ``size``."""
+    table = _fresh_outbox(found.dsn)
     try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            # Durable commits would time the disk's flush, the same for every writer.
+        with psycopg.connect(found.dsn, autocommit=True) as conn:
             conn.execute("SET synchronous_commit = off")
+            # The server's processes: the embedded stack's, else the postmaster of this session's backend when it
+            # runs on this machine (None: elsewhere, no CPU figure).
+            server = found.postgres_pid or parent_pid(conn.info.backend_pid)
+            transactions = max(1, rows // size)
+            cpu_before = tree_cpu_s(server) if server else 0.0
             started = time.perf_counter()
-            for i in range(transactions):
+            for t in range(transactions):
                 with conn.transaction():
-                    writer(conn, table, i)
-            rate = transactions / (time.perf_counter() - started)
-            _check_routing(conn, table, transactions)
-            return rate
+                    writer(conn, table, t * size, size)
+            elapsed = time.perf_counter() - started
+            # This session's backend is live: its CPU so far is in the server's tree now.
+            cpu = tree_cpu_s(server) - cpu_before if server else None
+            _check(conn, table, writer, transactions * size)
+        if server:
+            wait_for_client_backends_to_end(server)
+        written = transactions * size
+        return written / elapsed, None if cpu is None else cpu * 1e6 / written
     finally:
-        _drop(dsn, table)
+        _drop(found.dsn, table)
 
 
-def _check_routing(conn: psycopg.Connection, table: OutboxTable, expected: int) -> None:
-    """Every writer must have stored every row, each in the partition Kafka's partitioner picks for its key."""
-    row = conn.execute(
-        sql.SQL("SELECT count(*), count(*) FILTER (WHERE partition <> {}(topic, key)) FROM {}").format(
+def _check(conn: psycopg.Connection, table: OutboxTable, writer: Writer, expected: int) -> None:
+    """Every writer stored every row; the outbox's writers each in the partition Kafka's partitioner picks."""
+    if writer is _plain_table:
+        query = sql.SQL("SELECT count(*), 0 FROM {}").format(table.ident("plain"))
+    else:
+        query = sql.SQL("SELECT count(*), count(*) FILTER (WHERE partition <> {}(topic, key)) FROM {}").format(
             table.ident("partition_for"), table.messages
         )
-    ).fetchone()
+    row = conn.execute(query).fetchone()
     if row != (expected, 0):
         raise RuntimeError(f"writers bench: {row} (rows stored, rows misrouted), expected ({expected}, 0)")
 
 
 def _fresh_outbox(dsn: str) -> OutboxTable:
+    """An outbox as `outbox init-db` makes it, and beside it the baseline's table: a primary key and nothing else."""
     table = OutboxTable(schema=f"bench_writers_{uuid.uuid4().hex[:8]}")
     with psycopg.connect(dsn, autocommit=True) as conn:
         init_db(conn, table)
         set_topic_partitions(conn, table, TOPIC, PARTITIONS)
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (id bigserial PRIMARY KEY, topic text NOT NULL, key text, payload jsonb NOT NULL)"
+            ).format(table.ident("plain"))
+        )
     return table
 
 
