@@ -116,7 +116,7 @@ _ROUTE = """
 # setting and is enforced when publishing: an oversize row is dead-lettered), the same routing, the same
 # serialized writers' lock. OUT parameters, so ``SELECT id, message_id FROM <schema>.enqueue(...)``.
 _ENQUEUE = """
-    CREATE FUNCTION {enqueue}(
+    CREATE OR REPLACE FUNCTION {enqueue}(
         topic text, payload jsonb, key text DEFAULT NULL, headers jsonb DEFAULT '{{}}', type text DEFAULT NULL,
         priority integer DEFAULT 0, serialized boolean DEFAULT false, OUT id bigint, OUT message_id uuid)
     LANGUAGE plpgsql VOLATILE AS $fn$
@@ -127,7 +127,7 @@ _ENQUEUE = """
         IF payload IS NULL THEN
             RAISE EXCEPTION 'outbox enqueue: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed';
         END IF;
-        IF topic IS NULL OR topic !~ {topic_pattern} OR topic IN ('.', '..') THEN
+        IF topic IS NULL OR topic !~ {topic_pattern} OR length(topic) > 249 OR topic IN ('.', '..') THEN
             RAISE EXCEPTION 'outbox enqueue: invalid Kafka topic name %: use 1..249 characters from '
                 '[a-zA-Z0-9._-], not "." or ".."', coalesce(quote_literal(topic), 'NULL')
                 USING ERRCODE = 'invalid_parameter_value';
@@ -288,16 +288,7 @@ def create_sql_writers(conn: psycopg.Connection, t: OutboxTable, *, default_row:
             "FOR EACH ROW WHEN (NEW.partition IS NULL) EXECUTE FUNCTION {route}()"
         ).format(route=t.ident("outbox_route"), **names)
     )
-    conn.execute(
-        sql.SQL(_ENQUEUE).format(
-            enqueue=t.ident("enqueue"),
-            topic_pattern=sql.Literal(topic_pattern),
-            reserved=sql.Literal(sorted(RESERVED_HEADERS)),
-            lock_class=sql.Literal(SERIALIZED_LOCK_CLASS),
-            schema=sql.Literal(t.schema),
-            **names,
-        )
-    )
+    replace_sql_enqueue(conn, t, topic_pattern=topic_pattern)
     # Which order a partition's position is in (see _GUARD); written by the position strategies.
     conn.execute(sql.SQL("ALTER TABLE {offsets} ADD COLUMN read_by text").format(**names))
     create_partition_count_guard(conn, t, default_row=default_row, with_holds=False)
@@ -306,6 +297,20 @@ def create_sql_writers(conn: psycopg.Connection, t: OutboxTable, *, default_row:
             "CREATE TRIGGER outbox_topics_guard BEFORE INSERT OR UPDATE OR DELETE ON {topics} "
             "FOR EACH ROW EXECUTE FUNCTION {guard}()"
         ).format(guard=t.ident("outbox_topics_guard"), **names)
+    )
+
+
+def replace_sql_enqueue(conn: psycopg.Connection, t: OutboxTable, *, topic_pattern: str) -> None:
+    """``<schema>.enqueue``, created or replaced (migrations 7 and 10)."""
+    conn.execute(
+        sql.SQL(_ENQUEUE).format(
+            enqueue=t.ident("enqueue"),
+            messages=t.messages,
+            topic_pattern=sql.Literal(topic_pattern),
+            reserved=sql.Literal(sorted(RESERVED_HEADERS)),
+            lock_class=sql.Literal(SERIALIZED_LOCK_CLASS),
+            schema=sql.Literal(t.schema),
+        )
     )
 
 

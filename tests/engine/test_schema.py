@@ -7,10 +7,12 @@ import threading
 import uuid
 
 import psycopg
+import pytest
 from psycopg import sql
 
+from outbox_pipeline import Message, enqueue_many, schema
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.migrations import LATEST_VERSION
+from outbox_pipeline.migrations import LATEST_VERSION, MIGRATIONS, TOPIC_CHECK_PATTERN
 from outbox_pipeline.schema import current_version, init_db, partition_name
 
 
@@ -91,3 +93,60 @@ def test_the_table_rejects_an_invalid_topic_even_from_raw_sql(db: psycopg.Connec
     except psycopg.errors.CheckViolation:
         return
     raise AssertionError("an invalid topic name was stored")
+
+
+@pytest.mark.parametrize(
+    ("topic", "stored"),
+    [("a" * 249, True), ("a" * 250, False), (".", False), ("..", False), ("a.b_c-D9", True), ("é", False)],
+)
+def test_the_table_stores_exactly_the_topic_names_kafka_accepts(
+    topic: str, stored: bool, db: psycopg.Connection, table: OutboxTable
+) -> None:
+    insert = sql.SQL("INSERT INTO {} (topic, payload, partition) VALUES (%s, '1', 0)").format(table.messages)
+    try:
+        with db.transaction():
+            db.execute(insert, (topic,))
+    except psycopg.errors.CheckViolation as exc:
+        assert not stored and "outbox_messages_topic_valid" in str(exc)
+        return
+    assert stored, f"{topic!r} was stored"
+
+
+@pytest.mark.parametrize(("topic", "accepted"), [("a" * 249, True), ("a" * 250, False), ("..", False)])
+def test_sql_enqueue_accepts_exactly_the_topic_names_kafka_accepts(
+    topic: str, accepted: bool, db: psycopg.Connection, table: OutboxTable
+) -> None:
+    call = sql.SQL("SELECT id FROM {}(%s, '1')").format(table.ident("enqueue"))
+    try:
+        with db.transaction():
+            db.execute(call, (topic,))
+    except psycopg.errors.InvalidParameterValue as exc:
+        assert not accepted and "invalid Kafka topic name" in str(exc)
+        return
+    assert accepted, f"{topic!r} was enqueued"
+
+
+def test_an_outbox_with_rows_migrates_to_the_cheap_topic_check_keeping_every_row(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = OutboxTable(schema=f"migrate_{uuid.uuid4().hex[:8]}")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        monkeypatch.setattr(schema, "MIGRATIONS", MIGRATIONS[:9])
+        init_db(conn, table)
+        enqueue_many(conn, [Message("orders", {"n": n}, key=f"k{n}") for n in range(500)], table=table)
+        monkeypatch.undo()
+
+        applied = init_db(conn, table)
+
+        assert [m.version for m in applied] == [10]
+        rows = conn.execute(sql.SQL("SELECT count(*), min(topic), max(topic) FROM {}").format(table.messages))
+        assert rows.fetchone() == (500, "orders", "orders")
+        check = conn.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'outbox_messages_topic_valid' "
+            "AND conrelid = %s::regclass",
+            (table.messages.as_string(conn),),
+        ).fetchone()
+        assert check is not None and TOPIC_CHECK_PATTERN in check[0] and "249" in check[0]
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute(sql.SQL("INSERT INTO {} (topic, payload) VALUES ('no spaces', '1')").format(table.messages))
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
