@@ -24,7 +24,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import islice
 from typing import Any, ClassVar
 
@@ -42,7 +42,7 @@ from .base import (
     stamped_cursor,
 )
 from .offsets import Move, PartitionLease
-from .position_reads import MAX_PARTITIONS_PER_CLAIM, PartitionRead, claim_sql, read_partitions
+from .position_reads import MAX_PARTITIONS_PER_CLAIM, Chain, PartitionRead, claim_sql, read_partitions
 from .position_settle import count_by_partition, settle_all
 from .quarantine import NO_HOLDS, Quarantine
 from .sharing import Dealer, Home
@@ -55,31 +55,6 @@ RECENT_DISCOVERY_S = 0.5
 Key = tuple[str, int]
 
 
-@dataclass
-class _Chain:
-    """A leased partition with batches in flight, and how far this worker has read it."""
-
-    lease: PartitionLease
-    read_xid: str
-    read_id: int
-    in_flight: int = 0
-    broken: bool = False
-    # The partition has holds (quarantine.py): reads are split into rows to publish and rows to withhold.
-    has_holds: bool = False
-    # A hold was released: no more reading ahead; once the batches in flight ack, the partition is leased
-    # again and its held rows go first.
-    draining: bool = False
-
-    def extend(self, last: OutboxRecord) -> None:
-        self.read_xid, self.read_id = last.transaction_id, last.id
-        self.in_flight += 1
-
-    @property
-    def ahead(self) -> PartitionLease:
-        """Where the next batch is read from (and its compare-and-set base): past the batches in flight."""
-        return PartitionLease(self.lease.topic, self.lease.partition, self.read_xid, self.read_id, 0)
-
-
 class PositionStrategy(Strategy):
     """Lease what waits, read past each position, advance each position only over confirmed rows."""
 
@@ -90,7 +65,7 @@ class PositionStrategy(Strategy):
         conn.isolation_level = IsolationLevel.READ_COMMITTED
         self._discovered_at = self._recent_at = float("-inf")
         self._seen_id = 0  # the highest message id a discovery covered
-        self._chains: dict[Key, _Chain] = {}
+        self._chains: dict[Key, Chain] = {}
         self._checked_tx_at = float("-inf")
         self._tx_ids: frozenset[str] | None = None
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
@@ -197,7 +172,7 @@ class PositionStrategy(Strategy):
             return None
         chain = self._chains.get(read.key)
         if read.leased_now or chain is None:
-            chain = self._chains[read.key] = _Chain(read.lease, read.lease.xid, read.lease.last_id)
+            chain = self._chains[read.key] = Chain(read.lease, read.lease.xid, read.lease.last_id)
             chain.has_holds = read.lease.has_holds
         view = NO_HOLDS
         if chain.has_holds:
@@ -225,7 +200,7 @@ class PositionStrategy(Strategy):
             self._quarantine.finish_releases(lease.topic, lease.partition)
             self._release([(lease.topic, lease.partition)])
             return None
-        chain = _Chain(lease, lease.xid, lease.last_id, in_flight=1, has_holds=True, draining=True)
+        chain = Chain(lease, lease.xid, lease.last_id, in_flight=1, has_holds=True, draining=True)
         self._chains[(lease.topic, lease.partition)] = chain
         return Claim(
             records,
