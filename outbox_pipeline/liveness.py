@@ -139,6 +139,7 @@ class LiveWorker:
     worker_id: str
     kind: str  # "relay": serves every partition (dealt among them); "relay-scoped", "drain": their own scope
     liveness: Liveness
+    up_s: float = 0.0  # since it registered (the database's clock)
 
 
 def live_workers(conn: psycopg.Connection, table: OutboxTable, lease_s: float) -> list[LiveWorker]:
@@ -147,7 +148,8 @@ def live_workers(conn: psycopg.Connection, table: OutboxTable, lease_s: float) -
     rows = conn.execute(
         sql.SQL(
             """
-            SELECT w.worker_id, w.kind, w.liveness FROM {workers} w
+            SELECT w.worker_id, w.kind, w.liveness, extract(epoch FROM now() - w.registered_at)::float8
+            FROM {workers} w
             WHERE CASE w.liveness
                 WHEN 'session' THEN {alive}
                 ELSE w.heartbeat_at > now() - make_interval(secs => %(lease)s) END
@@ -156,4 +158,4 @@ def live_workers(conn: psycopg.Connection, table: OutboxTable, lease_s: float) -
         ).format(workers=table.workers, alive=lock_held(sql.SQL("w.worker_id"))),
         {"schema": table.schema, "lease": lease_s},
     ).fetchall()
-    return [LiveWorker(worker_id, kind, liveness) for worker_id, kind, liveness in rows]
+    return [LiveWorker(worker_id, kind, liveness, up_s) for worker_id, kind, liveness, up_s in rows]

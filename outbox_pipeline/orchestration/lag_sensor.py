@@ -9,7 +9,9 @@ and the registry, registers partitions Dagster has not seen (dynamic partitions)
 - no live relay worker and no run starting: one run (the first, or after a crash);
 - the only owners are runs about to end their window: the successor, so the two overlap briefly;
 - partitions lag (OUTBOX_RELAY_TRIGGER_PENDING rows or OUTBOX_RELAY_TRIGGER_AGE_S) while every run is up
-  and fewer than OUTBOX_RELAY_RUNS_MAX are: one more run (more parallelism for a burst).
+  and fewer than OUTBOX_RELAY_RUNS_MAX are: one more run (more parallelism for a burst). A relay worker that
+  came up less than OUTBOX_RELAY_TRIGGER_AGE_S ago is still working through what it found (a run starting
+  against an outbox written before it), so lag is not yet a sign that the runs are too few.
 
 A run launched but not yet registered counts as an owner for START_GRACE_S, so no tick queues a second run
 for covered partitions; a run whose registered worker died covers nothing at once. The run key is the
@@ -33,7 +35,7 @@ if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export 
 
 from outbox_pipeline.drain_values import DRAIN_STRATEGIES
 from outbox_pipeline.lag import PartitionLag, partition_lag
-from outbox_pipeline.liveness import live_workers
+from outbox_pipeline.liveness import LiveWorker, live_workers
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
 from resources.postgres import PostgresResource
 
@@ -82,6 +84,7 @@ class Coverage:
     """Who relays the outbox now, as one tick sees it."""
 
     owners: tuple[str, ...]  # live relay workers: runs and external processes
+    warming: tuple[str, ...]  # owners that came up less than the age trigger ago
     starting: tuple[str, ...]  # run ids launched and not registered yet (within START_GRACE_S)
     ending: tuple[str, ...]  # run ids whose window ends within the handover
     runs: int  # in-flight relay runs that are not ending
@@ -92,8 +95,9 @@ class Coverage:
 
 
 def coverage(
-    instance: dg.DagsterInstance, job_name: str, owners: Sequence[str], cfg: OrchestrationSettings, now: float
+    instance: dg.DagsterInstance, job_name: str, workers: Sequence[LiveWorker], cfg: OrchestrationSettings, now: float
 ) -> Coverage:
+    owners = [w.worker_id for w in workers]
     starting: list[str] = []
     ending: list[str] = []
     active = 0
@@ -116,7 +120,8 @@ def coverage(
         if now - record.update_timestamp.timestamp() < START_GRACE_S and not _retried(instance, record.dagster_run):
             starting.append(record.dagster_run.run_id)
             active += 1
-    return Coverage(tuple(owners), tuple(starting), tuple(ending), active)
+    warming = tuple(w.worker_id for w in workers if w.up_s < cfg.trigger_age_s)
+    return Coverage(tuple(owners), warming, tuple(starting), tuple(ending), active)
 
 
 def _retried(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
@@ -151,9 +156,7 @@ def build_outbox_lag_sensor(
     ) -> dg.SensorResult | dg.SkipReason:
         with postgres.connect() as conn:
             lags = partition_lag(conn, postgres.table, cfg.strategy, cap=cfg.lag_cap)
-            owners = [
-                w.worker_id for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND
-            ]
+            owners = [w for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND]
         by_key: dict[str, PartitionLag] = {}
         for lag in lags:
             key = partition_key(lag.topic, lag.partition)
@@ -179,10 +182,12 @@ def build_outbox_lag_sensor(
         )
         if not cover.covered:
             why = "successor" if cover.ending else "uncovered"
-        elif lagging and not cover.starting and cover.runs < cfg.relay_runs_max:
+        elif lagging and not cover.starting and not cover.warming and cover.runs < cfg.relay_runs_max:
             why = "lagging"
         else:
             state = f"{len(cover.owners)} live relay worker(s), {len(cover.starting)} run(s) starting"
+            if cover.warming:
+                state += f", {len(cover.warming)} came up < {cfg.trigger_age_s:g} s ago"
             note = f"; lagging: {', '.join(lagging[:5])}{' ...' if len(lagging) > 5 else ''}" if lagging else ""
             reason = f"{total} pending rows in {len(by_key)} partitions; {state}{note}{drain_note}"
             if drain is not None:

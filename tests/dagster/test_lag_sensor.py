@@ -180,11 +180,44 @@ def test_lagging_partitions_get_one_more_run_up_to_the_maximum(
     )
 
     with _live_worker(db, table, stream_worker_id(runs[0])), _live_worker(db, table, stream_worker_id(runs[1])):
+        _up_for(db, table, seconds=60)
         more = _tick(below, instance, dagster_resources)
         enough = _tick(at_max, instance, dagster_resources)
 
     assert [r.tags["outbox/reason"] for r in _requested(more)] == ["lagging"]
     assert _requested(enough) == [] and "lagging:" in _skip_message(enough)
+
+
+def test_a_run_that_registered_moments_ago_gets_time_to_work_through_the_lag_before_another_is_added(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    """Rows older than the age trigger, found by the first run as it comes up (`dagster dev` starting against an
+    outbox written before it): the run drains them in moments; a second run would cost seconds of CPU for nothing."""
+    write_rows(200)
+    run = _stream_run(instance, dg.DagsterRunStatus.STARTED, **{REGISTERED_TAG: "true"})
+    sensor = build_outbox_lag_sensor(
+        relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, trigger_age_s=10.0, relay_runs_max=3)
+    )
+
+    with _live_worker(db, table, stream_worker_id(run)):
+        just_up = _tick(sensor, instance, dagster_resources)
+        _up_for(db, table, seconds=10)
+        up_a_while = _tick(sensor, instance, dagster_resources)
+
+    assert _requested(just_up) == [] and "came up" in _skip_message(just_up)
+    assert [r.tags["outbox/reason"] for r in _requested(up_a_while)] == ["lagging"]
+
+
+def _up_for(db: psycopg.Connection, table: OutboxTable, seconds: float) -> None:
+    """Every registered worker registered ``seconds`` ago."""
+    db.execute(
+        psycopg.sql.SQL("UPDATE {} SET registered_at = now() - make_interval(secs => %s)").format(table.workers),
+        [seconds],
+    )
 
 
 def test_an_idle_outbox_is_a_skip_with_a_reason(
