@@ -53,6 +53,7 @@ from .drain_values import (
 )
 from .lag import partition_lag
 from .strategies.offsets import discover
+from .switch import other_orders
 
 # -- plan (driver) ---------------------------------------------------------------------------------
 
@@ -146,18 +147,7 @@ def _refuse_other_orders(
 ) -> None:
     """A position another strategy advanced is in that strategy's order: draining past it in this one skips rows
     (serialized's "write first, enqueue last" writers commit lower xids after higher ids)."""
-    rows = conn.execute(
-        sql.SQL(
-            """
-            SELECT topic, partition, read_by FROM {offsets}
-            WHERE read_by IS NOT NULL AND read_by <> %(strategy)s
-              AND (%(topics)s::text[] IS NULL OR topic = ANY(%(topics)s::text[]))
-            ORDER BY topic, partition LIMIT 3
-            """
-        ).format(offsets=table.offsets),
-        {"strategy": strategy, "topics": list(topics) if topics else None},
-    ).fetchall()
-    if rows:
+    if rows := other_orders(conn, table, strategy, topics):
         named = ", ".join(f"{topic}/{partition} ({read_by})" for topic, partition, read_by in rows)
         raise DrainError(
             f"cannot drain as {strategy}: positions were advanced by another strategy ({named}) and are in its "

@@ -27,6 +27,7 @@ from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
 from .schema import require_current
 from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
 from .strategies.sharing import UNSCOPED_KIND
+from .switch import require_relayable
 from .timestamps import PG_EPOCH
 from .wakeups import WakeUps
 
@@ -101,7 +102,10 @@ class Relay:
             for _ in range(wanted):
                 conn = psycopg.connect(self.dsn, autocommit=True, application_name=self._application_name)
                 self._connections.append(conn)
-                self._strategies.append(self.strategy_factory(conn, self.strategy_config))
+                strategy = self.strategy_factory(conn, self.strategy_config)
+                if not self._strategies:
+                    require_relayable(conn, self.strategy_config.table, strategy.name)
+                self._strategies.append(strategy)
         return self._strategies
 
     def _connect_control(self) -> WorkerPresence:

@@ -8,12 +8,14 @@ migration runs in its own transaction and is recorded in ``outbox_schema_migrati
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 
 import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
 from .errors import OutboxError, SchemaError
+from .indexes import build, drop_except, indexes_for
 from .migrations import DEFAULT_DAYS_AHEAD, LATEST_VERSION, MIGRATION_LOCK_CLASS, MIGRATIONS, Migration
 
 
@@ -23,8 +25,15 @@ def init_db(
     *,
     days_ahead: int = DEFAULT_DAYS_AHEAD,
     today: dt.date | None = None,
+    strategies: Sequence[str] | None = None,
 ) -> list[Migration]:
-    """Apply missing migrations and create partitions ahead; returns the migrations it applied."""
+    """Apply missing migrations and create partitions ahead; returns the migrations it applied.
+
+    ``strategies``: the relay strategies the outbox serves (indexes.py). A new outbox gets only their indexes; an
+    existing one gets those it lacks, built without blocking writers, and keeps the others (dropping is
+    ``indexes.drop_except``'s, on purpose). None: a new outbox gets every strategy's indexes."""
+    indexes_for(strategies or ())  # an unknown name fails before anything is created
+    new = current_version(conn, table) == 0
     applied: list[Migration] = []
     with conn.transaction():
         _lock_migrations(conn, table)
@@ -52,6 +61,11 @@ def init_db(
             )
             applied.append(migration)
     ensure_partitions(conn, table, days_ahead=days_ahead, today=today)
+    if strategies is not None and new:
+        drop_except(conn, table, strategies)
+    elif strategies is not None:
+        for index in indexes_for(strategies):
+            build(conn, table, index)
     return applied
 
 

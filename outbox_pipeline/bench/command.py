@@ -186,7 +186,12 @@ def run(args: argparse.Namespace) -> int:
         with servers(args.embedded) as found:
             sizes = args.rows_per_transaction or [1, 10, 100]
             results = writers.measure(
-                found, sizes=sizes, transactions=args.transactions, rows=args.messages, runs=args.runs
+                found,
+                sizes=sizes,
+                transactions=args.transactions,
+                rows=args.messages,
+                runs=args.runs,
+                index_sets=args.strategies or writers.DEFAULT_INDEX_SETS,
             )
             print("\n" + results.render())
             return 0

@@ -37,9 +37,6 @@ from .runner import Servers
 from .scenarios import IdleResult, Scenario, ScenarioResult
 from .steady import Session, run_idle, run_scenario
 
-# Every strategy, the ordered ones first (`--strategies all`).
-ALL_STRATEGIES = ("partitioned", "serialized", "advisory", "lease", "locking")
-
 
 @dataclass(frozen=True)
 class LatencyOptions:
@@ -133,7 +130,7 @@ def run(
                     progress(f"\n== round {n + 1}/{options.runs}: {strategy}, {relay.name} relay")
                     table = OutboxTable(schema=f"bench_latency_{uuid.uuid4().hex[:8]}")
                     with psycopg.connect(servers.dsn, autocommit=True) as conn:
-                        init_db(conn, table)
+                        init_db(conn, table, strategies=[strategy])  # as `init-db --strategy` makes it
                     session = Session(
                         servers, relay, table, strategy, n + 1, Path(scratch), options.seconds, options.observe,
                         options.fetch_wait_ms, why,

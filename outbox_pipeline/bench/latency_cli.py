@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..strategies import STRATEGY_NAMES
+from ..strategies import strategy_list
 from . import latency, latency_report
 from .runner import Servers
 
@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategies",
         type=strategy_list,
         metavar="S,S,...|all",
-        help="latency bench: these strategies in turn (all: the ordered ones first) instead of --strategy",
+        help="latency bench: these strategies in turn (all: the ordered ones first) instead of --strategy; --writers: "
+        "the strategies whose index sets the outbox writers write (default partitioned,serialized)",
     )
     parser.add_argument(
         "--no-observer",
@@ -79,14 +80,6 @@ def rates(text: str) -> list[float]:
     if any(r < 0 for r in rates):
         raise argparse.ArgumentTypeError("rates must be >= 0")
     return rates
-
-
-def strategy_list(text: str) -> list[str]:
-    names = list(latency.ALL_STRATEGIES) if text == "all" else [s for s in text.split(",") if s]
-    unknown = sorted(set(names) - set(STRATEGY_NAMES))
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGY_NAMES)}")
-    return names
 
 
 def run(found: Servers, args: argparse.Namespace) -> int:

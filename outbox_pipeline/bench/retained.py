@@ -82,7 +82,7 @@ def measure(
         future.result()
     results: list[LatencyStep] = []
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
-        init_db(conn, table)
+        init_db(conn, table, strategies=[strategy])  # the strategy's own indexes, as `init-db --strategy` makes it
         for topic in topics:
             set_topic_partitions(conn, table, topic, 1)
         try:

@@ -203,7 +203,7 @@ def prepare(
         if talk:
             create_talk_table(conn, table, spec.strategy)
         else:
-            init_db(conn, table)
+            init_db(conn, table, strategies=[spec.strategy])  # as `init-db --strategy` makes it
             for topic in topics:
                 set_topic_partitions(conn, table, topic, spec.partitions)
             # The wake-up trigger costs each committing transaction 0.7-2 ms (README, Performance): a third

@@ -2,10 +2,13 @@
 
 The baseline is what a user would write without us: one INSERT of the same rows (topic, key, jsonb payload) into a
 table with only a primary key, in the same schema. Against it, per transaction size (``--rows-per-transaction``,
-default 1, 10 and 100 rows): the Python ``enqueue_many`` (routes in Python, one statement), a plain INSERT into the
-outbox that names each row's partition and one that leaves routing to the trigger, and the SQL ``<schema>.enqueue()``
-once per row. One session each, ``synchronous_commit = off`` (a durable commit would time the disk's flush, the same
-for every writer), every cell in a fresh schema, cells interleaved in every run. Reported: rows/s and PostgreSQL's
+default 1, 10 and 100 rows) and per strategy's index set (``--strategies``, default partitioned and serialized: an
+outbox keeps only its strategy's indexes, indexes.py): the Python ``enqueue_many`` (routes in Python, one statement),
+a plain INSERT into the outbox that names each row's partition and one that leaves routing to the trigger, and the
+SQL ``<schema>.enqueue()`` once per row; for ``serialized`` the Python and SQL writers enqueue serialized (its
+writers take the partition's lock: part of what it costs). One session each, ``synchronous_commit = off`` (a
+durable commit would time the disk's flush, the same for every writer), every cell in a fresh schema, cells
+interleaved in every run. Reported: rows/s and PostgreSQL's
 CPU per row (the server's processes, from /proc; embedded stack only), each as a ratio to the baseline's in the same
 run, medians of ``--runs``. Then bulk: ``outbox load`` (COPY) with the partition computed in Python against COPY
 without the partition column (the trigger on every row).
@@ -38,15 +41,16 @@ PAYLOAD = '{"n": 1}'
 ROWS_PER_CELL = {1: 3_000, 10: 10_000, 100: 30_000}
 DEFAULT_ROWS_PER_CELL = 10_000
 
-# Writes rows ``first .. first + count - 1`` in the caller's open transaction.
-Writer = Callable[[psycopg.Connection, OutboxTable, int, int], None]
+# Writes rows ``first .. first + count - 1`` in the caller's open transaction; serialized or not.
+Writer = Callable[[psycopg.Connection, OutboxTable, int, int, bool], None]
+DEFAULT_INDEX_SETS = ("partitioned", "serialized")
 
 
 def _keys(first: int, count: int) -> list[str]:
     return [f"key-{i % KEYS}" for i in range(first, first + count)]
 
 
-def _plain_table(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
+def _plain_table(conn: psycopg.Connection, table: OutboxTable, first: int, count: int, serialized: bool) -> None:
     conn.execute(
         sql.SQL(
             "INSERT INTO {} (topic, key, payload) SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[])"
@@ -55,11 +59,14 @@ def _plain_table(conn: psycopg.Connection, table: OutboxTable, first: int, count
     )
 
 
-def _python_enqueue(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
-    enqueue_many(conn, [Message(TOPIC, {"n": 1}, key=key) for key in _keys(first, count)], table=table)
+def _python_enqueue(conn: psycopg.Connection, table: OutboxTable, first: int, count: int, serialized: bool) -> None:
+    messages = [Message(TOPIC, {"n": 1}, key=key) for key in _keys(first, count)]
+    enqueue_many(conn, messages, serialized=serialized, table=table)
 
 
-def _insert_with_partition(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
+def _insert_with_partition(
+    conn: psycopg.Connection, table: OutboxTable, first: int, count: int, serialized: bool
+) -> None:
     keys = _keys(first, count)
     conn.execute(
         sql.SQL(
@@ -70,7 +77,9 @@ def _insert_with_partition(conn: psycopg.Connection, table: OutboxTable, first: 
     )
 
 
-def _insert_routed_by_trigger(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
+def _insert_routed_by_trigger(
+    conn: psycopg.Connection, table: OutboxTable, first: int, count: int, serialized: bool
+) -> None:
     conn.execute(
         sql.SQL(
             "INSERT INTO {} (topic, key, payload) SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[])"
@@ -79,10 +88,10 @@ def _insert_routed_by_trigger(conn: psycopg.Connection, table: OutboxTable, firs
     )
 
 
-def _sql_enqueue(conn: psycopg.Connection, table: OutboxTable, first: int, count: int) -> None:
-    query = sql.SQL("SELECT id, message_id FROM {}(%s, %s, key => %s)").format(table.ident("enqueue"))
+def _sql_enqueue(conn: psycopg.Connection, table: OutboxTable, first: int, count: int, serialized: bool) -> None:
+    query = sql.SQL("SELECT id, message_id FROM {}(%s, %s, key => %s, serialized => %s)").format(table.ident("enqueue"))
     for key in _keys(first, count):
-        conn.execute(query, (TOPIC, PAYLOAD, key))
+        conn.execute(query, (TOPIC, PAYLOAD, key, serialized))
 
 
 BASELINE = "plain table, one INSERT (baseline)"
@@ -107,21 +116,22 @@ class Cell:
 @dataclass(frozen=True)
 class WriterResults:
     sizes: tuple[int, ...]
-    cells: dict[tuple[str, int], Cell]
+    index_sets: tuple[str, ...]
+    cells: dict[tuple[str, int, str], Cell]  # (writer, rows per transaction, index set; "" for the baseline)
     bulk: dict[str, list[float]]  # rows/s per run
     bulk_rows: int
 
     def render(self) -> str:
-        runs = len(self.cells[(BASELINE, self.sizes[0])].rates)
+        runs = len(self.cells[(BASELINE, self.sizes[0], "")].rates)
         lines = [
-            f"| writer | rows per transaction | rows/s (median of {runs}) | x baseline | PostgreSQL CPU us/row "
-            "| x baseline |",
-            "|---|---|---|---|---|---|",
+            f"| writer | indexes of | rows per transaction | rows/s (median of {runs}) | x baseline "
+            "| PostgreSQL CPU us/row | x baseline |",
+            "|---|---|---|---|---|---|---|",
         ]
         for size in self.sizes:
-            base = self.cells[(BASELINE, size)]
-            for name in WRITERS:
-                cell = self.cells[(name, size)]
+            base = self.cells[(BASELINE, size, "")]
+            for name, index_set in _cells(self.index_sets):
+                cell = self.cells[(name, size, index_set)]
                 rate = statistics.median(cell.rates)
                 # Ratios per run (the machine's speed swings between runs), then their median.
                 rate_x = statistics.median(r / b for r, b in zip(cell.rates, base.rates, strict=True))
@@ -133,7 +143,8 @@ class WriterResults:
                     ]
                 )
                 lines.append(
-                    f"| {name} | {size} | {rate:,.0f} | {rate_x:.2f} | {_fmt(cpu, '.1f')} | {_fmt(cpu_x, '.2f')} |"
+                    f"| {name} | {index_set or '-'} | {size} | {rate:,.0f} | {rate_x:.2f} | {_fmt(cpu, '.1f')} "
+                    f"| {_fmt(cpu_x, '.2f')} |"
                 )
         bulk_base = statistics.median(self.bulk[next(iter(BULK))])
         lines += ["", f"| bulk load, {self.bulk_rows:,} rows, commits every 100 | rows/s | x first |", "|---|---|---|"]
@@ -151,20 +162,37 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def measure(found: Servers, *, sizes: Sequence[int], transactions: int | None, rows: int, runs: int) -> WriterResults:
-    """``transactions`` per writer and size (None: ROWS_PER_CELL); ``rows`` per bulk load."""
-    cells = {(name, size): Cell() for size in sizes for name in WRITERS}
+def _cells(index_sets: Sequence[str]) -> list[tuple[str, str]]:
+    """(writer, index set) in the order they run: the baseline once, then every outbox writer per index set."""
+    return [(BASELINE, "")] + [(name, i) for i in index_sets for name in WRITERS if name != BASELINE]
+
+
+def measure(
+    found: Servers,
+    *,
+    sizes: Sequence[int],
+    transactions: int | None,
+    rows: int,
+    runs: int,
+    index_sets: Sequence[str] = DEFAULT_INDEX_SETS,
+) -> WriterResults:
+    """``transactions`` per writer and size (None: ROWS_PER_CELL); ``rows`` per bulk load (with the first index
+    set's indexes)."""
+    cells = {(name, size, i): Cell() for size in sizes for name, i in _cells(index_sets)}
     bulk: dict[str, list[float]] = {name: [] for name in BULK}
     for run in range(runs):
         for size in sizes:
-            for name, writer in WRITERS.items():
+            for name, index_set in _cells(index_sets):
                 cell_rows = size * transactions if transactions else ROWS_PER_CELL.get(size, DEFAULT_ROWS_PER_CELL)
-                rate, cpu = _write(found, writer, size, cell_rows)
-                cells[(name, size)].rates.append(rate)
-                cells[(name, size)].pg_us_per_row.append(cpu)
-                print(f"run {run + 1}: {name} x {size}: {rate:,.0f} rows/s, PostgreSQL {_fmt(cpu, '.1f')} us/row")
+                rate, cpu = _write(found, WRITERS[name], size, cell_rows, index_set)
+                cells[(name, size, index_set)].rates.append(rate)
+                cells[(name, size, index_set)].pg_us_per_row.append(cpu)
+                print(
+                    f"run {run + 1}: {name} ({index_set or 'no outbox'}) x {size}: {rate:,.0f} rows/s, "
+                    f"PostgreSQL {_fmt(cpu, '.1f')} us/row"
+                )
         for name, route_in_db in BULK.items():
-            table = _fresh_outbox(found.dsn)
+            table = _fresh_outbox(found.dsn, index_sets[0])
             try:
                 elapsed = load(
                     found.dsn, table, rows, topics=[TOPIC], rows_per_transaction=100, route_in_db=route_in_db
@@ -173,12 +201,12 @@ def measure(found: Servers, *, sizes: Sequence[int], transactions: int | None, r
                 _drop(found.dsn, table)
             bulk[name].append(rows / elapsed)
             print(f"run {run + 1}: {name}: {bulk[name][-1]:,.0f} rows/s", flush=True)
-    return WriterResults(tuple(sizes), cells, bulk, rows)
+    return WriterResults(tuple(sizes), tuple(index_sets), cells, bulk, rows)
 
 
-def _write(found: Servers, writer: Writer, size: int, rows: int) -> tuple[float, float | None]:
+def _write(found: Servers, writer: Writer, size: int, rows: int, index_set: str) -> tuple[float, float | None]:
     """(rows/s, PostgreSQL CPU us per row) of ``rows`` rows in transactions of ``size``."""
-    table = _fresh_outbox(found.dsn)
+    table = _fresh_outbox(found.dsn, index_set or DEFAULT_INDEX_SETS[0])
     try:
         with psycopg.connect(found.dsn, autocommit=True) as conn:
             conn.execute("SET synchronous_commit = off")
@@ -190,7 +218,7 @@ def _write(found: Servers, writer: Writer, size: int, rows: int) -> tuple[float,
             started = time.perf_counter()
             for t in range(transactions):
                 with conn.transaction():
-                    writer(conn, table, t * size, size)
+                    writer(conn, table, t * size, size, index_set == "serialized")
             elapsed = time.perf_counter() - started
             # This session's backend is live: its CPU so far is in the server's tree now.
             cpu = tree_cpu_s(server) - cpu_before if server else None
@@ -216,11 +244,12 @@ def _check(conn: psycopg.Connection, table: OutboxTable, writer: Writer, expecte
         raise RuntimeError(f"writers bench: {row} (rows stored, rows misrouted), expected ({expected}, 0)")
 
 
-def _fresh_outbox(dsn: str) -> OutboxTable:
-    """An outbox as `outbox init-db` makes it, and beside it the baseline's table: a primary key and nothing else."""
+def _fresh_outbox(dsn: str, strategy: str) -> OutboxTable:
+    """An outbox as `outbox init-db --strategy S` makes it, and beside it the baseline's table: a primary key and
+    nothing else."""
     table = OutboxTable(schema=f"bench_writers_{uuid.uuid4().hex[:8]}")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        init_db(conn, table)
+        init_db(conn, table, strategies=[strategy])
         set_topic_partitions(conn, table, TOPIC, PARTITIONS)
         conn.execute(
             sql.SQL(

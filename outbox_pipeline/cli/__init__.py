@@ -18,13 +18,13 @@ from ..config import redact_dsn
 from ..errors import OutboxError
 from ..migrations import DEFAULT_DAYS_AHEAD
 from ..relay_settings import RelaySettings
-from ..strategies import STRATEGY_NAMES
+from ..strategies import STRATEGY_NAMES, strategy_list
 from ..strategies.quarantine import ON_POISON_CHOICES
 from .common import add_db_args, timestamp_arg
 from .inspect_commands import cmd_lag, cmd_settings, cmd_status
-from .operator_commands import cmd_dead_letters, cmd_release_lease, cmd_replay, cmd_verify
+from .operator_commands import cmd_dead_letters, cmd_release_lease, cmd_replay, cmd_switch_strategy, cmd_verify
 from .relay_command import EXIT_NOT_EMPTY, cmd_relay
-from .setup_commands import cmd_bench, cmd_demo_traffic, cmd_dev, cmd_enqueue, cmd_init_db, cmd_load
+from .setup_commands import cmd_bench, cmd_demo_traffic, cmd_dev, cmd_enqueue, cmd_indexes, cmd_init_db, cmd_load
 
 __all__ = ["EXIT_NOT_EMPTY", "build_parser", "main"]
 
@@ -39,7 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days-ahead", type=int, default=DEFAULT_DAYS_AHEAD, help="daily partitions to create ahead")
     p.add_argument("--partitions", type=int, help="default number of virtual partitions per topic")
     p.add_argument("--topic", action="append", metavar="NAME:PARTITIONS", help="virtual partitions of one topic")
+    p.add_argument(
+        "--strategy",
+        type=strategy_list,
+        help="the relay strategies the outbox serves, comma-separated: a new outbox gets only their indexes (each "
+        "costs every writer), an existing one gets those it lacks, built without blocking writers (default: every "
+        "strategy's)",
+    )
     p.set_defaults(func=cmd_init_db)
+
+    p = sub.add_parser(
+        "indexes", help="show the message table's strategy indexes; build a strategy's without blocking writers"
+    )
+    add_db_args(p)
+    p.add_argument("--strategy", type=strategy_list, help="build these strategies' indexes (comma-separated)")
+    p.add_argument(
+        "--drop-others", action="store_true", help="then drop the indexes none of them reads (relays of others refuse)"
+    )
+    p.set_defaults(func=cmd_indexes)
 
     p = sub.add_parser("enqueue", help="enqueue one message in its own transaction")
     add_db_args(p)
@@ -167,6 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-retried", action="store_true", help="list: retried ones too")
     p.add_argument("--json", action="store_true", help="list: as JSON")
     p.set_defaults(func=cmd_dead_letters)
+
+    p = sub.add_parser(
+        "switch-strategy",
+        help="make a stopped outbox's record of what was relayed the one another strategy reads (no loss, no reorder)",
+        description="Run after building the new strategy's indexes (`outbox indexes --strategy S`) with every relay "
+        "stopped; then start relays of the new strategy. See docs/operations.md.",
+    )
+    add_db_args(p)
+    p.add_argument("--to", required=True, choices=STRATEGY_NAMES, help="the strategy the relays will run")
+    p.add_argument(
+        "--mode", choices=["delete", "mark-sent"], default="delete", help="row strategies: what happens to relayed rows"
+    )
+    p.set_defaults(func=cmd_switch_strategy)
 
     p = sub.add_parser("release-lease", help="free a stuck partition lease (partitioned, serialized)")
     add_db_args(p)

@@ -1,4 +1,5 @@
-"""Engine room (CLI): operator actions that change state (replay, dead letters, leases) and `outbox verify`."""
+"""Engine room (CLI): operator actions that change state (replay, dead letters, leases, switching strategy) and
+`outbox verify`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 from .. import operations
 from ..errors import OutboxError
+from ..switch import switch_strategy
 from .common import connect, kafka_config_of, operator_name, table_of
 
 
@@ -124,3 +126,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     print(json.dumps(report.to_dict(), default=str) if args.json else report.render(), flush=True)
     return 0 if report.ok else 1
+
+
+def cmd_switch_strategy(args: argparse.Namespace) -> int:
+    with connect(args) as conn:
+        done = switch_strategy(conn, table_of(args), args.to, mode=args.mode)
+    if done.partitions or not done.rows:
+        print(f"positions of {done.partitions} partitions set for {done.strategy}; start its relays now")
+    else:
+        print(f"{done.rows} relayed rows {'deleted' if args.mode == 'delete' else 'marked sent'} for {done.strategy}")
+    return 0

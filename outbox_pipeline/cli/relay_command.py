@@ -16,6 +16,7 @@ from ..relay_settings import RelaySettings
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
 from ..strategies.quarantine import on_poison_from_env
+from ..switch import require_relayable
 from ..workers import WorkerResult, WorkerSpec, run_worker_processes
 from .common import dsn_of, kafka_config_of, strategy_named, table_of
 
@@ -34,6 +35,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     kafka = kafka_config_of(args)
     with psycopg.connect(dsn, autocommit=True) as conn:
         schema.require_current(conn, table)
+        require_relayable(conn, table, cls.name)
     settings = RelaySettings.from_env(
         batch_size=args.batch_size,
         listen=not args.no_listen,

@@ -10,7 +10,7 @@ import threading
 
 import psycopg
 
-from .. import schema
+from .. import indexes, schema
 from ..config import redact_dsn
 from ..enqueue import enqueue
 from ..errors import OutboxError
@@ -21,16 +21,46 @@ from .common import dsn_of, table_of
 def cmd_init_db(args: argparse.Namespace) -> int:
     table = table_of(args)
     with psycopg.connect(dsn_of(args), autocommit=True) as conn:
-        applied = schema.init_db(conn, table, days_ahead=args.days_ahead)
+        applied = schema.init_db(conn, table, days_ahead=args.days_ahead, strategies=args.strategy)
         if args.partitions is not None:
             schema.set_topic_partitions(conn, table, DEFAULT_TOPIC_ROW, args.partitions)
         for topic_spec in args.topic or []:
             name, _, count = topic_spec.partition(":")
             schema.set_topic_partitions(conn, table, name, int(count))
         version = schema.current_version(conn, table)
+        found = indexes.states(conn, table)
     names = ", ".join(f"{m.version} ({m.name})" for m in applied) or "none (already current)"
     print(f"schema {table.schema!r} at version {version}; applied: {names}")
+    print(f"strategy indexes: {_describe(found)}")
     return 0
+
+
+def cmd_indexes(args: argparse.Namespace) -> int:
+    table = table_of(args)
+    with psycopg.connect(dsn_of(args), autocommit=True) as conn:
+        schema.require_current(conn, table)
+        for index in indexes.indexes_for(args.strategy or ()):
+            built = indexes.build(conn, table, index)
+            if built:
+                print(f"built {index.name} on {len(built)} partitions")
+        if args.drop_others:
+            if not args.strategy:
+                raise OutboxError("--drop-others needs --strategy: the strategies whose indexes stay")
+            for name in indexes.drop_except(conn, table, args.strategy):
+                print(f"dropped {name}")
+        found = indexes.states(conn, table)
+    print(f"strategy indexes of {table.schema!r}: {_describe(found)}")
+    return 0
+
+
+def _describe(found: dict[str, indexes.IndexState]) -> str:
+    """Each index with the strategies it serves and its state."""
+    parts = []
+    for index in indexes.INDEXES:
+        state = found[index.name]
+        status = "ready" if state.valid else "building (rerun `outbox indexes`)" if state.exists else "absent"
+        parts.append(f"{index.name} ({'/'.join(index.readers)}): {status}")
+    return "; ".join(parts)
 
 
 def cmd_enqueue(args: argparse.Namespace) -> int:

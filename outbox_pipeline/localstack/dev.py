@@ -205,7 +205,8 @@ def run_dev(settings: DevSettings) -> int:
         broker.start()
         (settings.run_dir / "broker.pid").write_text(str(broker.pid))
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            init_db(conn, settings.table)
+            # The indexes of the strategy the Dagster runs relay with: each index costs every write.
+            init_db(conn, settings.table, strategies=[catalogue.RELAY_STRATEGY.read()])
             for topic in DEMO_TOPICS:
                 set_topic_partitions(conn, settings.table, topic, DEMO_PARTITIONS)
         broker.create_topics(DEMO_TOPICS, partitions=DEMO_PARTITIONS)

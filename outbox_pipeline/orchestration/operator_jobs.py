@@ -1,4 +1,5 @@
-"""Dagster room: operator actions launched from the UI with config (replay, dead-letter retry, stuck lease).
+"""Dagster room: operator actions launched from the UI with config (replay, dead-letter retry, stuck lease, a
+strategy's indexes).
 
 Each job calls one engine operation (outbox_pipeline.operations) and records what it changed as the
 run's metadata. Replay and lease release are partitioned like the relay, so the operator picks the
@@ -13,6 +14,7 @@ from pydantic import Field
 
 from outbox_pipeline.config import parse_timestamp
 from outbox_pipeline.errors import ConfigurationError, OutboxError
+from outbox_pipeline.indexes import build, drop_except, indexes_for, states
 from outbox_pipeline.operations import (
     DeadLetter,
     discard_dead_letters,
@@ -212,4 +214,55 @@ def discard_dead_letters_job() -> None:
     discard_outbox_dead_letters()
 
 
-OPERATOR_JOBS = [replay_partition_job, release_lease_job, retry_dead_letters_job, discard_dead_letters_job]
+class StrategyIndexesConfig(dg.Config):
+    strategy: str | None = Field(default=None, description="empty: OUTBOX_RELAY_STRATEGY (default partitioned)")
+    drop_others: bool = Field(
+        default=False, description="then drop the indexes it does not read (relays of other strategies refuse)"
+    )
+
+
+@dg.op(description="Build a strategy's indexes without blocking writers, a partition at a time; drop others if asked.")
+def build_outbox_strategy_indexes(
+    context: dg.OpExecutionContext,
+    config: StrategyIndexesConfig,
+    postgres: PostgresResource,
+    orchestration: OrchestrationSettings,
+) -> dg.Output[list[str]]:
+    strategy = config.strategy or orchestration.strategy
+    built: list[str] = []
+    with postgres.connect() as conn:
+        try:
+            for index in indexes_for([strategy]):
+                if partitions := build(conn, postgres.table, index):
+                    built.append(index.name)
+                    context.log.info("built %s on %d partitions", index.name, len(partitions))
+            dropped = drop_except(conn, postgres.table, [strategy]) if config.drop_others else []
+        except OutboxError as exc:
+            raise dg.Failure(str(exc)) from None
+        ready = sorted(name for name, state in states(conn, postgres.table).items() if state.valid)
+    return dg.Output(
+        built,
+        metadata={
+            "strategy": strategy,
+            "built": ", ".join(built) or "-",
+            "dropped": ", ".join(dropped) or "-",
+            "ready": ", ".join(ready),
+        },  # fmt: skip
+    )
+
+
+@dg.job(
+    name="build_strategy_indexes",
+    description="The indexes a relay strategy reads, built on the live outbox (relays refuse to start without them).",
+)
+def build_strategy_indexes_job() -> None:
+    build_outbox_strategy_indexes()
+
+
+OPERATOR_JOBS = [
+    replay_partition_job,
+    release_lease_job,
+    retry_dead_letters_job,
+    discard_dead_letters_job,
+    build_strategy_indexes_job,
+]

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 
 from .base import Strategy
@@ -23,6 +24,17 @@ _MODULES = {
     "serialized": ("serialized", "SerializedStrategy"),
 }
 STRATEGY_NAMES = tuple(_MODULES)
+# Every strategy, the ordered ones first (``all``).
+ORDERED_FIRST = ("partitioned", "serialized", "advisory", "lease", "locking")
+
+
+def strategy_list(text: str) -> list[str]:
+    """An argparse type: ``a,b`` or ``all`` (the ordered strategies first); a wrong name is a usage error."""
+    names = list(ORDERED_FIRST) if text == "all" else [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(STRATEGY_NAMES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGY_NAMES)}")
+    return names
 
 
 def strategy_class(name: str) -> type[Strategy]:

@@ -28,6 +28,7 @@ def test_the_definitions_load_with_the_relay_job_operator_jobs_check_and_running
         "replay_partition",
         "release_lease",
         "retry_dead_letters",
+        "build_strategy_indexes",
     }
     assert {(sensor.name, sensor.default_status) for sensor in repository.sensor_defs} >= {
         ("outbox_lag_sensor", dg.DefaultSensorStatus.RUNNING),

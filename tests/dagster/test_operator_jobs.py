@@ -5,9 +5,12 @@ from collections.abc import Callable
 
 import dagster as dg
 import psycopg
+import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.errors import SchemaError
+from outbox_pipeline.indexes import require_indexes
 from outbox_pipeline.lag import partition_lag
 from outbox_pipeline.operations import list_dead_letters
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
@@ -121,3 +124,20 @@ def test_discarding_a_dead_letter_from_the_launchpad_records_why_and_releases_th
     assert [int(r.headers["outbox_id"]) for r in kafka.consume(topic, expect=3)] == [r.id for r in held]
     row = db.execute(sql.SQL("SELECT discard_reason, discarded_by FROM {}").format(table.dead_letters)).fetchone()
     assert row == ("corrupt order", f"dagster run {result.run_id}")
+
+
+def test_building_a_strategys_indexes_from_the_launchpad_makes_its_relay_start_and_drops_the_rest_when_asked(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    db.execute(sql.SQL("DROP INDEX {}").format(table.ident("outbox_messages_serial")))
+    config = {"ops": {"build_outbox_strategy_indexes": {"config": {"strategy": "serialized", "drop_others": True}}}}
+
+    result = _job("build_strategy_indexes", dagster_resources).execute_in_process(instance=instance, run_config=config)
+
+    assert result.output_for_node("build_outbox_strategy_indexes") == ["outbox_messages_serial"]
+    require_indexes(db, table, "serialized")  # a serialized relay would start
+    with pytest.raises(SchemaError, match="outbox_messages_position"):
+        require_indexes(db, table, "partitioned")

@@ -202,7 +202,7 @@ def test_bench_rejects_several_transaction_sizes_outside_the_latency_bench() -> 
         main(["bench", "--rows-per-transaction", "10,100"])
 
 
-def test_bench_writers_compares_each_writer_with_a_plain_tables_insert_per_transaction_size(
+def test_bench_writers_compares_each_writer_per_strategys_indexes_with_a_plain_tables_insert_per_transaction_size(
     bench_servers: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Enough transactions for PostgreSQL's CPU to count ticks (10 ms) in every cell.
@@ -211,19 +211,20 @@ def test_bench_writers_compares_each_writer_with_a_plain_tables_insert_per_trans
     out = capsys.readouterr().out
     assert code == 0, out
     writers = (
-        "plain table, one INSERT (baseline)",
         "Python enqueue_many()",
         "INSERT naming its partitions",
         "INSERT without partition (trigger)",
         "SQL enqueue(), a call per row",
     )
-    for writer in writers:
+    for writer, index_set in [(w, i) for w in writers for i in ("partitioned", "serialized")]:
         for size in (1, 10):
             # rows/s and its ratio, PostgreSQL's CPU per row (the server runs on this machine) and its ratio
-            row = rf"^\| {re.escape(writer)} \| {size} \| [\d,]+ \| \d+\.\d\d \| \d+\.\d \| \d+\.\d\d \|$"
+            row = (
+                rf"^\| {re.escape(writer)} \| {index_set} \| {size} \| [\d,]+ \| \d+\.\d\d \| \d+\.\d \| \d+\.\d\d \|$"
+            )
             assert re.search(row, out, re.MULTILINE), out
     assert re.search(
-        r"^\| plain table, one INSERT \(baseline\) \| 10 \| [\d,]+ \| 1\.00 \| [\d.]+ \| 1\.00 \|$", out, re.M
+        r"^\| plain table, one INSERT \(baseline\) \| - \| 10 \| [\d,]+ \| 1\.00 \| [\d.]+ \| 1\.00 \|$", out, re.M
     )
     for load in ("outbox load, partition from Python", "outbox load --route-in-db (trigger)"):
         assert re.search(rf"^\| {re.escape(load)} \| [\d,]+ \| \d+\.\d\d \|$", out, re.MULTILINE), out
