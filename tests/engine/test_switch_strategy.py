@@ -147,37 +147,15 @@ def test_switching_partitioned_to_serialized_per_the_procedure_while_writers_wri
                 n += 5
 
     writer = threading.Thread(target=write)
-    relay = make_relay(
-        dsn,
-        table,
-        kafka.bootstrap_servers,
-        "partitioned",
-        stop=stop_relay,
-        until_empty=False,
-        max_seconds=None,
-        listen=True,
-    )
-    relaying = threading.Thread(target=relay.run)
     writer.start()
-    relaying.start()
+    relaying = _relaying(dsn, table, kafka.bootstrap_servers, "partitioned", stop_relay)
     try:
         assert main(["indexes", "--dsn", dsn, "--schema", table.schema, "--strategy", "serialized"]) == 0
         stop_relay.set()
         relaying.join(timeout=60)
         assert main(["switch-strategy", "--dsn", dsn, "--schema", table.schema, "--to", "serialized"]) == 0
         stop_relay.clear()
-        after = make_relay(
-            dsn,
-            table,
-            kafka.bootstrap_servers,
-            "serialized",
-            stop=stop_relay,
-            until_empty=False,
-            max_seconds=None,
-            listen=True,
-        )
-        relaying = threading.Thread(target=after.run)
-        relaying.start()
+        relaying = _relaying(dsn, table, kafka.bootstrap_servers, "serialized", stop_relay)
     finally:
         stop_writers.set()
         writer.join(timeout=60)
@@ -189,3 +167,11 @@ def test_switching_partitioned_to_serialized_per_the_procedure_while_writers_wri
     by_key = order_by_key(kafka.consume(topic, expect=len(written), idle_s=3.0))
     assert sorted(oid for ids in by_key.values() for oid in ids) == sorted(written)
     assert all(ids == sorted(ids) for ids in by_key.values())  # serialized writers: id order is commit order
+
+
+def _relaying(dsn: str, table: OutboxTable, bootstrap: str, strategy: str, stop: threading.Event) -> threading.Thread:
+    """A relay woken by NOTIFY, running in a thread until ``stop``."""
+    relay = make_relay(dsn, table, bootstrap, strategy, stop=stop, until_empty=False, max_seconds=None, listen=True)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    return thread
