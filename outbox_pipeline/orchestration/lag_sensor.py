@@ -13,6 +13,9 @@ and the registry, registers partitions Dagster has not seen (dynamic partitions)
   came up less than OUTBOX_RELAY_TRIGGER_AGE_S ago is still working through what it found (a run starting
   against an outbox written before it), so lag is not yet a sign that the runs are too few.
 
+An outbox a run would refuse (its strategy's indexes missing, another strategy's positions) gets no run: the
+tick is skipped with the reason, naming the command that fixes it.
+
 A run launched but not yet registered counts as an owner for START_GRACE_S, so no tick queues a second run
 for covered partitions; a run whose registered worker died covers nothing at once. The run key is the
 reason plus the latest run it follows, so a tick never requests the same run twice. When the whole backlog
@@ -34,9 +37,11 @@ if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export 
 # What define_asset_job returns; not re-exported by dagster, but it is the type sensors accept as a job.
 
 from outbox_pipeline.drain_values import DRAIN_STRATEGIES
+from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.lag import PartitionLag, partition_lag
 from outbox_pipeline.liveness import LiveWorker, live_workers
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
+from outbox_pipeline.switch import require_relayable
 from resources.postgres import PostgresResource
 
 from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, outbox_partitions, partition_key
@@ -155,6 +160,13 @@ def build_outbox_lag_sensor(
         context: dg.SensorEvaluationContext, postgres: PostgresResource
     ) -> dg.SensorResult | dg.SkipReason:
         with postgres.connect() as conn:
+            try:
+                # What a run would refuse at once (missing indexes, another strategy's positions): a run per tick
+                # otherwise, each failing after seconds of CPU.
+                require_relayable(conn, postgres.table, cfg.strategy)
+            except OutboxError as exc:
+                context.log.warning("no relay run: %s", exc)
+                return dg.SkipReason(f"no relay run: {exc}")
             lags = partition_lag(conn, postgres.table, cfg.strategy, cap=cfg.lag_cap)
             owners = [w for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND]
         by_key: dict[str, PartitionLag] = {}

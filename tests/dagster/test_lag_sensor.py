@@ -324,3 +324,21 @@ def test_after_a_bulk_drain_failed_the_sensor_asks_for_no_other_within_the_coold
 
     assert [r.job_name for r in _requested(within)] == ["relay_stream"]
     assert [r.job_name for r in _requested(later)] == ["bulk_drain_job", "relay_stream"]
+
+
+def test_an_outbox_the_relay_would_refuse_gets_no_run_but_a_skip_naming_the_command(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    """A run would fail at once and the next tick would launch another: a run every few seconds, each seconds of CPU."""
+    write_rows(40)
+    db.execute(psycopg.sql.SQL("DROP INDEX {}").format(table.ident("outbox_messages_position")))
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings(strategy="partitioned"))
+
+    result = _tick(sensor, instance, dagster_resources)
+
+    assert _requested(result) == []
+    assert "outbox indexes --strategy partitioned" in _skip_message(result)
