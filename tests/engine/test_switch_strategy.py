@@ -34,7 +34,11 @@ def _crossed_rows(db: psycopg.Connection, dsn: str, table: OutboxTable, topic: s
 
 
 def _relay_one_row_as_partitioned(dsn: str, table: OutboxTable, bootstrap: str) -> None:
-    assert make_relay(dsn, table, bootstrap, "partitioned", batch_size=1).run_once() is not None
+    relay = make_relay(dsn, table, bootstrap, "partitioned", batch_size=1)
+    try:
+        assert relay.run_once() is not None
+    finally:
+        relay.close()  # deregisters: a stopped relay, as the switch requires
 
 
 def test_a_serialized_relay_refuses_positions_a_partitioned_relay_left_and_names_the_switch(
