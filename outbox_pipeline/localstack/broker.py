@@ -145,8 +145,16 @@ class LocalBroker:
         self._proc = None
 
     def freeze(self) -> None:
-        """SIGSTOP: the broker keeps its connections but answers nothing (an outage that keeps its data)."""
+        """SIGSTOP: the broker keeps its connections but answers nothing (an outage that keeps its data). Returns
+        once every thread of the broker has stopped: the signal is delivered asynchronously, and on a loaded machine a
+        thread still running could answer a request sent just after this returned."""
         self._signal(signal.SIGSTOP, required=True)
+        pid = self.pid
+        deadline = time.monotonic() + 10.0
+        while pid is not None and not _all_threads_stopped(pid):
+            if time.monotonic() > deadline:
+                raise LocalStackError(f"the broker (pid {pid}) did not stop within 10 s of SIGSTOP")
+            time.sleep(0.005)  # the kernel offers no wait for another process's stop; its state is polled
 
     def thaw(self) -> None:
         """SIGCONT: resume a frozen broker; queued requests are then served."""
@@ -237,3 +245,20 @@ class LocalBroker:
                     f"({last_error})\n{self._log_tail(log_offset)}"
                 )
             time.sleep(0.05)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state T) or gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
