@@ -8,14 +8,12 @@ and never loses its place (the place lives in PostgreSQL, never in the worker).
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import attrgetter
 
 import psycopg
 
@@ -23,12 +21,11 @@ from .lag import explain_pending, partition_lag
 from .presence import WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .relay_settings import Pacer, RelaySettings
-from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
+from .relay_stats import BatchMetrics, RelayInstruments, RelayStats, oldest_age_s
 from .schema import require_current
 from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
 from .strategies.sharing import UNSCOPED_KIND
 from .switch import require_relayable
-from .timestamps import PG_EPOCH
 from .wakeups import WakeUps
 
 log = logging.getLogger(__name__)
@@ -231,7 +228,7 @@ class Relay:
             lost_ownership=result.lost_ownership,
             dead_lettered=result.dead_lettered,
             retried=result.retried,
-            oldest_age_s=_oldest_age_s(batch.claim),
+            oldest_age_s=oldest_age_s(batch.claim),
             elapsed_s=time.monotonic() - batch.started,
         )
         self.stats.add(metrics)
@@ -391,14 +388,3 @@ class Relay:
         except psycopg.OperationalError:
             self._disconnect()
             self.stop.wait(timeout_s)
-
-
-_CREATED_AT = attrgetter("created_at")
-
-
-def _oldest_age_s(claim: Claim) -> float | None:
-    """Merpay's oldest_task_age: the age of the oldest row in the batch just claimed."""
-    if not claim.records:
-        return None
-    oldest: int = min(map(_CREATED_AT, claim.records))  # no Python call per row
-    return (dt.datetime.now(dt.UTC) - PG_EPOCH).total_seconds() - oldest / 1e6

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
-from .strategies.base import AckResult, PublishOutcome
+from .strategies.base import AckResult, Claim, PublishOutcome
+from .timestamps import PG_EPOCH
 
 
 class RelayInstruments(Protocol):
@@ -85,3 +88,14 @@ class RelayStats:
             f"published_but_ack_failed={self.lost_ownership} dead_lettered={self.dead_lettered} "
             f"retried={self.retried} errors={self.errors} msg/s={self.msg_per_s:,.0f}"
         )
+
+
+_CREATED_AT = attrgetter("created_at")
+
+
+def oldest_age_s(claim: Claim) -> float | None:
+    """Merpay's oldest_task_age: the age of the oldest row in the batch just claimed."""
+    if not claim.records:
+        return None
+    oldest: int = min(map(_CREATED_AT, claim.records))  # no Python call per row
+    return (dt.datetime.now(dt.UTC) - PG_EPOCH).total_seconds() - oldest / 1e6

@@ -28,12 +28,17 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .errors import OutboxError
-from .indexes import ROW_STRATEGIES, require_indexes
+from .indexes import require_indexes
 from .liveness import live_workers
+from .strategies import strategy_class
 from .strategies.base import AckMode
 from .strategies.offsets import BEHIND_POSITION, partition_pairs
+from .strategies.positions import PositionStrategy
 
-POSITION_STRATEGIES = ("partitioned", "serialized")
+
+def _positions(strategy: str) -> bool:
+    """Whether ``strategy`` keeps positions (partitioned, serialized) rather than marking rows."""
+    return issubclass(strategy_class(strategy), PositionStrategy)
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def require_relayable(conn: psycopg.Connection, table: OutboxTable, strategy: st
 
 def require_own_positions(conn: psycopg.Connection, table: OutboxTable, strategy: str) -> None:
     """A position strategy refuses positions in the other one's order (reading past them skips rows)."""
-    if strategy not in POSITION_STRATEGIES or not (rows := other_orders(conn, table, strategy)):
+    if not _positions(strategy) or not (rows := other_orders(conn, table, strategy)):
         return
     named = ", ".join(f"{topic}/{partition} ({read_by})" for topic, partition, read_by in rows)
     raise OutboxError(
@@ -158,7 +163,7 @@ def switch_strategy(
     names = {"messages": table.messages, "offsets": table.offsets, "behind": behind}
     try:
         with conn.transaction():
-            if strategy in ROW_STRATEGIES:
+            if not _positions(strategy):
                 cur = conn.execute(sql.SQL(_MARK_RELAYED[mode]).format(**names))
                 return Switched(strategy, 0, cur.rowcount)
             conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
