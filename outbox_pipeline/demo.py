@@ -8,6 +8,7 @@ its rows open while later ones commit (the case that makes naive ``id > last_id`
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
 import threading
@@ -107,6 +108,8 @@ def load(
     count: int,
     *,
     payload_bytes: int = 256,
+    binary: bool = False,
+    trace_headers: bool = False,
     topics: Sequence[str] = ("topic-1", "topic-2"),
     keys: int = 1000,
     chunk: int = 20_000,
@@ -116,12 +119,14 @@ def load(
 ) -> float:
     """COPY ``count`` messages of about ``payload_bytes`` each; returns the elapsed seconds.
 
-    Rows are spread round-robin over ``topics`` (the talk's layout: two topics), keys ``key-0..keys-1``,
-    each in its topic's virtual partition as enqueue would route it. ``rows_per_transaction`` commits
-    every that many rows, like services writing small transactions: one million rows under one
-    transaction id is a shape no real outbox has, and it turns the talk's variant-3 condition (a range on
-    ``transaction_id`` alone) into a scan of every row already read. ``route_in_db``: COPY without the
-    partition column, as a writer in another language would, so the insert trigger routes every row.
+        Rows are spread round-robin over ``topics`` (the talk's layout: two topics), keys ``key-0..keys-1``,
+        each in its topic's virtual partition as enqueue would route it. ``rows_per_transaction`` commits
+        every that many rows, like services writing small transactions: one million rows under one
+        transaction id is a shape no real outbox has, and it turns the talk's variant-3 condition (a range on
+        ``transaction_id`` alone) into a scan of every row already read. ``route_in_db``: COPY without the
+        partition column, as a writer in another language would, so the insert trigger routes every row. ``binary``: the
+        same payloads as bytes (``payload_bytes``), to compare the two kinds at one size; ``trace_headers``: each
+    transaction's rows carry one W3C ``traceparent`` header, as a traced service's enqueue stores it.
     """
     started = time.monotonic()
     per_tx = rows_per_transaction or count
@@ -140,20 +145,22 @@ def load(
         prefixes = [f"{t}\t{k}\tdemo.loaded\t".encode() for t, k, _ in routes]
         suffixes = [(b"\t{}\n" if route_in_db else f"\t{{}}\t{p}\n".encode()) for _, _, p in routes]
         skeleton = len('{"seq":,"pad":""}')
-        columns = sql.SQL(
-            "topic, key, type, payload, headers" if route_in_db else "topic, key, type, payload, headers, partition"
-        )
+        payload_column = "payload_bytes" if binary else "payload"
+        columns = sql.SQL(f"topic, key, type, {payload_column}, headers" + ("" if route_in_db else ", partition"))
         copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(table.messages, columns)
         for first in range(0, count, per_tx):
             with conn.transaction(), conn.cursor() as cur, cur.copy(copy_sql) as copy:
                 buf = bytearray()
+                ids = os.urandom(24).hex().encode()
+                trace = b'{"traceparent": "00-%s-%s-01"}' % (ids[:32], ids[32:])
                 for i in range(first, min(first + per_tx, count)):
                     route = (i % len(topics)) * keys + (i // len(topics)) % keys
                     seq = str(i)
                     pad = "x" * max(0, payload_bytes - skeleton - len(seq))
                     buf += prefixes[route]
-                    buf += f'{{"seq":{seq},"pad":"{pad}"}}'.encode()
-                    buf += suffixes[route]
+                    payload = f'{{"seq":{seq},"pad":"{pad}"}}'.encode()
+                    buf += b"\\\\x" + payload.hex().encode() if binary else payload  # COPY text: bytea as \\x<hex>
+                    buf += suffixes[route].replace(b"{}", trace, 1) if trace_headers else suffixes[route]
                     if (i + 1) % chunk == 0:
                         copy.write(bytes(buf))
                         buf.clear()

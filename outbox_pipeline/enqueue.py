@@ -13,11 +13,12 @@ import json
 import random
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
+from confluent_kafka.serialization import MessageField, SerializationContext
 from psycopg import sql
 
 from .config import OutboxTable
@@ -25,6 +26,11 @@ from .errors import InvalidMessageError
 from .migrations import DEFAULT_TOPIC_ROW, NOTIFY_SETTING, TOPIC_PATTERN
 from .partitioning import key_hash
 from .routing import RESERVED_HEADERS, SERIALIZED_LOCK_CLASS
+from .tracing import TRACEPARENT, current_trace_headers
+
+# A confluent-kafka ``Serializer`` (AvroSerializer, ProtobufSerializer, JSONSerializer with a Schema Registry client)
+# or any callable like one: the payload object and the message's topic in, the bytes to store out.
+PayloadSerializer = Callable[[Any, SerializationContext], bytes | None]
 
 # Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
 BYTES_HEADER_FIELD = "base64"
@@ -61,7 +67,8 @@ class _Row:
     topic: str
     key: str | None
     type: str | None
-    payload: str
+    payload: str | None  # JSON text
+    payload_bytes: bytes | None  # or bytes, published unchanged
     headers: str
     priority: int
     partition: int | None
@@ -81,6 +88,7 @@ def enqueue(
     serialized: bool = False,
     notify: bool = True,
     table: OutboxTable | None = None,
+    serializer: PayloadSerializer | None = None,
 ) -> Enqueued:
     """Store one message in the caller's current transaction; it is relayed once that commits.
 
@@ -88,9 +96,13 @@ def enqueue(
     commit order): it is held until the caller commits, so keep the enqueue at the end of the transaction.
     ``notify=False`` inserts without waking the relay (the rest of the transaction too): needed before
     ``PREPARE TRANSACTION``, which PostgreSQL refuses after a NOTIFY; the relay's poll finds the rows.
+
+    ``payload``: anything JSON encodes (stored as jsonb), or bytes (stored and published unchanged). With a
+    ``serializer`` (a Schema Registry serializer), the bytes it makes of ``payload`` for the topic's value. With
+    OpenTelemetry installed, the current span context goes along as ``traceparent``/``tracestate`` headers.
     """
     message = Message(topic, payload, key, headers, type, priority, partition)
-    return enqueue_many(conn, [message], serialized=serialized, notify=notify, table=table)[0]
+    return enqueue_many(conn, [message], serialized=serialized, notify=notify, table=table, serializer=serializer)[0]
 
 
 def enqueue_many(
@@ -100,12 +112,19 @@ def enqueue_many(
     serialized: bool = False,
     notify: bool = True,
     table: OutboxTable | None = None,
+    serializer: PayloadSerializer | None = None,
 ) -> list[Enqueued]:
     """Store many messages with one statement: all of them or, on any bad message, none.
 
-    ``notify=False``: no wake-up for the relay, for two-phase commit (see ``enqueue``).
+    ``notify=False``: no wake-up for the relay, for two-phase commit (see ``enqueue``); ``serializer``: every
+    payload through it (see ``enqueue``).
     """
     table = table or OutboxTable.from_env()
+    if serializer is not None:
+        messages = [_serialize(serializer, m, i) for i, m in enumerate(messages)]
+    if trace := current_trace_headers():
+        # The writer's trace, for the consumer to continue (tracing.py); a message's own traceparent wins.
+        messages = [m if m.headers and TRACEPARENT in m.headers else _traced(m, trace) for m in messages]
     rows = [_validate(m, table.max_message_bytes, i) for i, m in enumerate(messages)]
     if not rows:
         return []
@@ -119,6 +138,7 @@ def enqueue_many(
             r.key,
             r.type,
             r.payload,
+            r.payload_bytes,
             r.headers,
             r.priority,
             r.partition,
@@ -133,6 +153,7 @@ def enqueue_many(
             [r.key for r in rows],
             [r.type for r in rows],
             [r.payload for r in rows],
+            [r.payload_bytes for r in rows],
             [r.headers for r in rows],
             [r.priority for r in rows],
             [r.partition for r in rows],
@@ -163,8 +184,8 @@ def _insert_one_sql(table: OutboxTable) -> bytes:
     return (
         sql.SQL(
             """
-            INSERT INTO {messages} (message_id, topic, key, type, payload, headers, priority, partition)
-            SELECT %s::uuid, u.topic, %s::text, %s::text, %s::jsonb, %s::jsonb, %s::smallint,
+            INSERT INTO {messages} (message_id, topic, key, type, payload, payload_bytes, headers, priority, partition)
+            SELECT %s::uuid, u.topic, %s::text, %s::text, %s::jsonb, %s::bytea, %s::jsonb, %s::smallint,
                    coalesce(
                        %s::integer,
                        %s::bigint %% coalesce(
@@ -186,16 +207,17 @@ def _insert_sql(table: OutboxTable) -> bytes:
     return (
         sql.SQL(
             """
-        INSERT INTO {messages} (message_id, topic, key, type, payload, headers, priority, partition)
-        SELECT u.message_id, u.topic, u.key, u.type, u.payload::jsonb, u.headers::jsonb, u.priority,
+        INSERT INTO {messages} (message_id, topic, key, type, payload, payload_bytes, headers, priority, partition)
+        SELECT u.message_id, u.topic, u.key, u.type, u.payload::jsonb, u.payload_bytes, u.headers::jsonb, u.priority,
                coalesce(
                    u.partition,
                    u.hash %% coalesce(t.partitions, (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row}))
                )
         FROM unnest(
-            %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::smallint[],
+            %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[], %s::bytea[], %s::text[], %s::smallint[],
             %s::integer[], %s::bigint[]
-        ) WITH ORDINALITY AS u(message_id, topic, key, type, payload, headers, priority, partition, hash, ord)
+        ) WITH ORDINALITY AS u(message_id, topic, key, type, payload, payload_bytes, headers, priority, partition, hash,
+                               ord)
         LEFT JOIN {topics} t ON t.topic = u.topic
         ORDER BY u.ord
         RETURNING id, message_id
@@ -211,7 +233,7 @@ def _validate(m: Message, max_bytes: int, index: int) -> _Row:
     topic = _check_topic(m.topic, where)
     key = _check_text(m.key, "key", where)
     type_ = _check_text(m.type, "type", where)
-    payload = _encode_payload(m.payload, where)
+    payload, payload_bytes = _encode_payload(m.payload, where)
     headers, headers_size = _encode_headers(m.headers, where)
     if isinstance(m.priority, bool) or not isinstance(m.priority, int) or m.priority not in _SMALLINT:
         raise InvalidMessageError(f"{where}: priority must be an integer in -32768..32767, got {m.priority!r}")
@@ -219,7 +241,7 @@ def _validate(m: Message, max_bytes: int, index: int) -> _Row:
         isinstance(m.partition, bool) or not isinstance(m.partition, int) or m.partition not in _INT4
     ):
         raise InvalidMessageError(f"{where}: partition must be an integer in 0..2^31-1, got {m.partition!r}")
-    size = len(payload) + len(key.encode("utf-8") if key else b"") + headers_size
+    size = len(payload_bytes) + len(key.encode("utf-8") if key else b"") + headers_size
     if size > max_bytes:
         raise InvalidMessageError(
             f"{where} to topic {topic!r} is {size} bytes, over the maximum of {max_bytes} bytes "
@@ -230,13 +252,34 @@ def _validate(m: Message, max_bytes: int, index: int) -> _Row:
         topic=topic,
         key=key,
         type=type_,
-        payload=payload.decode("utf-8"),
+        payload=payload,
+        payload_bytes=payload_bytes if payload is None else None,
         headers=headers,
         priority=m.priority,
         partition=m.partition,
         # No key: spread evenly over the topic's partitions.
         hash=key_hash(key) if key is not None else random.getrandbits(31),
     )
+
+
+def _serialize(serializer: PayloadSerializer, m: Message, index: int) -> Message:
+    """The message with its payload serialized for its topic's value; headers the serializer sets (a schema id in a
+    header) join the message's own."""
+    where = f"message {index} to topic {m.topic!r}"
+    added: list[tuple[str, str | bytes | None]] = []
+    try:
+        value = serializer(m.payload, SerializationContext(m.topic, MessageField.VALUE, added))
+    except Exception as exc:  # the serializer's own errors (SerializationError, schema mismatch, registry down)
+        raise InvalidMessageError(f"{where}: the serializer refused the payload: {exc}") from exc
+    if not isinstance(value, bytes):
+        raise InvalidMessageError(f"{where}: the serializer returned {type(value).__name__}, not bytes")
+    set_by_serializer = {name: value for name, value in added if value is not None}
+    headers = {**(m.headers or {}), **set_by_serializer} if set_by_serializer else m.headers
+    return replace(m, payload=value, headers=headers)
+
+
+def _traced(m: Message, trace: Mapping[str, str]) -> Message:
+    return replace(m, headers={**trace, **(m.headers or {})})
 
 
 def _check_topic(topic: object, where: str) -> str:
@@ -269,7 +312,10 @@ def _check_text(value: object, field: str, where: str) -> str | None:
     return value
 
 
-def _encode_payload(payload: Any, where: str) -> bytes:
+def _encode_payload(payload: Any, where: str) -> tuple[str | None, bytes]:
+    """(JSON text, its UTF-8 bytes) for a JSON payload; (None, the bytes) for bytes, stored and published as given."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return None, bytes(payload)
     try:
         text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
@@ -279,7 +325,7 @@ def _encode_payload(payload: Any, where: str) -> bytes:
     if "\\u0000" in text and _JSON_NUL.search(text):
         raise InvalidMessageError(f"{where}: payload contains a NUL character, which jsonb cannot store")
     try:
-        return text.encode("utf-8")
+        return text, text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidMessageError(f"{where}: payload is not valid Unicode text: {exc.reason}") from None
 

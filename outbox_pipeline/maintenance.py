@@ -47,6 +47,7 @@ ARCHIVE_COLUMNS: Sequence[tuple[str, str]] = (
     ("key", "m.key"),
     ("type", "m.type"),
     ("payload", "m.payload::text"),
+    ("payload_bytes", "m.payload_bytes"),
     ("headers", "m.headers::text"),
     ("partition", "m.partition"),
     ("priority", "m.priority::int"),
@@ -59,17 +60,21 @@ ARCHIVE_COLUMNS: Sequence[tuple[str, str]] = (
     ("sent_at", "m.sent_at"),
 )
 # The checksum: the sum over rows of the first 32 bits of md5 of every archive column's text, '|'-joined,
-# NULL as \N. Timestamps enter as epoch microseconds, the one text form PostgreSQL and Spark agree on. The
+# NULL as \N. Timestamps enter as epoch microseconds and bytes as lowercase hex, the text forms PostgreSQL and Spark
+# agree on. The
 # archive's reader computes the same from the archived values (see the Spark room). Every column counts:
 # an archive that lost an error message or a timestamp must not verify.
 CHECKSUM_COLUMNS: tuple[str, ...] = tuple(name for name, _ in ARCHIVE_COLUMNS)
 TIMESTAMP_COLUMNS = frozenset({"created_at", "available_after", "sent_at"})
+BINARY_COLUMNS = frozenset({"payload_bytes"})
 NULL_TEXT = "\\N"
 
 
 def _checksum_text(name: str, expr: str) -> str:
     if name in TIMESTAMP_COLUMNS:
         expr = f"(extract(epoch FROM {expr}) * 1000000)::bigint"
+    if name in BINARY_COLUMNS:
+        expr = f"encode({expr}, 'hex')"
     return f"coalesce(({expr})::text, '{NULL_TEXT}')"
 
 

@@ -267,6 +267,23 @@ def _m010_cheap_topic_check(conn: psycopg.Connection, t: OutboxTable) -> None:
     replace_sql_enqueue(conn, t, topic_pattern=TOPIC_CHECK_PATTERN)
 
 
+def _m011_binary_payloads(conn: psycopg.Connection, t: OutboxTable) -> None:
+    # A payload is JSON (``payload``, queryable as before) or bytes (``payload_bytes``, published unchanged), exactly
+    # one of them. No table rewrite: the new column is NULL in every retained row, dropping NOT NULL changes the
+    # catalog only, and the check is added NOT VALID (every retained row has a JSON payload, the column being NOT
+    # NULL until now); new rows are checked. ``ALTER TABLE ... VALIDATE CONSTRAINT`` proves it for the old rows
+    # later, reading them without blocking writers.
+    copies = ((t.messages, "outbox_messages"), (t.dead_letters, "outbox_dead_letters"), (t.held, "outbox_held"))
+    for target, name in copies:
+        conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN payload_bytes bytea").format(target))
+        conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN payload DROP NOT NULL").format(target))
+        check = "ALTER TABLE {} ADD CONSTRAINT {} CHECK (num_nonnulls(payload, payload_bytes) = 1) NOT VALID"
+        conn.execute(sql.SQL(check).format(target, sql.Identifier(f"{name}_one_payload")))
+    old = sql.SQL("DROP FUNCTION {}(text, jsonb, text, jsonb, text, integer, boolean)").format(t.ident("enqueue"))
+    conn.execute(old)
+    replace_sql_enqueue(conn, t, topic_pattern=TOPIC_CHECK_PATTERN, binary_payloads=True)
+
+
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
     Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
@@ -292,5 +309,6 @@ MIGRATIONS: Sequence[Migration] = (
         ),
     ),
     Migration(10, "topic names checked without a bounded regex (17 us a row for writers)", _m010_cheap_topic_check),
+    Migration(11, "payloads as bytes as well as JSON (payload_bytes), no table rewrite", _m011_binary_payloads),
 )
 LATEST_VERSION = MIGRATIONS[-1].version

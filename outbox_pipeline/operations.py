@@ -231,6 +231,9 @@ class DeadLetter:
     # Its key is held behind it (quarantine): how many later rows of the key wait for it.
     holding: bool = False
     held_rows: int = 0
+    # Its payload: "json" or "bytes" (published unchanged), and its size as published.
+    payload: str = "json"
+    payload_size: int = 0
 
     def describe_hold(self) -> str:
         if not self.holding:
@@ -249,7 +252,9 @@ def list_dead_letters(
             SELECT d.id, d.message_id::text, d.topic, d.key, d.partition, d.attempts, d.last_error,
                    d.dead_lettered_at, d.dead_lettered_by, d.retried_at, d.discarded_at, d.discard_reason,
                    h.topic IS NOT NULL,
-                   (SELECT count(*) FROM {held} x WHERE x.topic = h.topic AND x.key = h.key)
+                   (SELECT count(*) FROM {held} x WHERE x.topic = h.topic AND x.key = h.key),
+                   CASE WHEN d.payload_bytes IS NULL THEN 'json' ELSE 'bytes' END,
+                   coalesce(octet_length(d.payload_bytes), octet_length(d.payload::text))
             FROM {dead_letters} d
             LEFT JOIN {holds} h ON h.topic = d.topic AND h.key = d.key AND h.dead_letter_id = d.id
                                 AND h.released_at IS NULL
@@ -306,10 +311,10 @@ def retry_dead_letters(
                                          available_after = now()
                     FROM picked p WHERE h.topic = p.topic AND h.key = p.key
                 )
-                INSERT INTO {held} (id, message_id, topic, key, type, payload, headers, partition, priority,
-                                    transaction_id, created_at)
-                SELECT id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
-                       created_at
+                INSERT INTO {held} (id, message_id, topic, key, type, payload, payload_bytes, headers, partition,
+                                    priority, transaction_id, created_at)
+                SELECT id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
+                       transaction_id, created_at
                 FROM picked
                 ON CONFLICT (id) DO NOTHING
                 """
@@ -324,11 +329,13 @@ def retry_dead_letters(
                     WHERE d.retried_at IS NULL AND d.discarded_at IS NULL
                       AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
                       AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
-                    RETURNING d.id, d.message_id, d.topic, d.key, d.type, d.payload, d.headers, d.partition,
-                              d.priority
+                    RETURNING d.id, d.message_id, d.topic, d.key, d.type, d.payload, d.payload_bytes, d.headers,
+                              d.partition, d.priority
                 )
-                INSERT INTO {messages} (id, message_id, topic, key, type, payload, headers, partition, priority)
-                SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.headers,
+                INSERT INTO {messages} (
+                    id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority)
+                SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.payload_bytes,
+                       p.headers,
                        CASE WHEN p.key IS NULL THEN p.partition END, p.priority
                 FROM picked p
                 ORDER BY p.id

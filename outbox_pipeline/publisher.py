@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -23,10 +24,10 @@ from .config import redact_kafka_config, redact_kafka_error
 from .enqueue import is_valid_topic
 from .errors import ConfigurationError
 from .kafka_errors import PRODUCER_RESET_ERRORS, failure_kind
-from .record_headers import Headers, record_headers
+from .record_headers import CloudEvents, Headers, RecordHeaders, cloud_events_from_env
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
-from .timestamps import CreatedAtStamps
 from .topic_limits import TopicLimits
+from .tracing import BatchSpan, start_batch_span
 from .transactional import MAX_TRANSACTIONAL_PRODUCERS, TransactionalProducers, drop
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class PendingBatch:
     # outbox id -> (error, kind), filled by error reports and by produce() refusals
     errors: dict[int, tuple[str, FailureKind]] = field(default_factory=dict)
     _by_content: dict[tuple[str, bytes | None, bytes], list[int]] | None = None
+    span: BatchSpan | None = None  # its PRODUCER span, when OpenTelemetry records (tracing.py)
 
     def ids_of(self, topic: str | None, key: bytes | None, value: bytes | None) -> list[int]:
         """Outbox ids of the batch's rows with this content (indexed on the first error only)."""
@@ -81,7 +83,13 @@ def check_producer_config(config: Mapping[str, object]) -> None:
 class KafkaPublisher:
     """One idempotent producer (plus transactional ones on demand, transactional.py) used by one relay worker."""
 
-    def __init__(self, config: Mapping[str, object], *, max_transactional: int = MAX_TRANSACTIONAL_PRODUCERS) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, object],
+        *,
+        max_transactional: int = MAX_TRANSACTIONAL_PRODUCERS,
+        cloud_events: CloudEvents | None | Literal["from-env"] = "from-env",
+    ) -> None:
         merged: dict[str, object] = {**DEFAULT_PRODUCER_CONFIG, **config, **REQUIRED_PRODUCER_CONFIG}
         self._config = merged
         self._timeout_s = float(merged["message.timeout.ms"]) / 1000.0 + 10.0  # type: ignore[arg-type]
@@ -90,7 +98,7 @@ class KafkaPublisher:
         self._valid_topics: set[str] = set()
         # Each topic's max.message.bytes against the producer's, read the first time it is published to.
         self.limits = TopicLimits(merged)
-        self._stamps = CreatedAtStamps()
+        self._headers = RecordHeaders(cloud_events_from_env() if cloud_events == "from-env" else cloud_events)
         self._transactional = TransactionalProducers(
             merged,
             timeout_s=self._timeout_s,
@@ -115,7 +123,13 @@ class KafkaPublisher:
     def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
         """Publish one batch and wait for it."""
         if transactional_id is not None:
-            return self._transactional.publish(records, transactional_id)
+            span = start_batch_span((r.topic for r in records), len(records))
+            if span is not None:
+                span.link(r.headers for r in records)
+            outcome = self._transactional.publish(records, transactional_id)
+            if span is not None:
+                span.end(len(outcome.delivered), len(outcome.failed))
+            return outcome
         return self.finish(self.start(records))
 
     def start(self, records: Sequence[OutboxRecord]) -> PendingBatch:
@@ -127,12 +141,12 @@ class KafkaPublisher:
         pending = PendingBatch(records, time.monotonic())
         produce = self.producer.produce
         on_error = partial(self._on_error_report, pending)
-        stamps = self._stamps
+        headers_of = self._headers.of
         # Keys with a row the producer refused (too large...): their later rows of this batch are not sent, so
         # a key's stream never gets them ahead of it (they wait: a transport-kind failure, never counted).
         refused: set[tuple[str, bytes]] = set()
         for record in records:
-            oid, topic, key, payload, headers_json, message_id, outbox_id, created_at, type_, _, _, _ = record
+            oid, topic, key, payload, headers_json, message_id, outbox_id, created_at, type_, _, _, _, binary = record
             if refused and key is not None and (topic, key) in refused:
                 pending.errors[oid] = ("not sent: an earlier row of its key was refused in this batch", "transport")
                 continue
@@ -146,7 +160,7 @@ class KafkaPublisher:
                     continue
                 self._valid_topics.add(topic)
                 self.limits.check(topic)
-            headers = record_headers(stamps, message_id, outbox_id, created_at, type_, headers_json)
+            headers = headers_of(topic, message_id, outbox_id, created_at, type_, headers_json, binary)
             while True:
                 try:
                     # Positional (the C signature's order: topic, value, key, partition, callback, on_delivery,
@@ -161,6 +175,9 @@ class KafkaPublisher:
                     if key is not None:
                         refused.add((topic, key))
                     break
+        pending.span = start_batch_span((r.topic for r in records), len(records))
+        if pending.span is not None:
+            pending.span.link(r.headers for r in records)
         return pending
 
     def finish(self, pending: PendingBatch) -> PublishOutcome:
@@ -169,6 +186,12 @@ class KafkaPublisher:
         flush() returns as soon as the producer's message count reaches zero, even with no success reports on the
         reply queue (librdkafka 2.16; measured against the local broker: 10-message batches settled in 0.3 ms p50, 0.5
         ms p99), so there is no 10 ms floor per batch here. It also sends at once what linger.ms would hold back."""
+        outcome = self._settle(pending)
+        if pending.span is not None:
+            pending.span.end(len(outcome.delivered), len(outcome.failed))
+        return outcome
+
+    def _settle(self, pending: PendingBatch) -> PublishOutcome:
         producer = self.producer
         deadline = time.monotonic() + self._timeout_s
         while len(producer) and time.monotonic() < deadline:
@@ -239,8 +262,14 @@ class KafkaPublisher:
             self._transactional.retain(ids)
 
     def _headers_of(self, record: OutboxRecord) -> Headers:
-        return record_headers(
-            self._stamps, record.message_id, record.outbox_id, record.created_at, record.type, record.headers
+        return self._headers.of(
+            record.topic,
+            record.message_id,
+            record.outbox_id,
+            record.created_at,
+            record.type,
+            record.headers,
+            record.binary,
         )
 
     def close(self, timeout_s: float = 10.0) -> None:

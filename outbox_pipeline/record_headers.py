@@ -1,37 +1,109 @@
 """Engine room: the Kafka headers a relayed row carries, built in one place for every producer (publisher.py,
-transactional.py).
+transactional.py). docs/payloads.md has them in one table.
 
 Every message gets ``message_id`` (the consumer's idempotency key), ``outbox_id`` and ``created_at``; ``type`` when
-the row has one; then the row's own headers column, as written (enqueue.py encodes it).
+the row has one; then the row's own headers column, as written (enqueue.py encodes it; ``traceparent`` and
+``tracestate`` travel there, tracing.py). With CloudEvents on for the topic (``OUTBOX_CLOUDEVENTS``), the binary
+content mode's attributes too: ``ce_specversion``, ``ce_id``, ``ce_type``, ``ce_source``, ``ce_time`` and
+``content-type`` (JSON, or octet-stream for bytes), each unless the row's own headers already name it (a writer of
+Avro says ``content-type: application/avro`` itself).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
+from . import settings
 from .enqueue import decode_headers
 from .timestamps import CreatedAtStamps
 
 Headers = list[tuple[str, str | bytes | None]]
+# Distinct own-header texts kept decoded per publisher (the rows of a transaction share theirs: its trace context).
+MAX_DECODED = 4096
+CE_SPECVERSION = b"1.0"
 
 
-def record_headers(
-    stamps: CreatedAtStamps,
-    message_id: bytes,
-    outbox_id: bytes,
-    created_at: int,
-    type_: bytes | None,
-    headers_json: str,
-) -> Headers:
-    """The Kafka headers of a row: its ids and creation time, its type, then the row's own headers. Takes the
-    record's fields, not the record: the hot loop has them unpacked already."""
-    headers: Headers = [
-        ("message_id", message_id),
-        ("outbox_id", outbox_id),
-        ("created_at", stamps.get(created_at) or stamps.format(created_at)),
-    ]
-    if type_ is not None:
-        headers.append(("type", type_))
-    if headers_json != "{}":
-        headers.extend(decode_headers(json.loads(headers_json)))
-    return headers
+@dataclass(frozen=True)
+class CloudEvents:
+    """CloudEvents binary content mode for ``topics`` (None: every topic), with ``source`` as ``ce_source``."""
+
+    topics: frozenset[str] | None
+    source: str
+
+    def covers(self, topic: str) -> bool:
+        return self.topics is None or topic in self.topics
+
+
+def cloud_events_from_env() -> CloudEvents | None:
+    """OUTBOX_CLOUDEVENTS (off, all, or topics) and OUTBOX_CLOUDEVENTS_SOURCE."""
+    wanted = settings.CLOUDEVENTS.read()
+    if wanted == "off":
+        return None
+    topics = None if wanted == "all" else frozenset(t.strip() for t in wanted.split(",") if t.strip())
+    return CloudEvents(topics, settings.CLOUDEVENTS_SOURCE.read())
+
+
+@dataclass(frozen=True, slots=True)
+class _Own:
+    """A row's own headers, decoded, and their names."""
+
+    pairs: list[tuple[str, bytes]]
+    names: frozenset[str]
+
+
+class RecordHeaders:
+    """The headers of each row a publisher sends; keeps the formatted timestamps and decoded own headers it made."""
+
+    def __init__(self, cloud_events: CloudEvents | None = None) -> None:
+        self.stamps = CreatedAtStamps()
+        self.cloud_events = cloud_events
+        self._own: dict[str, _Own] = {}
+
+    def of(
+        self,
+        topic: str,
+        message_id: bytes,
+        outbox_id: bytes,
+        created_at: int,
+        type_: bytes | None,
+        headers_json: str,
+        binary: bool,
+    ) -> Headers:
+        """Takes the record's fields, not the record: the hot loop has them unpacked already."""
+        created = self.stamps.get(created_at) or self.stamps.format(created_at)
+        headers: Headers = [("message_id", message_id), ("outbox_id", outbox_id), ("created_at", created)]
+        if type_ is not None:
+            headers.append(("type", type_))
+        own = self._decoded(headers_json) if headers_json != "{}" else None
+        if own is not None:
+            headers.extend(own.pairs)
+        if self.cloud_events is not None and self.cloud_events.covers(topic):
+            headers.extend(self._cloud_event(topic, message_id, created, type_, binary, own))
+        return headers
+
+    def _decoded(self, headers_json: str) -> _Own:
+        own = self._own.get(headers_json)
+        if own is None:
+            if len(self._own) >= MAX_DECODED:
+                self._own.clear()
+            pairs = decode_headers(json.loads(headers_json))
+            own = self._own[headers_json] = _Own(pairs, frozenset(name for name, _ in pairs))
+        return own
+
+    def _cloud_event(
+        self, topic: str, message_id: bytes, created: bytes, type_: bytes | None, binary: bool, own: _Own | None
+    ) -> Headers:
+        assert self.cloud_events is not None
+        attributes: Headers = [
+            ("ce_specversion", CE_SPECVERSION),
+            ("ce_id", message_id),
+            ("ce_type", type_ if type_ is not None else topic.encode()),
+            ("ce_source", self.cloud_events.source.encode()),
+        ]
+        if created[:1].isdigit():  # not 'infinity': ce_time must be an RFC 3339 timestamp
+            attributes.append(("ce_time", created))
+        attributes.append(("content-type", b"application/octet-stream" if binary else b"application/json"))
+        if own is None:
+            return attributes
+        return [(name, value) for name, value in attributes if name not in own.names]

@@ -114,19 +114,20 @@ _ROUTE = """
 
 # The SQL twin of enqueue.py's enqueue(): the same checks (except the size limit, which is the relay's
 # setting and is enforced when publishing: an oversize row is dead-lettered), the same routing, the same
-# serialized writers' lock. OUT parameters, so ``SELECT id, message_id FROM <schema>.enqueue(...)``.
+# serialized writers' lock. OUT parameters, so ``SELECT id, message_id FROM <schema>.enqueue(...)``. From migration 11
+# on the payload is JSON or bytes: ``enqueue('t', '{{"a": 1}}')`` or ``enqueue('t', payload_bytes => '\\x0102')``
+# (a second function of the same name taking bytea would make every untyped literal payload ambiguous).
 _ENQUEUE = """
     CREATE OR REPLACE FUNCTION {enqueue}(
-        topic text, payload jsonb, key text DEFAULT NULL, headers jsonb DEFAULT '{{}}', type text DEFAULT NULL,
-        priority integer DEFAULT 0, serialized boolean DEFAULT false, OUT id bigint, OUT message_id uuid)
+        topic text, payload jsonb{payload_default}, key text DEFAULT NULL, headers jsonb DEFAULT '{{}}',
+        type text DEFAULT NULL, priority integer DEFAULT 0, serialized boolean DEFAULT false{bytes_param},
+        OUT id bigint, OUT message_id uuid)
     LANGUAGE plpgsql VOLATILE AS $fn$
     #variable_conflict use_variable
     DECLARE
         bad text;
     BEGIN
-        IF payload IS NULL THEN
-            RAISE EXCEPTION 'outbox enqueue: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-        END IF;
+        {payload_check}
         IF topic IS NULL OR topic !~ {topic_pattern} OR length(topic) > 249 OR topic IN ('.', '..') THEN
             RAISE EXCEPTION 'outbox enqueue: invalid Kafka topic name %: use 1..249 characters from '
                 '[a-zA-Z0-9._-], not "." or ".."', coalesce(quote_literal(topic), 'NULL')
@@ -161,8 +162,8 @@ _ENQUEUE = """
             -- serialized). Enqueue last in the transaction.
             PERFORM pg_advisory_xact_lock({lock_class}, hashtext({schema}));
         END IF;
-        INSERT INTO {messages} AS m (topic, key, type, payload, headers, priority)
-        VALUES (topic, key, type, payload, headers, priority::smallint)
+        INSERT INTO {messages} AS m (topic, key, type, payload, {bytes_column}headers, priority)
+        VALUES (topic, key, type, payload, {bytes_value}headers, priority::smallint)
         RETURNING m.id, m.message_id INTO id, message_id;
     END
     $fn$
@@ -300,10 +301,26 @@ def create_sql_writers(conn: psycopg.Connection, t: OutboxTable, *, default_row:
     )
 
 
-def replace_sql_enqueue(conn: psycopg.Connection, t: OutboxTable, *, topic_pattern: str) -> None:
-    """``<schema>.enqueue``, created or replaced (migrations 7 and 10)."""
+_JSON_PAYLOAD_CHECK = """IF payload IS NULL THEN
+            RAISE EXCEPTION 'outbox enqueue: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+        END IF;"""
+_ONE_PAYLOAD_CHECK = """IF num_nonnulls(payload, payload_bytes) <> 1 THEN
+            RAISE EXCEPTION 'outbox enqueue: give the payload as JSON (payload) or as bytes (payload_bytes), '
+                'one of them' USING ERRCODE = 'null_value_not_allowed';
+        END IF;"""
+
+
+def replace_sql_enqueue(
+    conn: psycopg.Connection, t: OutboxTable, *, topic_pattern: str, binary_payloads: bool = False
+) -> None:
+    """``<schema>.enqueue``, created or replaced (migrations 7 and 10; 11 with ``binary_payloads``)."""
     conn.execute(
         sql.SQL(_ENQUEUE).format(
+            payload_default=sql.SQL(" DEFAULT NULL" if binary_payloads else ""),
+            bytes_param=sql.SQL(", payload_bytes bytea DEFAULT NULL" if binary_payloads else ""),
+            payload_check=sql.SQL(_ONE_PAYLOAD_CHECK if binary_payloads else _JSON_PAYLOAD_CHECK),
+            bytes_column=sql.SQL("payload_bytes, " if binary_payloads else ""),
+            bytes_value=sql.SQL("payload_bytes, " if binary_payloads else ""),
             enqueue=t.ident("enqueue"),
             messages=t.messages,
             topic_pattern=sql.Literal(topic_pattern),

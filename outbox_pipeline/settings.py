@@ -227,6 +227,28 @@ DEV_KAFKA_PORT = Setting("OUTBOX_DEV_KAFKA_PORT", 19092, "make dev: the broker's
 DEV_DAGSTER_PORT = Setting("OUTBOX_DEV_DAGSTER_PORT", 3000, "make dev: the Dagster UI's port", _integer, "dev")
 DEMO_RATE = Setting("OUTBOX_DEMO_RATE", 20.0, "make dev: messages per second the demo writers commit", _number, "dev")
 
+# -- what the relay adds to each message (record_headers.py) -------------------------------------------
+
+
+def _cloud_events_choice(raw: str) -> str:
+    value = raw.strip()
+    if value.lower() in ("off", "all"):
+        return value.lower()
+    if not all(t.strip() for t in value.split(",")):
+        raise ValueError("off, all, or a comma-separated list of topics")
+    return value
+
+
+CLOUDEVENTS = Setting(
+    "OUTBOX_CLOUDEVENTS",
+    "off",
+    "CloudEvents binary-mode headers (ce_*, content-type) on messages: off, all, or a comma-separated list of topics",
+    _cloud_events_choice,
+)
+CLOUDEVENTS_SOURCE = Setting(
+    "OUTBOX_CLOUDEVENTS_SOURCE", "/outbox-pipeline", "the ce_source of CloudEvents messages (a URI reference)", _text
+)
+
 # -- the test suite ---------------------------------------------------------------------------------
 
 TEST_ARTIFACTS = Setting(
@@ -241,6 +263,8 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     RELAY_LINGER_MS,
     WORKER_ID_WAIT_S,
     ON_POISON,
+    CLOUDEVENTS,
+    CLOUDEVENTS_SOURCE,
     LAG_WARN_AGE_S,
     LAG_ERROR_AGE_S,
     LAG_WARN_PENDING,

@@ -32,6 +32,7 @@ from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.drain_values import DEFAULT_FETCH_ROWS
 from outbox_pipeline.maintenance import (
     ARCHIVE_COLUMNS,
+    BINARY_COLUMNS,
     CHECKSUM_COLUMNS,
     NULL_TEXT,
     TIMESTAMP_COLUMNS,
@@ -50,6 +51,7 @@ _ARCHIVE_TYPES: Mapping[str, tuple[pa.DataType, str]] = {
     "created_at": (pa.timestamp("us", tz="UTC"), "TIMESTAMP"),
     "available_after": (pa.timestamp("us", tz="UTC"), "TIMESTAMP"),
     "sent_at": (pa.timestamp("us", tz="UTC"), "TIMESTAMP"),
+    "payload_bytes": (pa.binary(), "BINARY"),
 }
 ARCHIVE_ARROW_SCHEMA = pa.schema(
     [(name, _ARCHIVE_TYPES.get(name, (pa.string(), ""))[0]) for name, _ in ARCHIVE_COLUMNS]
@@ -158,10 +160,14 @@ def archive_partition(
 
 def parquet_fingerprint(frame: DataFrame) -> Fingerprint:
     """Row count and checksum of archived rows, computed as ``maintenance.fingerprint`` does in SQL:
-    every column, timestamps as epoch microseconds, NULL as ``\\N``."""
+    every column, timestamps as epoch microseconds, bytes as lowercase hex, NULL as ``\\N``."""
 
     def text(name: str) -> Column:
-        column = F.unix_micros(F.col(name)) if name in TIMESTAMP_COLUMNS else F.col(name)
+        column = F.col(name)
+        if name in TIMESTAMP_COLUMNS:
+            column = F.unix_micros(column)
+        elif name in BINARY_COLUMNS:
+            column = F.lower(F.hex(column))
         return F.coalesce(column.cast("string"), F.lit(NULL_TEXT))
 
     joined = F.concat_ws("|", *[text(c) for c in CHECKSUM_COLUMNS])

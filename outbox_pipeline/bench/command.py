@@ -55,6 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--payload-bytes", type=int, default=256)
+    parser.add_argument(
+        "--payload",
+        choices=("json", "bytes"),
+        default="json",
+        help="our table's payloads: JSON, or the same bytes as a binary payload (the baselines' stay JSON)",
+    )
+    parser.add_argument(
+        "--trace-headers",
+        action="store_true",
+        help="each transaction's rows carry a traceparent header and the relay records a span per batch",
+    )
     parser.add_argument("--topics", type=int, default=2, help="topics (the talk: 2)")
     parser.add_argument("--partitions", type=int, default=1, help="partitions per topic (the talk: 1)")
     parser.add_argument("--keys", type=int, default=1000)
@@ -204,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         messages=args.messages,
         payload_bytes=args.payload_bytes,
+        binary=args.payload == "bytes",
+        trace_headers=args.trace_headers,
         topics=args.topics,
         partitions=args.partitions,
         keys=args.keys,
@@ -246,7 +259,8 @@ def render_comparison(base: RunSpec, c: Comparison, runs: int) -> str:
     """The results table: medians, ratios against the headline baseline, shares of both ceilings."""
     produce, read = c.median(PRODUCE_ONLY), c.median(READ_ONLY)
     head = [
-        f"{base.strategy}, {base.workers} worker(s), {base.messages:,} x {base.payload_bytes} B, "
+        f"{base.strategy}, {base.workers} worker(s), {base.messages:,} x {base.payload_bytes} B "
+        f"{'bytes' if base.binary else 'JSON'}{', traced' if base.trace_headers else ''}, "
         f"{base.topics} topics x {base.partitions} partition(s), ours batch {base.batch_size}, "
         f"medians of {runs} interleaved round(s); "
         f"{platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}",

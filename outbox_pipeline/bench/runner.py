@@ -68,6 +68,9 @@ class RunSpec:
     kind: RunKind = "ours"
     messages: int = 1_000_000
     payload_bytes: int = 256
+    binary: bool = False  # our table's payloads as bytes (payload_bytes) of the same size, not JSON
+    # Every transaction's rows carry a traceparent, and the relay records a span per batch (an SDK, spans dropped).
+    trace_headers: bool = False
     topics: int = 2
     partitions: int = 1
     keys: int = 1000
@@ -160,6 +163,8 @@ def _worker(
             # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
             published = produce_all(publisher, records, max(1, len(records)))
         else:
+            if spec.trace_headers and spec.kind == "ours":
+                _record_spans()
             confirmed = _LastConfirmed()
             relay = build_relay(
                 WorkerSpec(
@@ -184,6 +189,21 @@ def _worker(
     except Exception as exc:  # reported, the run is marked failed
         ready.release()
         out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
+
+
+def _record_spans() -> None:
+    """An OpenTelemetry SDK in this worker that records every span and exports none: what tracing costs the relay."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Dropped(SpanExporter):
+        def export(self, spans: object) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    trace.set_tracer_provider(provider)
 
 
 def prepare(
@@ -215,6 +235,8 @@ def prepare(
         table,
         spec.messages,
         payload_bytes=spec.payload_bytes,
+        binary=spec.binary and not talk,
+        trace_headers=spec.trace_headers and not talk,
         topics=topics,
         keys=spec.keys,
         rows_per_transaction=spec.rows_per_transaction,

@@ -81,7 +81,8 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         discarded = f" discarded_at={d.discarded_at.isoformat()} reason={d.discard_reason!r}" if d.discarded_at else ""
         holding = f" HOLDING {d.describe_hold()}" if d.holding else ""
         print(
-            f"id={d.id} message_id={d.message_id} {d.topic}/{d.partition} key={d.key} attempts={d.attempts} "
+            f"id={d.id} message_id={d.message_id} {d.topic}/{d.partition} key={d.key} "
+            f"payload={d.payload},{d.payload_size}B attempts={d.attempts} "
             f"at={d.dead_lettered_at.isoformat()} by={d.dead_lettered_by}{retried}{discarded}{holding} "
             f"error={d.last_error}"
         )

@@ -178,11 +178,13 @@ def retry_dead_letters_job() -> None:
 
 def _dead_letter_table(pending: list[DeadLetter]) -> str:
     listing = "\n".join(
-        f"| {d.id} | {d.topic}:{d.partition} | {d.key or '-'} | {d.attempts} | {d.held_rows if d.holding else '-'} "
-        f"| {d.last_error.replace('|', '/')[:80]} |"
+        f"| {d.id} | {d.topic}:{d.partition} | {d.key or '-'} | {d.payload}, {d.payload_size:,} B | {d.attempts} "
+        f"| {d.held_rows if d.holding else '-'} | {d.last_error.replace('|', '/')[:80]} |"
         for d in pending
     )
-    header = "| id | partition | key | attempts | rows held behind it | error |\n|---|---|---|---|---|---|\n"
+    header = (
+        "| id | partition | key | payload | attempts | rows held behind it | error |\n|---|---|---|---|---|---|---|\n"
+    )
     return header + listing if pending else "none"
 
 

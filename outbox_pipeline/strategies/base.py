@@ -28,15 +28,17 @@ AckMode = Literal["delete", "mark-sent"]
 # or encoding. What the relay needs as a str is cast to ``varchar`` (free: binary-coercible), which keeps
 # psycopg's str loader. jsonb is read as text: decoding payloads in the driver is ~5x slower and the
 # relay sends the text anyway. ``m.`` qualifies every column so ORDER BY m.transaction_id sorts by xid8,
-# not by the text alias. ``created_at`` travels as stored and is loaded as an integer (timestamps.py).
+# not by the text alias. ``created_at`` travels as stored and is loaded as an integer (timestamps.py). The payload
+# is the row's bytes (``payload_bytes``) or its JSON text's UTF-8 bytes (``textsend``: the text's wire form, as bytea).
 RECORD_COLUMNS = """
-    m.id, m.topic::varchar, m.key, m.payload::text, m.headers::text::varchar,
+    m.id, m.topic::varchar, m.key, coalesce(m.payload_bytes, textsend(m.payload::text)), m.headers::text::varchar,
     m.message_id::text, m.id::text, m.created_at,
-    m.type, m.partition, m.transaction_id::text::varchar AS xid_text, m.attempts
+    m.type, m.partition, m.transaction_id::text::varchar AS xid_text, m.attempts, m.payload_bytes IS NOT NULL
 """
 
 
-# The columns a copy of an outbox row keeps besides its ids, topic and key (dead letters, rows held behind one).
+# The columns a copy of an outbox row keeps besides its ids, topic and key (dead letters, rows held behind one), as
+# migrations 1 and 8 created them; migration 11 adds ``payload_bytes bytea`` and lets ``payload`` be NULL.
 MESSAGE_BODY_COLUMNS = """
     type           text,
     payload        jsonb       NOT NULL,
@@ -53,9 +55,9 @@ MESSAGE_BODY_COLUMNS = """
 # is a new dead letter: neither retried nor discarded, or it would hold its key with nothing an operator can release.
 DEAD_LETTER_MOVED = """
     INSERT INTO {dead_letters} (
-        id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
+        id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority, transaction_id,
         created_at, attempts, last_error, dead_lettered_by)
-    SELECT id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id,
+    SELECT id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority, transaction_id,
            created_at, attempts + 1, error, %(worker)s
     FROM moved
     ON CONFLICT (id) DO UPDATE SET
@@ -72,7 +74,7 @@ class OutboxRecord(NamedTuple):
     id: int
     topic: str
     key: bytes | None
-    payload: bytes
+    payload: bytes  # as published: the row's bytes, or its JSON text in UTF-8
     headers: str  # jsonb text; "{}" when the row has none
     message_id: bytes
     outbox_id: bytes
@@ -81,6 +83,7 @@ class OutboxRecord(NamedTuple):
     partition: int
     transaction_id: str
     attempts: int
+    binary: bool  # the payload is bytes (payload_bytes), not JSON text
 
 
 def fetch_records(

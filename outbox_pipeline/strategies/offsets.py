@@ -289,7 +289,8 @@ def dead_letter(conn: psycopg.Connection, config: StrategyConfig, failures: list
         sql.SQL(
             """
             WITH moved AS (
-                SELECT m.id, m.message_id, m.topic, m.key, m.type, m.payload, m.headers, m.partition, m.priority,
+                SELECT m.id, m.message_id, m.topic, m.key, m.type, m.payload, m.payload_bytes, m.headers, m.partition,
+                       m.priority,
                        m.transaction_id, m.created_at, f.attempts, f.error
                 FROM {messages} m
                 JOIN unnest(%(ids)s::bigint[], %(errors)s::text[], %(attempts)s::int[]) AS f(id, error, attempts)

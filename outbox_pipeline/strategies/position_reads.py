@@ -65,12 +65,12 @@ _CLAIM = """
         LIMIT (SELECT ceil(%(limit)s::numeric / greatest(count(*), 1))::bigint FROM reading)
     ) r ON NOT o.released
     UNION ALL
-    SELECT NULL, NULL, NULL, coalesce((
+    SELECT NULL, NULL, NULL, convert_to(coalesce((
         SELECT json_agg(json_build_object(
             'topic', topic, 'partition', partition, 'xid', last_processed_transaction_id::text,
             'id', last_processed_id, 'attempts', attempts, 'has_holds', has_holds, 'released', released,
             'leased_now', leased_now))
-        FROM reading), '[]')::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+        FROM reading), '[]')::text, 'UTF8'), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 """
 
 

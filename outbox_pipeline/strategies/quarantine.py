@@ -49,7 +49,8 @@ def on_poison_from_env(env: Mapping[str, str] | None = None) -> OnPoison:
 
 # The message columns a held row keeps (the record columns the relay publishes, and the dead letters').
 _COLUMNS = (
-    "id, message_id, topic, key, type, payload, headers, partition, priority, transaction_id, created_at, "
+    "id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority, transaction_id, "
+    "created_at, "
     "attempts, last_error"
 )
 

@@ -97,15 +97,19 @@ def test_enqueue_many_stores_exactly_what_it_is_given_or_nothing(
         conn.commit()
         rows = conn.execute(
             sql.SQL(
-                "SELECT id, topic, key, type, payload::text, headers, partition, priority FROM {} WHERE id > %s "
-                "ORDER BY id"
+                "SELECT id, topic, key, type, payload::text, payload_bytes, headers, partition, priority FROM {} "
+                "WHERE id > %s ORDER BY id"
             ).format(table.messages),
             (before,),
         ).fetchall()
     assert [r[0] for r in rows] == [r.id for r in results]
-    for message, (_, topic, key, type_, payload, stored_headers, partition, priority) in zip(batch, rows, strict=True):
+    for message, row in zip(batch, rows, strict=True):
+        _, topic, key, type_, payload, payload_bytes, stored_headers, partition, priority = row
         assert (topic, key, type_, priority) == (message.topic, message.key, message.type, message.priority)
-        assert _normalise(json.loads(payload)) == _normalise(message.payload)
+        if isinstance(message.payload, bytes):  # bytes are stored as given, and only as bytes
+            assert (payload, payload_bytes) == (None, message.payload)
+        else:
+            assert payload_bytes is None and _normalise(json.loads(payload)) == _normalise(message.payload)
         given_headers = {k: v.encode() if isinstance(v, str) else v for k, v in (message.headers or {}).items()}
         assert dict(decode_headers(stored_headers)) == given_headers
         if message.partition is not None:

@@ -92,6 +92,7 @@ CHANGES = {
     "type": "type = 'changed'",
     "payload": "payload = '{{\"n\": -1}}'",  # braces doubled: these go through sql.SQL.format
     "headers": 'headers = \'{{"h": "v"}}\'',
+    "payload_bytes": "payload = NULL, payload_bytes = '\\x01'",  # a JSON payload that became bytes
     "partition": "partition = 1",
     "priority": "priority = 5",
     "transaction_id": "transaction_id = '1'::xid8",

@@ -10,10 +10,21 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_pipeline import Message, enqueue_many, schema
+from outbox_pipeline import schema
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.migrations import LATEST_VERSION, MIGRATIONS, TOPIC_CHECK_PATTERN
 from outbox_pipeline.schema import current_version, init_db, partition_name
+
+
+def _write_rows_as_plain_sql(conn: psycopg.Connection, table: OutboxTable, count: int) -> None:
+    """Rows as any writer of an older schema wrote them (the Python API writes the newest columns)."""
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (topic, key, payload) SELECT 'orders', 'k' || n, jsonb_build_object('n', n) "
+            "FROM generate_series(0, %s - 1) n"
+        ).format(table.messages),
+        (count,),
+    )
 
 
 def _partitions(conn: psycopg.Connection, table: OutboxTable) -> set[str]:
@@ -133,12 +144,12 @@ def test_an_outbox_with_rows_migrates_to_the_cheap_topic_check_keeping_every_row
     with psycopg.connect(dsn, autocommit=True) as conn:
         monkeypatch.setattr(schema, "MIGRATIONS", MIGRATIONS[:9])
         init_db(conn, table)
-        enqueue_many(conn, [Message("orders", {"n": n}, key=f"k{n}") for n in range(500)], table=table)
+        _write_rows_as_plain_sql(conn, table, 500)
         monkeypatch.undo()
 
         applied = init_db(conn, table)
 
-        assert [m.version for m in applied] == [10]
+        assert [m.version for m in applied] == [10, 11]
         rows = conn.execute(sql.SQL("SELECT count(*), min(topic), max(topic) FROM {}").format(table.messages))
         assert rows.fetchone() == (500, "orders", "orders")
         check = conn.execute(

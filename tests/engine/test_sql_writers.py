@@ -91,7 +91,8 @@ def test_the_sql_enqueue_returns_the_id_and_message_id_and_routes_the_key(
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        ("'orders', NULL", "payload must not be NULL"),
+        ("'orders', NULL", "give the payload as JSON .payload. or as bytes .payload_bytes., one of them"),
+        ("'orders', '{}', payload_bytes => '\\x01'", "give the payload as JSON .payload. or as bytes"),
         ("'orders', '{}', headers => '[1]'", "headers must be a JSON object"),
         ("'orders', '{}', headers => '{\"message_id\": \"x\"}'", 'header "message_id" is reserved'),
         ("'orders', '{}', headers => '{\"n\": 1}'", 'header "n" must be a string'),

@@ -57,13 +57,15 @@ def _exists(db: psycopg.Connection, table: OutboxTable, name: str) -> bool:
 
 
 def _old_rows(db: psycopg.Connection, table: OutboxTable, topic: str, count: int, *, partitions: int = 2) -> list[str]:
-    """Rows created on OLD_DAY (in its own partition), keys k0..k4; returns their message ids."""
+    """Rows created on OLD_DAY (in its own partition), keys k0..k4, every fourth with bytes for its payload (the
+    big-endian n); returns their message ids."""
     ensure_partitions(db, table, days_ahead=0, today=OLD_DAY + dt.timedelta(days=1))
     rows = db.execute(
         sql.SQL(
             """
-            INSERT INTO {messages} (topic, key, payload, partition, created_at)
-            SELECT %(topic)s, 'k' || (g %% 5), jsonb_build_object('n', g), g %% %(partitions)s,
+            INSERT INTO {messages} (topic, key, payload, payload_bytes, partition, created_at)
+            SELECT %(topic)s, 'k' || (g %% 5), CASE WHEN g %% 4 <> 0 THEN jsonb_build_object('n', g) END,
+                   CASE WHEN g %% 4 = 0 THEN int4send(g) END, g %% %(partitions)s,
                    %(day)s::timestamptz + make_interval(secs => g)
             FROM generate_series(1, %(count)s) g
             RETURNING message_id::text
@@ -133,6 +135,8 @@ def test_an_old_fully_relayed_partition_is_archived_to_parquet_verified_and_drop
     archived = pq.read_table(_local(metadata["archived"][old]["uri"]))
     assert archived.num_rows == 400
     assert sorted(archived.column("message_id").to_pylist()) == sorted(written)
+    binary = [b for b in archived.column("payload_bytes").to_pylist() if b is not None]
+    assert sorted(binary) == sorted(n.to_bytes(4, "big") for n in range(4, 401, 4))
     assert metadata["dropped"][old] == 400
     assert metadata["archived"][old]["rows"] == 400
     assert metadata["bytes_freed"] > 0
