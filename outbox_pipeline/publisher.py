@@ -123,9 +123,7 @@ class KafkaPublisher:
     def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
         """Publish one batch and wait for it."""
         if transactional_id is not None:
-            span = start_batch_span((r.topic for r in records), len(records))
-            if span is not None:
-                span.link(r.headers for r in records)
+            span = start_batch_span(records)
             outcome = self._transactional.publish(records, transactional_id)
             if span is not None:
                 span.end(len(outcome.delivered), len(outcome.failed))
@@ -175,9 +173,7 @@ class KafkaPublisher:
                     if key is not None:
                         refused.add((topic, key))
                     break
-        pending.span = start_batch_span((r.topic for r in records), len(records))
-        if pending.span is not None:
-            pending.span.link(r.headers for r in records)
+        pending.span = start_batch_span(records)
         return pending
 
     def finish(self, pending: PendingBatch) -> PublishOutcome:

@@ -75,20 +75,19 @@ class RecordHeaders:
         headers: Headers = [("message_id", message_id), ("outbox_id", outbox_id), ("created_at", created)]
         if type_ is not None:
             headers.append(("type", type_))
-        own = self._decoded(headers_json) if headers_json != "{}" else None
-        if own is not None:
+        own = None
+        if headers_json != "{}":
+            own = self._own.get(headers_json) or self._decode(headers_json)  # no call per row once decoded
             headers.extend(own.pairs)
         if self.cloud_events is not None and self.cloud_events.covers(topic):
             headers.extend(self._cloud_event(topic, message_id, created, type_, binary, own))
         return headers
 
-    def _decoded(self, headers_json: str) -> _Own:
-        own = self._own.get(headers_json)
-        if own is None:
-            if len(self._own) >= MAX_DECODED:
-                self._own.clear()
-            pairs = decode_headers(json.loads(headers_json))
-            own = self._own[headers_json] = _Own(pairs, frozenset(name for name, _ in pairs))
+    def _decode(self, headers_json: str) -> _Own:
+        if len(self._own) >= MAX_DECODED:
+            self._own.clear()
+        pairs = decode_headers(json.loads(headers_json))
+        own = self._own[headers_json] = _Own(pairs, frozenset(name for name, _ in pairs))
         return own
 
     def _cloud_event(

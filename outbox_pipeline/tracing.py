@@ -12,14 +12,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .strategies.base import OutboxRecord
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 # One span's links at most (the SDK's own default limit is 128): a batch of thousands links to the first traces.
 MAX_LINKS = 128
+_TOPIC = attrgetter("topic")
+_HEADERS = attrgetter("headers")
 
 
 @dataclass(frozen=True)
@@ -61,11 +67,11 @@ class BatchSpan:
         self._linked: set[str] = set()
 
     def link(self, headers_json: Iterable[str]) -> None:
-        """Link to the traces the rows' own headers (their jsonb text) carry; each distinct one once."""
+        """Link to the traces the rows' own headers (their jsonb text, each distinct one once) carry."""
         for text in headers_json:
             if len(self._linked) >= MAX_LINKS:
                 return
-            if TRACEPARENT not in text or text in self._linked:
+            if TRACEPARENT not in text:
                 continue
             self._linked.add(text)
             context = self._otel.trace.get_current_span(self._otel.propagator.extract(_string_headers(text)))
@@ -80,17 +86,18 @@ class BatchSpan:
         self._span.end()
 
 
-def start_batch_span(topics: Iterable[str], messages: int) -> BatchSpan | None:
-    """A recording span for a batch about to be published; None without OpenTelemetry or with a no-op tracer."""
+def start_batch_span(records: Sequence[OutboxRecord]) -> BatchSpan | None:
+    """A recording span for a batch about to be published, linked to its rows' traces; None without OpenTelemetry or
+    with a no-op tracer. The rows are looked at by C-level set building only: this runs on every batch."""
     otel = _open_telemetry()
     if otel is None:
         return None
-    names = sorted(set(topics))
+    names = sorted(set(map(_TOPIC, records)))
     attributes: dict[str, str | int] = {
         "messaging.system": "kafka",
         "messaging.operation.name": "send",
         "messaging.operation.type": "send",
-        "messaging.batch.message_count": messages,
+        "messaging.batch.message_count": len(records),
     }
     if len(names) == 1:
         attributes["messaging.destination.name"] = names[0]
@@ -100,7 +107,11 @@ def start_batch_span(topics: Iterable[str], messages: int) -> BatchSpan | None:
     )
     if not span.is_recording():
         return None
-    return BatchSpan(otel, span)
+    batch = BatchSpan(otel, span)
+    distinct = set(map(_HEADERS, records))
+    distinct.discard("{}")
+    batch.link(sorted(distinct))
+    return batch
 
 
 def _string_headers(headers_json: str) -> Mapping[str, str]:

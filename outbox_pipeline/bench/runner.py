@@ -143,9 +143,12 @@ def _worker(
     """One benchmark worker process: set up, say it is ready, wait for the start signal, drain, report."""
     table = OutboxTable(schema=schema)
 
+    started_cpu = [0.0]  # the worker's CPU when the drain starts: set-up and imports are not the drain's
+
     def start_line() -> None:
         ready.release()
         go.wait()
+        started_cpu[0] = _cpu_s()
 
     ended: float | None = None  # the naive, hand-written and produce-only lines end when they return
     try:
@@ -183,12 +186,16 @@ def _worker(
             start_line()
             published = relay.run().published
             ended = confirmed.at  # 0 when it confirmed nothing: it does not end the drain
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        cpu_s = usage.ru_utime + usage.ru_stime
+        cpu_s = _cpu_s() - started_cpu[0]
         out.put(_WorkerReport(published, time.time() if ended is None else ended, cpu_s, own_peak_rss_mb()))
     except Exception as exc:  # reported, the run is marked failed
         ready.release()
         out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _record_spans() -> None:
@@ -357,6 +364,6 @@ def format_result(r: RunResult) -> str:
     verified = "" if r.verified is None else (" verified" if r.verified else " VERIFY FAILED")
     return (
         f"{r.spec.label:<32} {r.published:>9,} msgs in {r.drain_s:7.2f} s = {r.msg_per_s:>9,.0f} msg/s | "
-        f"cpu s relay {r.relay_cpu_s:.1f} pg {pg} broker {broker} | rss {r.peak_rss_mb:.0f} MB{verified}"
+        f"cpu s relay {r.relay_cpu_s:.2f} pg {pg} broker {broker} | rss {r.peak_rss_mb:.0f} MB{verified}"
         + (f" | {r.note}" if r.note else "")
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import json
 import signal
 import sys
@@ -64,10 +66,17 @@ def _describe(found: dict[str, indexes.IndexState]) -> str:
 
 
 def cmd_enqueue(args: argparse.Namespace) -> int:
-    try:
-        payload = json.loads(args.payload)
-    except json.JSONDecodeError as exc:
-        raise OutboxError(f"--payload is not valid JSON: {exc}") from None
+    payload: object
+    if args.payload_base64 is not None:
+        try:
+            payload = base64.b64decode(args.payload_base64, validate=True)
+        except binascii.Error as exc:
+            raise OutboxError(f"--payload-base64 is not valid base64: {exc}") from None
+    else:
+        try:
+            payload = json.loads(args.payload)
+        except json.JSONDecodeError as exc:
+            raise OutboxError(f"--payload is not valid JSON: {exc}") from None
     headers = dict(h.split("=", 1) for h in args.header or [])
     with psycopg.connect(dsn_of(args)) as conn:
         result = enqueue(

@@ -21,6 +21,7 @@ from outbox_pipeline.operations import list_dead_letters, retry_dead_letters
 from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.schema import init_db, set_topic_partitions
 from outbox_pipeline.strategies import STRATEGY_NAMES
+from outbox_pipeline.verify import verify
 from tests.kit.kafka import KafkaProbe
 from tests.kit.quarantine import SMALL_PRODUCER
 from tests.kit.relay import drain
@@ -211,3 +212,20 @@ def test_an_outbox_with_rows_migrates_to_binary_payloads_without_rewriting_them(
         values = _values(kafka, topic, 302)
         assert values == [b'{"n": %d}' % n for n in range(300)] + [AVRO_LIKE, b'{"n": 300}']
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+
+
+def test_outbox_verify_accounts_for_bytes_and_json_messages_alike(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=2)
+    set_topic_partitions(db, table, topic, 2)
+    messages = [Message(topic, AVRO_LIKE + bytes([i]) if i % 2 else {"i": i}, key=f"k{i % 5}") for i in range(40)]
+    enqueue_many(db, messages, table=table)
+    db.commit()
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+
+    kafka_config = {"bootstrap.servers": kafka.bootstrap_servers}
+    report = verify(db, table, kafka_config, [topic], idle_s=1.0, ordered="partitioned")
+
+    assert report.ok and (report.ledger_messages, report.consumed_records) == (40, 40)
+    assert (report.lost, report.phantom, report.order_violations) == (0, 0, 0)

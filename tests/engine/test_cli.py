@@ -56,6 +56,24 @@ def test_enqueue_with_an_invalid_topic_exits_2_with_a_clear_error_and_stores_not
     assert row_count(db, table) == 0
 
 
+def test_enqueue_stores_base64_given_bytes_as_a_binary_payload(
+    dsn: str, db: psycopg.Connection, table: OutboxTable
+) -> None:
+    args = ["enqueue", "--dsn", dsn, "--schema", table.schema, "--topic", "orders", "--payload-base64", "AAH/"]
+    assert main(args) == 0
+    stored = db.execute(sql.SQL("SELECT payload, payload_bytes FROM {}").format(table.messages)).fetchall()
+    assert stored == [(None, b"\x00\x01\xff")]
+
+
+def test_enqueue_with_bad_base64_exits_2_with_a_clear_error_and_stores_nothing(
+    dsn: str, db: psycopg.Connection, table: OutboxTable, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["enqueue", "--dsn", dsn, "--schema", table.schema, "--topic", "orders", "--payload-base64", "not base64!"]
+    assert main(args) == 2
+    assert "--payload-base64 is not valid base64" in capsys.readouterr().err
+    assert row_count(db, table) == 0
+
+
 def test_load_copies_messages_and_prints_its_rate(
     dsn: str, db: psycopg.Connection, table: OutboxTable, capsys: pytest.CaptureFixture[str]
 ) -> None:
