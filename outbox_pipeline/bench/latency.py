@@ -54,6 +54,8 @@ class LatencyOptions:
     dagster: bool = False
     # Other checkouts of the project whose `outbox relay` runs too, interleaved in every round (an A/B).
     relay_checkouts: tuple[str, ...] = ()
+    # Every writer transaction in a span of its own (an SDK in the writers): the rows carry a traceparent.
+    traced: bool = False
 
     def scenarios(self) -> list[Scenario]:
         curve = [Scenario("curve", rate, rows) for rows in self.rows for rate in self.rates]
@@ -133,7 +135,7 @@ def run(
                         init_db(conn, table, strategies=[strategy])  # as `init-db --strategy` makes it
                     session = Session(
                         servers, relay, table, strategy, n + 1, Path(scratch), options.seconds, options.observe,
-                        options.fetch_wait_ms, why,
+                        options.fetch_wait_ms, why, options.traced,
                     )  # fmt: skip
                     try:
                         relay.start(dataclasses.replace(servers, dsn=dsn), table)

@@ -64,10 +64,17 @@ class Scenario:
 
 
 def writer_plans(
-    streams: Sequence[Stream], schema: str, seconds: float, scratch: Path, *, serialized: bool = False
+    streams: Sequence[Stream],
+    schema: str,
+    seconds: float,
+    scratch: Path,
+    *,
+    serialized: bool = False,
+    traced: bool = False,
 ) -> list[WriterPlan]:
     """Per key class, as many writer processes as its transactions and messages a second need (each takes every
-    n-th transaction); ``serialized``: they write as strategy `serialized` requires."""
+    n-th transaction); ``serialized``: they write as strategy `serialized` requires; ``traced``: each transaction in a
+    span, so its rows carry a traceparent."""
     plans = []
     for key_class in dict.fromkeys(s.key_class for s in streams):
         mine = tuple(s for s in streams if s.key_class == key_class)
@@ -77,7 +84,9 @@ def writer_plans(
             math.ceil(sum(s.rate for s in mine) / WRITER_MSG_PER_S),
         )
         plans += [
-            WriterPlan(schema, mine, seconds, WARMUP_S, str(scratch / f"writer-{key_class}-{i}.tsv"), i, n, serialized)
+            WriterPlan(
+                schema, mine, seconds, WARMUP_S, str(scratch / f"writer-{key_class}-{i}.tsv"), i, n, serialized, traced
+            )
             for i in range(n)
         ]
     return plans

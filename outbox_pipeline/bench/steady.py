@@ -47,6 +47,7 @@ class Session:
     observe: bool
     fetch_wait_ms: int
     statements_why: str = ""
+    traced: bool = False  # the writers' transactions in spans: their rows carry a traceparent
 
 
 def _topic(session: Session, partitions: int, label: str) -> str:
@@ -108,7 +109,12 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
     topic = _topic(session, scenario.partitions, scenario.kind)
     streams = scenario.streams(topic)
     plans = writer_plans(
-        streams, session.table.schema, seconds, session.scratch, serialized=session.strategy == "serialized"
+        streams,
+        session.table.schema,
+        seconds,
+        session.scratch,
+        serialized=session.strategy == "serialized",
+        traced=session.traced,
     )
     observer = _observer(session, topic, scenario.partitions, probe=True) if session.observe else None
     watcher = observer[0] if observer else None

@@ -11,10 +11,13 @@ database session until the next line (or EOF) on stdin.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 
 import psycopg
@@ -63,6 +66,7 @@ class WriterPlan:
     # Strategy `serialized` requires its writers to take the outbox's write lock (serialized.py): without it,
     # concurrent writer processes commit ids out of order and the relay passes rows it has not read.
     serialized: bool = False
+    traced: bool = False  # each transaction in a span (an OpenTelemetry SDK here): its rows carry a traceparent
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -103,6 +107,15 @@ def run(plan: WriterPlan, dsn: str) -> None:
         sys.stdin.readline()
 
 
+def _transaction_spans() -> Callable[[], AbstractContextManager[object]]:
+    """A span per transaction from an SDK that samples everything and exports nothing: valid trace contexts for enqueue
+    to store, at an SDK's cost in the writer."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("outbox_pipeline.bench.traffic")
+    return lambda: tracer.start_as_current_span("transaction")
+
+
 def _schedule(
     conn: psycopg.Connection, plan: WriterPlan, t0: float
 ) -> tuple[WriterHeader, list[tuple[str, float, str]]]:
@@ -116,6 +129,7 @@ def _schedule(
         heapq.heappush(due, (first, s, plan.index))
     committed: list[tuple[str, float, str]] = []
     late: list[float] = []
+    span = _transaction_spans() if plan.traced else contextlib.nullcontext
     cpu_from: tuple[float, float] | None = None
     while due:
         at, s, n = heapq.heappop(due)
@@ -133,7 +147,8 @@ def _schedule(
             Message(stream.topic, {"n": n, "i": i}, key=stream.key_of(n * stream.rows + i), partition=stream.partition)
             for i in range(stream.rows)
         ]
-        written = enqueue_many(conn, batch, serialized=plan.serialized, table=table)
+        with span():
+            written = enqueue_many(conn, batch, serialized=plan.serialized, table=table)
         conn.commit()
         stamp = time.time()
         committed.extend((str(w.message_id), stamp, stream.key_class) for w in written)
