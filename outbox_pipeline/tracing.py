@@ -88,25 +88,26 @@ class BatchSpan:
 
 def start_batch_span(records: Sequence[OutboxRecord]) -> BatchSpan | None:
     """A recording span for a batch about to be published, linked to its rows' traces; None without OpenTelemetry or
-    with a no-op tracer. The rows are looked at by C-level set building only: this runs on every batch."""
+    with a no-op tracer (then the rows are not looked at). The rows are looked at by C-level set building only: this
+    runs on every batch."""
     otel = _open_telemetry()
     if otel is None:
         return None
-    names = sorted(set(map(_TOPIC, records)))
     attributes: dict[str, str | int] = {
         "messaging.system": "kafka",
         "messaging.operation.name": "send",
         "messaging.operation.type": "send",
         "messaging.batch.message_count": len(records),
     }
-    if len(names) == 1:
-        attributes["messaging.destination.name"] = names[0]
     tracer = otel.trace.get_tracer("outbox_pipeline")
-    span = tracer.start_span(
-        f"send {names[0]}" if len(names) == 1 else "send", kind=otel.trace.SpanKind.PRODUCER, attributes=attributes
-    )
+    span = tracer.start_span("send", kind=otel.trace.SpanKind.PRODUCER, attributes=attributes)
     if not span.is_recording():
         return None
+    topics = set(map(_TOPIC, records))
+    if len(topics) == 1:
+        (topic,) = topics
+        span.update_name(f"send {topic}")
+        span.set_attribute("messaging.destination.name", topic)
     batch = BatchSpan(otel, span)
     distinct = set(map(_HEADERS, records))
     distinct.discard("{}")

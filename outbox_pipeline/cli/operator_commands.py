@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from .. import operations
+from .. import dead_letters, operations
 from ..errors import OutboxError
 from ..switch import switch_strategy
 from .common import connect, kafka_config_of, operator_name, table_of
@@ -63,16 +63,16 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     table = table_of(args)
     with connect(args) as conn:
         if args.action == "retry":
-            count = operations.retry_dead_letters(conn, table, ids=args.id, topic=args.topic, by=operator_name())
+            count = dead_letters.retry_dead_letters(conn, table, ids=args.id, topic=args.topic, by=operator_name())
             print(f"retried {count} dead letters (back in the outbox, before the rows held behind them)")
             return 0
         if args.action == "discard":
-            count = operations.discard_dead_letters(
+            count = dead_letters.discard_dead_letters(
                 conn, table, args.id or [], reason=args.reason or "", by=operator_name()
             )
             print(f"discarded {count} dead letters (the rows held behind them are released)")
             return 0
-        letters = operations.list_dead_letters(conn, table, args.limit, include_retried=args.include_retried)
+        letters = dead_letters.list_dead_letters(conn, table, args.limit, include_retried=args.include_retried)
     if args.json:
         print(json.dumps([dataclasses.asdict(d) for d in letters], default=str))
         return 0

@@ -13,17 +13,10 @@ import dagster as dg
 from pydantic import Field
 
 from outbox_pipeline.config import parse_timestamp
+from outbox_pipeline.dead_letters import DeadLetter, discard_dead_letters, list_dead_letters, retry_dead_letters
 from outbox_pipeline.errors import ConfigurationError, OutboxError
 from outbox_pipeline.indexes import build, drop_except, indexes_for, states
-from outbox_pipeline.operations import (
-    DeadLetter,
-    discard_dead_letters,
-    list_dead_letters,
-    release_lease,
-    replay_sent,
-    retry_dead_letters,
-    rewind_partition,
-)
+from outbox_pipeline.operations import release_lease, replay_sent, rewind_partition
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.positions import PositionStrategy
 from resources.postgres import PostgresResource

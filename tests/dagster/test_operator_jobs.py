@@ -9,10 +9,10 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.dead_letters import list_dead_letters
 from outbox_pipeline.errors import SchemaError
 from outbox_pipeline.indexes import require_indexes
 from outbox_pipeline.lag import partition_lag
-from outbox_pipeline.operations import list_dead_letters
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, parse_partition_key
 from outbox_pipeline.partition_run import lag_of

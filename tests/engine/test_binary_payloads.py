@@ -12,12 +12,12 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many, schema
+from outbox_pipeline.dead_letters import list_dead_letters, retry_dead_letters
 from outbox_pipeline.drain import commit_drain, plan_drain
 from outbox_pipeline.drain_ranges import fetch_range, publish_range
 from outbox_pipeline.drain_values import drain_owner
 from outbox_pipeline.errors import InvalidMessageError
 from outbox_pipeline.migrations import MIGRATIONS
-from outbox_pipeline.operations import list_dead_letters, retry_dead_letters
 from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.schema import init_db, set_topic_partitions
 from outbox_pipeline.strategies import STRATEGY_NAMES

@@ -14,13 +14,14 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.dead_letters import retry_dead_letters
 from outbox_pipeline.demo import load
 from outbox_pipeline.drain import commit_drain, plan_drain, release_drain
 from outbox_pipeline.drain_ranges import OWNERSHIP_CHECK_S, fetch_range, publish_range
 from outbox_pipeline.drain_values import DrainError, LeaseLostError, RangeDelivery, RangeReport, drain_owner
 from outbox_pipeline.enqueue import enqueue
 from outbox_pipeline.liveness import live_workers, reap
-from outbox_pipeline.operations import release_lease, retry_dead_letters
+from outbox_pipeline.operations import release_lease
 from outbox_pipeline.presence import present
 from outbox_pipeline.publisher import KafkaPublisher
 from outbox_pipeline.schema import set_topic_partitions

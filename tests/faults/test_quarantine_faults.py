@@ -12,8 +12,8 @@ import psycopg
 import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.dead_letters import retry_dead_letters
 from outbox_pipeline.lag import held_keys
-from outbox_pipeline.operations import retry_dead_letters
 from outbox_pipeline.schema import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import pending as pending_rows
