@@ -38,13 +38,21 @@ def wait_for_client_backends_to_end(root: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         children = [
-            Path(f"/proc/{stat.parent.name}/cmdline").read_bytes()
+            _cmdline(int(stat.parent.name))
             for stat in Path("/proc").glob("[0-9]*/stat")
             if (fields := _fields(int(stat.parent.name))) is not None and int(fields[1]) == root
         ]
         if not any(b"127.0.0.1(" in cmd or b"[local]" in cmd for cmd in children):
             return
         time.sleep(0.05)  # polling /proc: no event tells us another process's child was reaped
+
+
+def _cmdline(pid: int) -> bytes:
+    """Its command line; empty once it has ended (a backend may end between listing and reading: ESRCH)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def tree_cpu_s(root: int) -> float:
