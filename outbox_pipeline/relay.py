@@ -1,9 +1,11 @@
 """Engine room: the relay loop, the same for every strategy.
 
 claim -> publish the whole batch -> wait for every delivery report -> ack only what Kafka confirmed.
-When idle it waits for a NOTIFY from the outbox's insert trigger (milliseconds) or, without one, for
-a poll interval that backs off; when PostgreSQL or Kafka fail it backs off with jitter, reconnects
-and never loses its place (the place lives in PostgreSQL, never in the worker).
+Under steady traffic (paced, see relay_settings.Pacer) a strategy that can (Strategy.folds_ack) makes that ack
+part of the next claim's statement, which still runs before the next batch is published. When idle it waits for
+a NOTIFY from the outbox's insert trigger (milliseconds) or, without one, for a poll interval that backs off; when
+PostgreSQL or Kafka fail it backs off with jitter, reconnects and never loses its place (the place lives in
+PostgreSQL, never in the worker).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from .lag import explain_pending, partition_lag
 from .presence import WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .relay_settings import Pacer, RelaySettings
-from .relay_stats import BatchMetrics, RelayInstruments, RelayStats, oldest_age_s
+from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
 from .schema import require_current
-from .strategies.base import Claim, PublishOutcome, Strategy, StrategyConfig
+from .strategies.base import AckResult, Claim, PublishOutcome, Strategy, StrategyConfig
 from .strategies.sharing import UNSCOPED_KIND
 from .switch import require_relayable
 from .wakeups import WakeUps
@@ -44,6 +46,15 @@ class _InFlight:
     started: float
     pending: PendingBatch | None = None
     outcome: PublishOutcome | None = None  # known at once for Kafka transactions
+    settled_at: float = 0.0  # when Kafka's outcome was known
+
+
+@dataclass(frozen=True)
+class _Settled:
+    """A batch Kafka settled whose ack waits for the next claim (Strategy.folds_ack): one statement for both."""
+
+    batch: _InFlight
+    outcome: PublishOutcome
 
 
 class Relay:
@@ -82,6 +93,7 @@ class Relay:
         self._presence: WorkerPresence | None = None
         self._upkeep_at = float("-inf")
         self._turn = 0
+        self._settled: _Settled | None = None
 
     # -- connections -------------------------------------------------------------------------
 
@@ -172,7 +184,14 @@ class Relay:
     def _claim(self, strategy: Strategy, in_flight: _InFlight | None = None) -> Claim | None:
         avoid = [r.id for r in (*in_flight.claim.records, *in_flight.claim.withheld)] if in_flight is not None else ()
         started = time.monotonic()
-        claim = strategy.claim(self.settings.batch_size, avoid)
+        if (settled := self._settled) is not None:
+            self._settled = None
+            result, claim = settled.batch.strategy.claim_settling(
+                self.settings.batch_size, settled.batch.claim, settled.outcome
+            )
+            self._acked(settled.batch, settled.outcome, result, started)
+        else:
+            claim = strategy.claim(self.settings.batch_size, avoid)
         rows = len(claim.records) + len(claim.withheld) if claim is not None else 0
         if claim is not None and self.instruments is not None:
             self.instruments.claimed(time.monotonic() - started, rows, claim.collisions)
@@ -208,43 +227,42 @@ class Relay:
         return batch
 
     def _finish(self, batch: _InFlight) -> PublishOutcome:
-        if batch.outcome is not None:
-            return batch.outcome
-        assert batch.pending is not None
-        return self.publisher.finish(batch.pending)
+        if batch.outcome is None:
+            assert batch.pending is not None
+            batch.outcome = self.publisher.finish(batch.pending)
+        batch.settled_at = time.monotonic()
+        return batch.outcome
 
     def _ack(self, batch: _InFlight, outcome: PublishOutcome) -> BatchMetrics:
         ack_started = time.monotonic()
-        result = batch.strategy.ack(batch.claim, outcome)
+        return self._acked(batch, outcome, batch.strategy.ack(batch.claim, outcome), ack_started)
+
+    def _ack_settled(self) -> None:
+        """Ack the batch kept for the next claim now: no claim comes (stopping, idle, or not this strategy's turn)."""
+        if (settled := self._settled) is not None:
+            self._settled = None
+            self._ack(settled.batch, settled.outcome)
+
+    def _keeps_ack(self, batch: _InFlight, outcome: PublishOutcome) -> bool:
+        """Whether this settled batch's ack goes with the next claim: the relay is paced (that claim comes within
+        the linger if commits wait for it; if none does, the ack goes alone before the relay waits), Kafka took all of
+        it, and its strategy acks and claims in one statement. The next batch is never published before it."""
+        return (
+            batch.strategy.folds_ack
+            and not outcome.failed
+            and bool(outcome.delivered)
+            and self._pacer.pause_s() > 0
+            and self._instances()[self._turn % len(self._strategies)] is batch.strategy
+        )
+
+    def _acked(self, batch: _InFlight, outcome: PublishOutcome, result: AckResult, ack_started: float) -> BatchMetrics:
         if self.instruments is not None:
-            publish_s = ack_started - batch.started
+            publish_s = (batch.settled_at or ack_started) - batch.started
             self.instruments.acked_batch(publish_s, time.monotonic() - ack_started, outcome, result)
         self.publisher.retain_transactional(batch.strategy.transactional_ids())
-        metrics = BatchMetrics(
-            claimed=len(batch.claim.records),
-            published=len(outcome.delivered),
-            acked=result.acked,
-            collisions=batch.claim.collisions,
-            lost_ownership=result.lost_ownership,
-            dead_lettered=result.dead_lettered,
-            retried=result.retried,
-            oldest_age_s=oldest_age_s(batch.claim),
-            elapsed_s=time.monotonic() - batch.started,
-        )
-        self.stats.add(metrics)
+        metrics = self.stats.record(batch.strategy.name, batch.claim, outcome, result, batch.started)
         if self.observer is not None:
             self.observer(outcome)
-        if outcome.failed:
-            log.warning(
-                "%s: %d of %d not delivered (first: %s); retried %d, dead-lettered %d",
-                batch.strategy.name,
-                len(outcome.failed),
-                metrics.claimed,
-                outcome.failed[0].error,
-                result.retried,
-                result.dead_lettered,
-            )
-        log.debug("%s batch: %s", batch.strategy.name, metrics)
         return metrics
 
     # -- the loop ----------------------------------------------------------------------------
@@ -272,28 +290,19 @@ class Relay:
                         idle_wait, self._may_have_work = self.settings.poll_interval_s, True
                     strategies = self._instances()
                     strategy = strategies[self._turn % len(strategies)]
-                    # Commits since the last claim (or no way to hear of them)? Asked only when it matters: a look at
-                    # the connection costs about as much as a tenth of a cycle.
-                    if not self._may_have_work and (
-                        self._wake_ups.coalesce(self._control) or not self._wake_ups.listening
-                    ):
-                        self._may_have_work = True
-                    claim = None
-                    if self._may_have_work and (self.settings.pipeline or in_flight is None):
-                        pause = self._pacer.pause_s()
-                        if pause > 0 and in_flight is None:
-                            self.stop.wait(pause)  # commits gather meanwhile: the next claim takes them together
-                        if pause <= 0 or in_flight is None:
-                            self._wake_ups.coalesce(self._control)  # the claim sees what they announce
-                            claim = self._claim(strategy, in_flight)
+                    claim = self._claim(strategy, in_flight) if self._ready_to_claim(in_flight) else None
                     if in_flight is not None:
                         previous, in_flight = in_flight, None
                         outcome = self._finish(previous)
                         kafka_down = bool(previous.claim.records) and not outcome.delivered
                         # Ack before handing the next batch to Kafka: a crash then leaves at most one
                         # published-but-unacked batch (the duplicates bound), at the cost of one
-                        # round trip not overlapped with Kafka.
-                        self._ack(previous, outcome)
+                        # round trip not overlapped with Kafka. Paced, with nothing read ahead, the ack goes
+                        # in the next claim's statement (which precedes that batch's publish).
+                        if claim is None and self._keeps_ack(previous, outcome):
+                            self._settled = _Settled(previous, outcome)
+                        else:
+                            self._ack(previous, outcome)
                         if outcome.failed:
                             self._may_have_work = True  # what Kafka did not confirm is to publish again
                         if claim is not None and not kafka_down:
@@ -320,10 +329,11 @@ class Relay:
                         in_flight = self._publish(strategy, claim)
                         self._turn += 1
                         continue
+                    self._ack_settled()  # no claim now: the batch kept for one is acked before the relay waits
                 except psycopg.OperationalError as exc:
                     # Batches in flight are abandoned: their rows or partitions go back when the
                     # transaction dies or the lease ends (at-least-once: published again).
-                    in_flight = None
+                    in_flight, self._settled = None, None
                     failures += 1
                     self.stats.errors += 1
                     self._may_have_work = True
@@ -344,6 +354,7 @@ class Relay:
                     continue
                 self._wait_for_work(min(idle_wait, self.settings.upkeep_interval_s))
                 idle_wait = min(idle_wait * 2, self.settings.max_poll_interval_s)
+            self._ack_settled()
             if in_flight is not None:
                 self._ack(in_flight, self._finish(in_flight))  # stopping: confirm what is out there
             if self.settings.until_empty and not self.stop.is_set():
@@ -351,6 +362,22 @@ class Relay:
         finally:
             self.close()
         return self.stats
+
+    def _ready_to_claim(self, in_flight: _InFlight | None) -> bool:
+        """Whether to claim now. Paced (the last claim took everything there was), a batch in Kafka is finished and
+        acked first, and with none the pause is waited out (commits gather meanwhile: the next claim takes them
+        together). Then one look at the control connection: commits announced since the last claim (or no way to
+        hear of them) mean work; the claim sees what they announce, so they are dropped (a look costs about a tenth
+        of a cycle, and is made only where a claim may follow)."""
+        if in_flight is not None and not self.settings.pipeline:
+            return False
+        if (pause := self._pacer.pause_s()) > 0:
+            if in_flight is not None:
+                return False
+            self.stop.wait(pause)
+        if self._wake_ups.coalesce(self._control) or not self._wake_ups.listening:
+            self._may_have_work = True
+        return self._may_have_work
 
     def _pending(self) -> bool:
         """Whether any row is still pending in this worker's scope (leased by others, backing off...)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -11,6 +12,8 @@ from typing import Protocol
 
 from .strategies.base import AckResult, Claim, PublishOutcome
 from .timestamps import PG_EPOCH
+
+log = logging.getLogger(__name__)
 
 
 class RelayInstruments(Protocol):
@@ -61,6 +64,35 @@ class RelayStats:
     busy_s: float = 0.0
     # until_empty stopped (max_seconds) with rows still pending: one line per reason (lag.explain_pending).
     remaining: list[str] = field(default_factory=list)
+
+    def record(
+        self, strategy: str, claim: Claim, outcome: PublishOutcome, result: AckResult, started: float
+    ) -> BatchMetrics:
+        """Count one acked batch (claimed at ``started``); a batch Kafka did not take in full is logged."""
+        metrics = BatchMetrics(
+            claimed=len(claim.records),
+            published=len(outcome.delivered),
+            acked=result.acked,
+            collisions=claim.collisions,
+            lost_ownership=result.lost_ownership,
+            dead_lettered=result.dead_lettered,
+            retried=result.retried,
+            oldest_age_s=oldest_age_s(claim),
+            elapsed_s=time.monotonic() - started,
+        )
+        self.add(metrics)
+        if outcome.failed:
+            log.warning(
+                "%s: %d of %d not delivered (first: %s); retried %d, dead-lettered %d",
+                strategy,
+                len(outcome.failed),
+                metrics.claimed,
+                outcome.failed[0].error,
+                result.retried,
+                result.dead_lettered,
+            )
+        log.debug("%s batch: %s", strategy, metrics)
+        return metrics
 
     def add(self, batch: BatchMetrics) -> None:
         self.batches += 1

@@ -101,12 +101,14 @@ def fetch_records(
     return list(map(OutboxRecord._make, rows))
 
 
-def stamped_cursor(conn: psycopg.Connection) -> psycopg.Cursor[Any]:
+def stamped_cursor(conn: psycopg.Connection, *, raw: bool = False) -> psycopg.Cursor[Any]:
     """A binary cursor loading timestamptz as PostgreSQL's integer (microseconds since 2000-01-01 UTC, see
     timestamps.py): no datetime per row, and a row a plain-SQL writer stamped 'infinity' loads too (as a
     datetime it raises, and the relay could never claim past it). ``text`` loads as its UTF-8 bytes
-    (RECORD_COLUMNS): the server no longer runs ``convert_to`` five times per row to make them bytea."""
-    cur = conn.cursor(binary=True)
+    (RECORD_COLUMNS): the server no longer runs ``convert_to`` five times per row to make them bytea. ``raw``: a
+    ``RawCursor``, for statements written with ``$n`` placeholders (see position_reads.positional)."""
+    cur = psycopg.RawCursor(conn) if raw else conn.cursor()
+    cur.format = psycopg.pq.Format.BINARY
     cur.adapters.register_loader("timestamptz", Int8BinaryLoader)
     cur.adapters.register_loader("text", ByteaBinaryLoader)
     return cur
@@ -228,6 +230,9 @@ class Strategy(abc.ABC):
     # instance may claim again before its previous claim is acked; "own-connection": a claim is an
     # open transaction, so each claim in flight needs an instance (and connection) of its own.
     pipelining: ClassVar[Literal["shared", "own-connection"]] = "shared"
+    # Whether claim_settling acks and claims in one statement: then a paced relay keeps a batch's ack for the next
+    # claim (which comes within the linger) instead of paying a statement for it alone.
+    folds_ack: ClassVar[bool] = False
 
     def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
         self.conn = conn
@@ -260,6 +265,10 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def give_back(self, claim: Claim, error: str) -> None:
         """End a claim whose batch was not published (for example the producer failed)."""
+
+    def claim_settling(self, limit: int, previous: Claim, outcome: PublishOutcome) -> tuple[AckResult, Claim | None]:
+        """Ack ``previous`` (its batch settled, nothing else in flight), then claim the next batch."""
+        return self.ack(previous, outcome), self.claim(limit)
 
     def before_publish(self, claim: Claim) -> Claim | None:
         """Called when a batch read ahead (while the previous one was in Kafka) is about to be published.

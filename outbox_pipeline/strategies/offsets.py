@@ -147,16 +147,21 @@ _CANDIDATES = """
         WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
         ORDER BY {order} LIMIT 1
     ) oldest ON true
-    WHERE o.available_after <= now() {scope}
+    WHERE o.available_after <= now() {scope} {exclude}
       AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
       AND ({home} OR (%(steal)s AND coalesce(oldest.created_at, '-infinity')
                                   <= now() - make_interval(secs => %(steal_after)s)))
 """
 
+_NO_CONDITION = sql.SQL("")
 
-def candidates(config: StrategyConfig, *, work: str, order: str) -> sql.Composed:
+
+def candidates(
+    config: StrategyConfig, *, work: str, order: str, exclude: sql.Composable = _NO_CONDITION
+) -> sql.Composed:
     """The partitions this worker could lease now: free, in scope, with work (see _CANDIDATES); parameters from
-    ``Home.params()``. Also how a batch read ahead yields to a partition that waits (positions.py)."""
+    ``Home.params()``. ``exclude``: a further condition on ``o`` (a claim that also acks leaves that batch's
+    partitions alone: one statement must not update a row twice)."""
     table = config.table
     return sql.SQL(_CANDIDATES).format(
         offsets=table.offsets,
@@ -164,6 +169,7 @@ def candidates(config: StrategyConfig, *, work: str, order: str) -> sql.Composed
         work=sql.SQL(work),
         order=sql.SQL(order),
         scope=scope_condition(config, "o"),
+        exclude=exclude,
         home=IS_HOME,
         released=released_hold(table, "o"),
     )

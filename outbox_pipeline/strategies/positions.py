@@ -5,7 +5,9 @@ talk's ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``) and reads each p
 together with the home partitions (sharing.py) whose previous batch is still in Kafka (read past that batch:
 pipelining), in one statement (position_reads.py). A batch therefore spans partitions: each gets a fair share of it,
 so a partition that never runs dry cannot keep the others waiting. The ack advances every position of the batch with
-a compare-and-set on (owner, old position), in one statement, in the same transaction as any dead letters. A worker
+a compare-and-set on (owner, old position), in one statement, in the same transaction as any dead letters; under
+steady traffic (the relay paced, nothing read ahead, Kafka took the whole batch) it goes in the next claim's statement
+instead (``claim_settling``), one statement per batch. A worker
 that lost a partition's lease (it was frozen past expiry and another worker took over) advances nothing there and
 dead-letters nothing: that partition's rows count as published-but-ack-failed and the new owner publishes them
 again.
@@ -41,16 +43,12 @@ from .base import (
     StrategyConfig,
     stamped_cursor,
 )
+from .discovery import DISCOVERY_INTERVAL_S, Discovery
 from .offsets import Move, PartitionLease
-from .position_reads import MAX_PARTITIONS_PER_CLAIM, Chain, PartitionRead, claim_sql, read_partitions
+from .position_reads import MAX_PARTITIONS_PER_CLAIM, Chain, PartitionRead, Reads, Settle, claim_sql, read_partitions
 from .position_settle import count_by_partition, settle_all
 from .quarantine import NO_HOLDS, Quarantine
 from .sharing import Dealer, Home
-
-# Every (topic, partition) pair gets looked at this often, and the rows written since the last look this often
-# while claims find work (see claim()).
-DISCOVERY_INTERVAL_S = 5.0
-RECENT_DISCOVERY_S = 0.5
 
 Key = tuple[str, int]
 
@@ -59,16 +57,21 @@ class PositionStrategy(Strategy):
     """Lease what waits, read past each position, advance each position only over confirmed rows."""
 
     ordered: ClassVar[bool] = True
+    folds_ack: ClassVar[bool] = True
 
     def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
         super().__init__(conn, config)
         conn.isolation_level = IsolationLevel.READ_COMMITTED
-        self._discovered_at = self._recent_at = float("-inf")
-        self._seen_id = 0  # the highest message id a discovery covered
+        # One plan per statement, made once: the claim's plans have the same shape whatever the parameters (index
+        # order, no sort), but PostgreSQL judged its generic plan dearer than a custom one and planned every
+        # execution anew: 2-3 ms of the server's CPU per claim over ten daily partitions, more than running it.
+        conn.execute("SET plan_cache_mode = force_generic_plan")
         self._chains: dict[Key, Chain] = {}
         self._checked_tx_at = float("-inf")
         self._tx_ids: frozenset[str] | None = None
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
+        # A new partition is nobody's home until the next deal.
+        self._discovery = Discovery(conn, config.table, found=self._dealer.invalidate)
         # Another worker's partition (one that waited STEAL_AFTER_S) is taken only by a worker whose last claim found
         # no work at home: a claim leases every partition it may, and the first worker of a backlog would otherwise
         # take every partition, leaving the others idle.
@@ -76,7 +79,8 @@ class PositionStrategy(Strategy):
         self._quarantine = Quarantine(conn, config, self.read_order)
         # Composed once: composing costs on every claim, and the same text keeps the statement prepared.
         self._claim_sql = claim_sql(config, work=self.work_condition, order=self.read_order)
-        self._cursor = stamped_cursor(conn)  # kept: making one copies the connection's adapters
+        self._settling_sql = claim_sql(config, work=self.work_condition, order=self.read_order, settling=self.name)
+        self._cursor = stamped_cursor(conn, raw=True)  # kept: making one copies the connection's adapters
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
@@ -97,41 +101,83 @@ class PositionStrategy(Strategy):
     # -- claim -------------------------------------------------------------------------------
 
     def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
-        # A partition is nobody's to lease until it has an offsets row: every pair is looked at every
-        # DISCOVERY_INTERVAL_S, the rows written since the last look every RECENT_DISCOVERY_S while claims find work
-        # (a new topic's first rows must not wait for a busy partition to run dry), and whenever a claim finds
-        # nothing (every wake-up whose rows were already published ends so: a full look each time cost more than
-        # the rest of the cycle).
-        now = time.monotonic()
-        if now - self._discovered_at > DISCOVERY_INTERVAL_S:
-            self.discover_partitions()
-            self._discovered_at = self._recent_at = now
-        elif now - self._recent_at > RECENT_DISCOVERY_S:
-            self._discover_recent()
+        self._discovery.when_due()
         claim = self._claim(limit)
-        if claim is None and self._discover_recent():
+        if claim is None and self._discovery.recent():
             claim = self._claim(limit)
         return claim
 
+    def claim_settling(self, limit: int, previous: Claim, outcome: PublishOutcome) -> tuple[AckResult, Claim | None]:
+        """One statement: the previous batch's ack and the next claim, when that ack is only position moves (Kafka
+        took the whole batch, nothing withheld or released) and nothing else is in flight (the relay's paced cycle)."""
+        settle = self._settling(previous, outcome)
+        if settle is None:
+            return super().claim_settling(limit, previous, outcome)
+        for key in previous.state:
+            del self._chains[key]  # its ack ends them; a kept lease starts a new chain at the new position
+        self._discovery.when_due()
+        reads = self._read(limit, settle)
+        lost = 0
+        if len(reads.owned) < len(settle):
+            lost = sum(n for key, n in count_by_partition(previous.records).items() if key not in reads.owned)
+        result = AckResult(acked=len(previous.records) - lost, lost_ownership=lost)
+        claim = self._claim_from(reads, limit)
+        if claim is None and self._discovery.recent():
+            claim = self._claim(limit)
+        return result, claim
+
+    def _settling(self, previous: Claim, outcome: PublishOutcome) -> list[Settle] | None:
+        """The previous batch's position moves, when its ack may go in the next claim's statement; None otherwise."""
+        state: dict[Key, PartitionLease] = previous.state
+        if (
+            previous.release
+            or previous.withheld
+            or outcome.failed
+            or len(outcome.delivered) != len(previous.records)
+            or self.config.kafka_transactions
+            or previous.holds_version != self._quarantine.version
+            or len(self._chains) != len(state)
+            # Its kept leases must leave room for a partition that waits (one claim leases that many at most).
+            or len(state) >= MAX_PARTITIONS_PER_CLAIM
+        ):
+            return None
+        home = self._dealer.home
+        moves: list[Settle] = []
+        for key, lease in state.items():
+            chain = self._chains.get(key)
+            if chain is None or chain.in_flight != 1 or chain.broken or chain.draining:
+                return None
+            # Nothing was read past this batch: where the chain's reading stopped is the batch's last row there.
+            moves.append(Settle(lease, chain.read_xid, chain.read_id, home.holds(*key)))
+        return moves
+
     def _claim(self, limit: int, *, again: bool = True) -> Claim | None:
+        return self._claim_from(self._read(limit), limit, again=again)
+
+    def _read(self, limit: int, settle: Sequence[Settle] = ()) -> Reads:
         home = self._dealer.current()
         # Read ahead at home only: elsewhere (taken while it was home or its row waited) the lease ends with the
         # batch in flight, and the partition goes back to its home worker. Reading ahead keeps a lease as long as
         # the partition has work: the first worker of a backlog kept every partition and the others idled.
         ahead = [c.ahead for key, c in self._chains.items() if not c.broken and not c.draining and home.holds(*key)]
-        max_new = MAX_PARTITIONS_PER_CLAIM - len(ahead)
+        max_new = MAX_PARTITIONS_PER_CLAIM - len(ahead) - len(settle)
         if self.config.kafka_transactions:  # one partition per claim: one transactional id per partition
             ahead, max_new = ahead[:1], 0 if ahead else 1
         reads = read_partitions(
             self._cursor,
             self.config,
-            self._claim_sql,
+            self._settling_sql if settle else self._claim_sql,
             ahead=ahead,
             max_new=max_new,
             limit=limit,
             dealt={**home.params(), "steal": self._may_steal},
+            settle=settle,
         )
         self._may_steal = not any(r.records and home.holds(*r.key) for r in reads.partitions)
+        return reads
+
+    def _claim_from(self, reads: Reads, limit: int, *, again: bool = True) -> Claim | None:
+        """The claim of what a read leased and read (its partitions' chains extended)."""
         if released := next((r for r in reads.partitions if r.lease.released), None):
             # A released hold's held rows go before anything else of its partition, and alone.
             self._release([r.key for r in reads.partitions if r.leased_now and r is not released])
@@ -162,7 +208,7 @@ class PositionStrategy(Strategy):
             withheld=withheld,
             holds_version=self._quarantine.version,
             # Claim again at once: more partitions may wait than one claim leases, or one gave its whole share.
-            others_waiting=sum(r.leased_now for r in reads.partitions) >= max_new > 0
+            others_waiting=sum(r.leased_now and not r.kept for r in reads.partitions) >= reads.max_new > 0
             or any(len(r.records) >= reads.share for r in reads.partitions),
         )
 
@@ -216,20 +262,8 @@ class PositionStrategy(Strategy):
         return self._dealer.home
 
     def discover_partitions(self) -> int:
-        """Create offsets rows for (topic, partition) pairs that have rows but no position yet."""
-        return self._discovered(offsets.discover(self.conn, self.table))
-
-    def _discover_recent(self) -> int:
-        """The same for rows written since the last look only; every pair when too many were."""
-        self._recent_at = time.monotonic()
-        found = offsets.discover_recent(self.conn, self.table, self._seen_id)
-        return self._discovered(found) if found.complete else self.discover_partitions()
-
-    def _discovered(self, found: offsets.Discovered) -> int:
-        self._seen_id = max(self._seen_id, found.seen_id)
-        if found.created:
-            self._dealer.invalidate()  # a new partition is nobody's home until the next deal
-        return found.created
+        """Create offsets rows for (topic, partition) pairs that have rows but no position yet (discovery.py)."""
+        return self._discovery.everything()
 
     def before_publish(self, claim: Claim) -> Claim | None:
         """A batch read ahead is published only where the batch before it acked in full while owned: past a

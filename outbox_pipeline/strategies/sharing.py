@@ -16,6 +16,7 @@ every partition is equally its own.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from dataclasses import dataclass
 
@@ -66,20 +67,20 @@ class Home:
     def holds(self, topic: str, partition: int) -> bool:
         return self.everywhere or (topic, partition) in self._pairs
 
+    @functools.cached_property
+    def _document(self) -> str:
+        return json.dumps([{"topic": t, "partition": p} for t, p in self._pairs])
+
     def params(self) -> dict[str, object]:
-        return {
-            "everywhere": self.everywhere,
-            "home_topics": self.topics or [],
-            "home_partitions": self.partitions or [],
-            "steal_after": STEAL_AFTER_S,
-            "steal": True,
-        }
+        """The parameters of IS_HOME and the candidates (offsets.py). The pairs go as one JSON document, made once per
+        deal: two arrays were dumped again at every claim."""
+        return {"everywhere": self.everywhere, "home": self._document, "steal_after": STEAL_AFTER_S, "steal": True}
 
 
 # ``o`` is an offsets row: whether it is home to this worker (parameters from Home.params()).
 IS_HOME = sql.SQL(
     "(%(everywhere)s OR (o.topic, o.partition) IN "
-    "(SELECT * FROM unnest(%(home_topics)s::text[], %(home_partitions)s::int[])))"
+    "(SELECT h.topic, h.partition FROM jsonb_to_recordset(%(home)s::jsonb) AS h(topic text, partition int)))"
 )
 
 

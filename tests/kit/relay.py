@@ -33,6 +33,7 @@ def make_relay(
     until_empty: bool = True,
     max_seconds: float | None = 60.0,
     listen: bool = False,
+    linger_s: float = RelaySettings.min_cycle_s,
     **config: object,
 ) -> Relay:
     worker_id = config.pop("worker_id", None)
@@ -41,7 +42,12 @@ def make_relay(
         strategy,
         {"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})},
         RelaySettings(
-            batch_size=batch_size, until_empty=until_empty, max_seconds=max_seconds, listen=listen, poll_interval_s=0.05
+            batch_size=batch_size,
+            until_empty=until_empty,
+            max_seconds=max_seconds,
+            listen=listen,
+            poll_interval_s=0.05,
+            min_cycle_s=linger_s,
         ),
         replace(StrategyConfig(table=table), **config),  # type: ignore[arg-type]
         worker_id=worker_id,  # type: ignore[arg-type]
