@@ -214,8 +214,8 @@ def _insert_sql(table: OutboxTable) -> bytes:
                    u.hash %% coalesce(t.partitions, (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row}))
                )
         FROM unnest(
-            %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[], %s::bytea[], %s::text[], %s::smallint[],
-            %s::integer[], %s::bigint[]
+            %b::uuid[], %b::text[], %b::text[], %b::text[], %b::text[], %b::bytea[], %b::text[], %b::smallint[],
+            %b::integer[], %b::bigint[]
         ) WITH ORDINALITY AS u(message_id, topic, key, type, payload, payload_bytes, headers, priority, partition, hash,
                                ord)
         LEFT JOIN {topics} t ON t.topic = u.topic
