@@ -61,6 +61,9 @@ class Enqueued:
     message_id: uuid.UUID
 
 
+NO_HEADERS = "{}"  # the headers column of a row with none, as enqueue encodes it
+
+
 @dataclass(frozen=True, slots=True)
 class _Row:
     message_id: uuid.UUID
@@ -147,16 +150,19 @@ def enqueue_many(
         )
     else:
         query = _insert_sql(table)
+        # A column with nothing to say goes as NULL, not as an array of defaults: unnest pads it with NULLs, and
+        # dumping an array costs the client per element (most calls give no type, bytes, headers, priority or
+        # partition).
         params = (
             [r.message_id for r in rows],
             [r.topic for r in rows],
             [r.key for r in rows],
-            [r.type for r in rows],
-            [r.payload for r in rows],
-            [r.payload_bytes for r in rows],
-            [r.headers for r in rows],
-            [r.priority for r in rows],
-            [r.partition for r in rows],
+            _unless_all([r.type for r in rows], None),
+            _unless_all([r.payload for r in rows], None),
+            _unless_all([r.payload_bytes for r in rows], None),
+            _unless_all([r.headers for r in rows], NO_HEADERS),
+            _unless_all([r.priority for r in rows], 0),
+            _unless_all([r.partition for r in rows], None),
             [r.hash for r in rows],
         )
     with conn.cursor() as cur:
@@ -208,7 +214,8 @@ def _insert_sql(table: OutboxTable) -> bytes:
         sql.SQL(
             """
         INSERT INTO {messages} (message_id, topic, key, type, payload, payload_bytes, headers, priority, partition)
-        SELECT u.message_id, u.topic, u.key, u.type, u.payload::jsonb, u.payload_bytes, u.headers::jsonb, u.priority,
+        SELECT u.message_id, u.topic, u.key, u.type, u.payload::jsonb, u.payload_bytes,
+               coalesce(u.headers::jsonb, '{{}}'), coalesce(u.priority, 0),
                coalesce(
                    u.partition,
                    u.hash %% coalesce(t.partitions, (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row}))
@@ -226,6 +233,11 @@ def _insert_sql(table: OutboxTable) -> bytes:
         .format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
         .as_bytes(None)
     )
+
+
+def _unless_all(values: list[Any], default: object) -> list[Any] | None:
+    """``values``, or None when every one is ``default`` (see enqueue_many)."""
+    return None if all(v == default for v in values) else values
 
 
 def _validate(m: Message, max_bytes: int, index: int) -> _Row:
@@ -332,7 +344,7 @@ def _encode_payload(payload: Any, where: str) -> tuple[str | None, bytes]:
 
 def _encode_headers(headers: Mapping[str, str | bytes] | None, where: str) -> tuple[str, int]:
     if headers is None:
-        return "{}", 0
+        return NO_HEADERS, 0
     if not isinstance(headers, Mapping):
         raise InvalidMessageError(f"{where}: headers must be a mapping of str to str or bytes")
     stored: dict[str, object] = {}
