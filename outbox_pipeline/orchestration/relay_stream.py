@@ -12,8 +12,12 @@ in flight is confirmed and acked.
 
 import logging
 import os
+import signal
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 
 import dagster as dg
 from prometheus_client import delete_from_gateway, push_to_gateway
@@ -96,11 +100,12 @@ def relay_outbox_stream(
     watchdog.start()
     published = 0
     try:
-        for report in run.reports():
-            published += report.published
-            _record(context, report, worker_id)
-            if pusher:
-                pusher.push()
+        with stopping_on_terminate(run.stop):
+            for report in run.reports():
+                published += report.published
+                _record(context, report, worker_id)
+                if pusher:
+                    pusher.push()
     finally:
         run.close()  # after the batch in flight is acked: the worker deregisters, nobody waits for it
         done.set()
@@ -144,6 +149,36 @@ class MetricsPusher:
             delete_from_gateway(self.url, job=PUSH_JOB, grouping_key={"worker": self.worker_id})
         except OSError as exc:
             self.log.warning("could not delete this run's metrics from %s: %s", self.url, exc)
+
+
+@contextmanager
+def stopping_on_terminate(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT stop the relay first, then reach the handler that was there (Dagster's, which raises its
+    interrupt into the run). Python swallows an exception raised inside a weakref callback or ``__del__`` ("Exception
+    ignored in ..."), and Dagster's interrupt landed in one (SQLAlchemy's, in a fresh clone's CI): the run then relayed
+    on, terminated but never stopping. Main thread only (where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {int(signum): signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop()
+        before = previous[signum]
+        if callable(before):
+            before(signum, frame)
+        elif before == signal.SIG_DFL and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        elif before == signal.SIG_DFL:
+            raise SystemExit(128 + signum)
+
+    for signum in previous:
+        signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, before in previous.items():
+            signal.signal(signum, before)
 
 
 def _watch(context: dg.OpExecutionContext, run: StreamRun, done: threading.Event, parent: int) -> None:

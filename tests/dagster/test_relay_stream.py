@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -19,7 +20,12 @@ from outbox_pipeline.lag import partition_lag
 from outbox_pipeline.liveness import live_workers
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
-from outbox_pipeline.orchestration.relay_stream import RELAYED_OUTBOX, relay_stream_job, stream_worker_id
+from outbox_pipeline.orchestration.relay_stream import (
+    RELAYED_OUTBOX,
+    relay_stream_job,
+    stopping_on_terminate,
+    stream_worker_id,
+)
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.schema import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
@@ -222,3 +228,30 @@ def test_a_run_pushes_its_relay_metrics_to_the_pushgateway_and_deletes_them_when
     assert len(pushes) >= 2 and received[-1][:2] == ("DELETE", path)
     last, total = pushes[-1], float(sum(len(ids) for ids in written.by_key.values()))
     assert f'outbox_relay_published_total{{strategy="partitioned"}} {total}' in last, last
+
+
+def test_a_terminate_whose_interrupt_python_swallows_still_stops_the_run() -> None:
+    """Seen in CI: SIGTERM reached Dagster's handler inside a weakref callback, where Python ignores the exception it
+    raises ("Exception ignored in ..."), and the run relayed on. Here the signal arrives inside such a callback."""
+    stopped = threading.Event()
+    interrupts: list[BaseException] = []
+
+    def dagsters(signum: int, frame: object) -> None:  # what Dagster's handler does: raise into the run
+        interrupts.append(dg.DagsterExecutionInterruptedError())
+        raise interrupts[-1]
+
+    class Collected:
+        pass
+
+    original = signal.signal(signal.SIGTERM, dagsters)
+    try:
+        with stopping_on_terminate(stopped.set):
+            collected = Collected()
+            watched = weakref.ref(collected, lambda _: signal.raise_signal(signal.SIGTERM))
+            del collected  # the callback runs, the handler raises inside it, Python prints and drops the exception
+            assert watched() is None
+        assert interrupts, "the handler that was there (Dagster's) was not called"
+        assert stopped.is_set(), "the interrupt was swallowed and nothing stopped the run"
+        assert signal.getsignal(signal.SIGTERM) is dagsters  # put back as it was
+    finally:
+        signal.signal(signal.SIGTERM, original)
