@@ -269,6 +269,14 @@ def describe_holders(leased_by: str, alive: Mapping[str, bool | None]) -> str:
     return ", ".join(f"{h} ({state[alive.get(h)]})" for h in leased_by.split(",") if h)
 
 
+def pending_in_scope(
+    conn: psycopg.Connection, table: OutboxTable, strategy: str, scope: Collection[tuple[str, int]] | None = None
+) -> bool:
+    """Whether any row is still pending in ``scope`` (None: everywhere), leased by others or backing off included."""
+    lags = partition_lag(conn, table, strategy, cap=1)
+    return any(lag.pending and (scope is None or (lag.topic, lag.partition) in scope) for lag in lags)
+
+
 def explain_pending(
     conn: psycopg.Connection,
     table: OutboxTable,

@@ -11,7 +11,6 @@ PostgreSQL, never in the worker).
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +18,8 @@ from dataclasses import dataclass
 
 import psycopg
 
-from .lag import explain_pending, partition_lag
+from .config import OutboxTable
+from .lag import explain_pending, pending_in_scope
 from .presence import WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
 from .relay_settings import Pacer, RelaySettings
@@ -321,7 +321,7 @@ class Relay:
                         if kafka_down:
                             # The broker is down or unreachable. Back off, don't spin.
                             failures += 1
-                            self.stop.wait(self._error_backoff(failures))
+                            self.stop.wait(self.settings.error_backoff_s(failures))
                         else:
                             failures, idle_wait = 0, self.settings.poll_interval_s
                         continue
@@ -341,11 +341,11 @@ class Relay:
                         self.instruments.error()
                     log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
                     self._disconnect()
-                    self.stop.wait(self._error_backoff(failures))
+                    self.stop.wait(self.settings.error_backoff_s(failures))
                     continue
                 if self.settings.until_idle:
                     break
-                if self.settings.until_empty and not self._pending():
+                if self.settings.until_empty and not pending_in_scope(*self._scope()):
                     break
                 self.stats.idle_waits += 1
                 self._may_have_work = True  # woken by a commit, or time to look again (a poll)
@@ -358,7 +358,7 @@ class Relay:
             if in_flight is not None:
                 self._ack(in_flight, self._finish(in_flight))  # stopping: confirm what is out there
             if self.settings.until_empty and not self.stop.is_set():
-                self.stats.remaining = self._explain_pending()
+                self.stats.remaining = explain_pending(*self._scope())
         finally:
             self.close()
         return self.stats
@@ -379,20 +379,8 @@ class Relay:
             self._may_have_work = True
         return self._may_have_work
 
-    def _pending(self) -> bool:
-        """Whether any row is still pending in this worker's scope (leased by others, backing off...)."""
-        scope = self.strategy_config.partitions
-        lags = partition_lag(self.strategy.conn, self.strategy_config.table, self.strategy.name, cap=1)
-        return any(lag.pending and (scope is None or (lag.topic, lag.partition) in scope) for lag in lags)
-
-    def _explain_pending(self) -> list[str]:
-        return explain_pending(
-            self.strategy.conn, self.strategy_config.table, self.strategy.name, self.strategy_config.partitions
-        )
-
-    def _error_backoff(self, failures: int) -> float:
-        ceiling = min(self.settings.error_backoff_max_s, self.settings.error_backoff_base_s * 2 ** (failures - 1))
-        return random.uniform(ceiling / 2, ceiling)
+    def _scope(self) -> tuple[psycopg.Connection, OutboxTable, str, frozenset[tuple[str, int]] | None]:
+        return self.strategy.conn, self.strategy_config.table, self.strategy.name, self.strategy_config.partitions
 
     def _wait_for_work(self, timeout_s: float) -> None:
         """Wake at the first NOTIFY (a commit that inserted rows) or after the timeout (wakeups.py)."""

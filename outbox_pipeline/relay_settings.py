@@ -3,6 +3,7 @@ with) and how often it claims under steady traffic (Pacer)."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,11 @@ class RelaySettings:
     worker_id_wait_s: float = 60.0
     # After a claim that took everything there was, the next one no sooner than this (Pacer).
     min_cycle_s: float = settings.RELAY_LINGER_MS.default / 1000
+
+    def error_backoff_s(self, failures: int) -> float:
+        """The wait after the ``failures``-th failure in a row: doubling up to the maximum, jittered by half."""
+        ceiling = min(self.error_backoff_max_s, self.error_backoff_base_s * 2 ** (failures - 1))
+        return random.uniform(ceiling / 2, ceiling)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> RelaySettings:

@@ -24,7 +24,6 @@ are published without it. With Kafka transactions (one transactional id per part
 from __future__ import annotations
 
 import operator
-import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import replace
 from itertools import islice
@@ -43,8 +42,9 @@ from .base import (
     StrategyConfig,
     stamped_cursor,
 )
-from .discovery import DISCOVERY_INTERVAL_S, Discovery
+from .discovery import Discovery
 from .offsets import Move, PartitionLease
+from .position_ids import TransactionalIds
 from .position_reads import MAX_PARTITIONS_PER_CLAIM, Chain, PartitionRead, Reads, Settle, claim_sql, read_partitions
 from .position_settle import count_by_partition, settle_all
 from .quarantine import NO_HOLDS, Quarantine
@@ -67,8 +67,7 @@ class PositionStrategy(Strategy):
         # execution anew: 2-3 ms of the server's CPU per claim over ten daily partitions, more than running it.
         conn.execute("SET plan_cache_mode = force_generic_plan")
         self._chains: dict[Key, Chain] = {}
-        self._checked_tx_at = float("-inf")
-        self._tx_ids: frozenset[str] | None = None
+        self._tx_ids = TransactionalIds(conn, config)
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
         # A new partition is nobody's home until the next deal.
         self._discovery = Discovery(conn, config.table, found=self._dealer.invalidate)
@@ -296,26 +295,10 @@ class PositionStrategy(Strategy):
         )
 
     def transactional_ids(self) -> frozenset[str] | None:
-        """Ids of the partitions no other worker holds a live lease on; a producer for any other id was
-        (or is about to be) fenced by that worker and only costs threads and connections. At most once
-        per DISCOVERY_INTERVAL_S."""
-        if not self.config.kafka_transactions:
-            return None
-        if time.monotonic() - self._checked_tx_at < DISCOVERY_INTERVAL_S:
-            return self._tx_ids
-        rows = offsets.unleased_by_others(self.conn, self.config)
-        self._tx_ids = frozenset(self._transactional_name(topic, partition) for topic, partition in rows)
-        self._checked_tx_at = time.monotonic()
-        return self._tx_ids
-
-    def _transactional_name(self, topic: str, partition: int) -> str:
-        return f"outbox.{self.table.schema}.{topic}.{partition}"
+        return self._tx_ids.usable()
 
     def _transactional_id(self, lease: PartitionLease) -> str | None:
-        if not self.config.kafka_transactions:
-            return None
-        # One id per virtual partition: a second worker on the same partition fences the first.
-        return self._transactional_name(lease.topic, lease.partition)
+        return self._tx_ids.of(lease.topic, lease.partition)
 
     def _reclaim_own_leases(self) -> None:
         offsets.reclaim_own(self.conn, self.config)

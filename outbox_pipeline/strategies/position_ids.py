@@ -1,0 +1,41 @@
+"""Engine room: the Kafka transactional ids of a position worker (positions.py) publishing each batch in a Kafka
+transaction: one id per virtual partition, so a second worker on the same partition fences the first."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+
+from . import offsets
+from .base import StrategyConfig
+from .discovery import DISCOVERY_INTERVAL_S
+
+
+class TransactionalIds:
+    """The ids of one worker's partitions, and which of them it may still use (looked up at most once per
+    DISCOVERY_INTERVAL_S)."""
+
+    def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
+        self.conn = conn
+        self.config = config
+        self._checked_at = float("-inf")
+        self._usable: frozenset[str] | None = None
+
+    def of(self, topic: str, partition: int) -> str | None:
+        """The partition's id; None without Kafka transactions."""
+        if not self.config.kafka_transactions:
+            return None
+        return f"outbox.{self.config.table.schema}.{topic}.{partition}"
+
+    def usable(self) -> frozenset[str] | None:
+        """Ids of the partitions no other worker holds a live lease on; a producer for any other id was (or is
+        about to be) fenced by that worker and only costs threads and connections. None without Kafka transactions."""
+        if not self.config.kafka_transactions:
+            return None
+        if time.monotonic() - self._checked_at < DISCOVERY_INTERVAL_S:
+            return self._usable
+        rows = offsets.unleased_by_others(self.conn, self.config)
+        self._usable = frozenset(f"outbox.{self.config.table.schema}.{t}.{p}" for t, p in rows)
+        self._checked_at = time.monotonic()
+        return self._usable
