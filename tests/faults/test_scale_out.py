@@ -129,8 +129,8 @@ def _held(db: psycopg.Connection, table: OutboxTable, strategy: str, live: set[s
 
 
 def _still_held(db: psycopg.Connection, table: OutboxTable, strategy: str, kill: Kill) -> None:
-    """What the dead worker held when it died (read at once, before a survivor's upkeep reaps it): work it
-    finished between the sample and the kill has nothing to fail over, work it took since has."""
+    """What the frozen worker holds as it is about to die: work it finished between the sample and the freeze
+    has nothing to fail over, work it took since has."""
     if strategy == "lease":
         query = sql.SQL("SELECT id FROM {} WHERE locked_by = %s").format(table.leases)
         kill.rows = {oid for (oid,) in db.execute(query, (kill.victim,))}
@@ -284,9 +284,13 @@ def test_sixteen_workers_killed_and_replaced_under_new_ids_lose_nothing_and_fail
                     held = _held(db, table, strategy, set(alive))
                 assert held, "no live worker held anything for 10 s while writers were writing"
                 kill = held[random.choice(sorted(held))]
-                kill.at = time.time()
-                alive.pop(kill.victim).kill()
+                victim = alive.pop(kill.victim)
+                # Frozen, the victim's session stays alive, so no survivor reaps what it holds while we read it
+                # (read after the kill, a survivor's upkeep had often freed it already: 44 kills for 20 once).
+                victim.freeze()
                 _still_held(db, table, strategy, kill)
+                kill.at = time.time()
+                victim.kill()
                 kills.append(kill)
                 replacement = spawn()  # under a new id, like a Deployment's new pod
                 alive[replacement.name] = replacement
