@@ -90,7 +90,7 @@ LIVENESS = Setting(
 )
 RELAY_LINGER_MS = Setting(
     "OUTBOX_RELAY_LINGER_MS",
-    30.0,
+    35.0,
     "under steady traffic, the least time between two claims that each took everything there was, scaled by the "
     "rows the last one took (all of it from 20 rows, a twentieth for one): commits gather so that one claim, ack and "
     "produce request carries dozens (CPU per message); a trickle of commits pauses next to nothing, and a backlog is "

@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--idle-seconds", type=float, default=10.0, help="latency bench: the relay's idle CPU over N s first (0: not)"
     )
     parser.add_argument(
-        "--observer-wait-ms", type=int, default=20, help="latency bench: the observer's fetch.wait.max.ms"
+        "--observer-wait-ms",
+        type=int,
+        default=latency.LatencyOptions.fetch_wait_ms,
+        help="latency bench: the observer's fetch.wait.max.ms",
     )
     parser.add_argument("--json", type=Path, help="latency bench: where to write every number (default under .outbox)")
     parser.add_argument(
