@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import os
 import random
 import re
 import uuid
@@ -21,6 +22,7 @@ import psycopg
 from confluent_kafka.serialization import MessageField, SerializationContext
 from psycopg import sql
 
+from . import wire_arrays
 from .config import OutboxTable
 from .errors import InvalidMessageError
 from .migrations import DEFAULT_TOPIC_ROW, NOTIFY_SETTING, TOPIC_PATTERN
@@ -38,6 +40,9 @@ BYTES_HEADER_FIELD = "base64"
 _TOPIC_RE = re.compile(TOPIC_PATTERN)
 _SMALLINT = range(-32768, 32768)
 _INT4 = range(0, 2**31)
+# json.dumps with any argument makes an encoder per call (a microsecond a row); this one is made once. Like the
+# encoder json.dumps keeps for its defaults, it holds only its settings.
+_to_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 # jsonb cannot store U+0000; json.dumps writes it as \u0000 preceded by an even number of backslashes.
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
@@ -64,11 +69,13 @@ class Enqueued:
 NO_HEADERS = "{}"  # the headers column of a row with none, as enqueue encodes it
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Row:
-    message_id: uuid.UUID
+    """A validated message, as its columns (not frozen: a frozen dataclass sets each field through a call)."""
+
     topic: str
     key: str | None
+    key_utf8: bytes | None
     type: str | None
     payload: str | None  # JSON text
     payload_bytes: bytes | None  # or bytes, published unchanged
@@ -128,16 +135,18 @@ def enqueue_many(
     if trace := current_trace_headers():
         # The writer's trace, for the consumer to continue (tracing.py); a message's own traceparent wins.
         messages = [m if m.headers and TRACEPARENT in m.headers else _traced(m, trace) for m in messages]
-    rows = [_validate(m, table.max_message_bytes, i) for i, m in enumerate(messages)]
+    topics: set[str] = set()
+    rows = [_validate(m, table.max_message_bytes, i, topics) for i, m in enumerate(messages)]
     if not rows:
         return []
+    raw_ids, message_ids = _new_message_ids(len(rows))
     if len(rows) == 1:
         # The common call: scalar parameters instead of nine one-element arrays (measured: dumping the arrays
         # was a third of a single-row enqueue's client time).
         r = rows[0]
         query = _insert_one_sql(table)
         params: tuple[object, ...] = (
-            r.message_id,
+            message_ids[0],
             r.key,
             r.type,
             r.payload,
@@ -152,20 +161,24 @@ def enqueue_many(
         query = _insert_sql(table)
         # A column with nothing to say goes as NULL, not as an array of defaults: unnest pads it with NULLs, and
         # dumping an array costs the client per element (most calls give no type, bytes, headers, priority or
-        # partition).
+        # partition). The columns every call fills go as arrays built from their bytes (wire_arrays.py).
+        topic_utf8 = {topic: topic.encode() for topic in topics}
+        payloads = _unless_all([r.payload for r in rows], None)
         params = (
-            [r.message_id for r in rows],
-            [r.topic for r in rows],
-            [r.key for r in rows],
+            wire_arrays.uuid_array(raw_ids),
+            wire_arrays.text_array([topic_utf8[r.topic] for r in rows]),
+            wire_arrays.text_array([r.key_utf8 for r in rows]),
             _unless_all([r.type for r in rows], None),
-            _unless_all([r.payload for r in rows], None),
+            None if payloads is None else wire_arrays.text_array([None if p is None else p.encode() for p in payloads]),
             _unless_all([r.payload_bytes for r in rows], None),
             _unless_all([r.headers for r in rows], NO_HEADERS),
             _unless_all([r.priority for r in rows], 0),
             _unless_all([r.partition for r in rows], None),
-            [r.hash for r in rows],
+            wire_arrays.int8_array([r.hash for r in rows]),
         )
     with conn.cursor() as cur:
+        if len(rows) > 1:
+            wire_arrays.register(cur.adapters)
         if not notify:
             # Transaction-local, like SET LOCAL: the caller's later inserts skip the NOTIFY as well.
             cur.execute("SELECT set_config(%s, 'off', true)", (NOTIFY_SETTING,))
@@ -178,10 +191,23 @@ def enqueue_many(
                 cur.execute(query, params)
         else:
             cur.execute(query, params)
-        returned = {mid: oid for oid, mid in cur.fetchall()}
-    if len(returned) != len(rows):
-        raise RuntimeError(f"outbox insert returned {len(returned)} rows for {len(rows)} messages")
-    return [Enqueued(returned[r.message_id], r.message_id) for r in rows]
+        ids = [oid for (oid,) in cur.fetchall()]
+    # The rows are inserted in the call's order (ORDER BY u.ord), each taking the next id as it goes, and RETURNING
+    # gives them as inserted: ascending ids say that this order is the call's. Matching by message_id instead meant
+    # a uuid parsed per row.
+    if len(ids) != len(rows) or any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
+        raise RuntimeError(f"outbox insert returned ids {ids[:5]}... for {len(rows)} messages, not in their order")
+    return [Enqueued(oid, mid) for oid, mid in zip(ids, message_ids, strict=True)]
+
+
+def _new_message_ids(n: int) -> tuple[bytes, list[uuid.UUID]]:
+    """``n`` random (version 4) UUIDs as ``uuid.uuid4()`` makes them, from one read of the system's random source:
+    their bytes one after another, and the UUIDs."""
+    raw = bytearray(os.urandom(16 * n))
+    raw[6::16] = bytes(b & 0x0F | 0x40 for b in raw[6::16])  # version 4
+    raw[8::16] = bytes(b & 0x3F | 0x80 for b in raw[8::16])  # the RFC 4122 variant
+    data = bytes(raw)
+    return data, [uuid.UUID(bytes=data[i : i + 16]) for i in range(0, 16 * n, 16)]
 
 
 @functools.cache
@@ -198,7 +224,7 @@ def _insert_one_sql(table: OutboxTable) -> bytes:
                            (SELECT t.partitions FROM {topics} t WHERE t.topic = u.topic),
                            (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row})))
             FROM (SELECT %s::text AS topic) u
-            RETURNING id, message_id
+            RETURNING id
             """
         )
         .format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
@@ -227,7 +253,7 @@ def _insert_sql(table: OutboxTable) -> bytes:
                                ord)
         LEFT JOIN {topics} t ON t.topic = u.topic
         ORDER BY u.ord
-        RETURNING id, message_id
+        RETURNING id
         """
         )
         .format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
@@ -240,12 +266,16 @@ def _unless_all(values: list[Any], default: object) -> list[Any] | None:
     return None if all(v == default for v in values) else values
 
 
-def _validate(m: Message, max_bytes: int, index: int) -> _Row:
+def _validate(m: Message, max_bytes: int, index: int, topics: set[str]) -> _Row:
+    """``topics``: the call's topics already checked (a topic's check is a regular expression)."""
     where = f"message {index}"
-    topic = _check_topic(m.topic, where)
-    key = _check_text(m.key, "key", where)
+    topic = m.topic
+    if not isinstance(topic, str) or topic not in topics:
+        topics.add(_check_topic(topic, where))
+    key = m.key
+    key_bytes = _text_bytes(key, "key", where) if key is not None else b""
     type_ = _check_text(m.type, "type", where)
-    payload, payload_bytes = _encode_payload(m.payload, where)
+    payload, payload_bytes, payload_size = _encode_payload(m.payload, where)
     headers, headers_size = _encode_headers(m.headers, where)
     if isinstance(m.priority, bool) or not isinstance(m.priority, int) or m.priority not in _SMALLINT:
         raise InvalidMessageError(f"{where}: priority must be an integer in -32768..32767, got {m.priority!r}")
@@ -253,24 +283,24 @@ def _validate(m: Message, max_bytes: int, index: int) -> _Row:
         isinstance(m.partition, bool) or not isinstance(m.partition, int) or m.partition not in _INT4
     ):
         raise InvalidMessageError(f"{where}: partition must be an integer in 0..2^31-1, got {m.partition!r}")
-    size = len(payload_bytes) + len(key.encode("utf-8") if key else b"") + headers_size
+    size = payload_size + len(key_bytes) + headers_size
     if size > max_bytes:
         raise InvalidMessageError(
             f"{where} to topic {topic!r} is {size} bytes, over the maximum of {max_bytes} bytes "
             "(OUTBOX_MAX_MESSAGE_BYTES)"
         )
     return _Row(
-        message_id=uuid.uuid4(),
         topic=topic,
         key=key,
+        key_utf8=key_bytes if key is not None else None,
         type=type_,
         payload=payload,
-        payload_bytes=payload_bytes if payload is None else None,
+        payload_bytes=payload_bytes,
         headers=headers,
         priority=m.priority,
         partition=m.partition,
         # No key: spread evenly over the topic's partitions.
-        hash=key_hash(key) if key is not None else random.getrandbits(31),
+        hash=key_hash(key_bytes) if key is not None else random.getrandbits(31),
     )
 
 
@@ -313,31 +343,41 @@ def is_valid_topic(topic: str) -> bool:
 def _check_text(value: object, field: str, where: str) -> str | None:
     if value is None:
         return None
+    _text_bytes(value, field, where)
+    assert isinstance(value, str)  # _text_bytes raised otherwise
+    return value
+
+
+def _text_bytes(value: object, field: str, where: str) -> bytes:
+    """A text column's value as UTF-8, checked: a str, no NUL (PostgreSQL's text cannot hold it), encodable."""
     if not isinstance(value, str):
         raise InvalidMessageError(f"{where}: {field} must be a string or None, got {type(value).__name__}")
     if "\x00" in value:
         raise InvalidMessageError(f"{where}: {field} must not contain NUL characters")
     try:
-        value.encode("utf-8")
+        return value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidMessageError(f"{where}: {field} is not valid Unicode text: {exc.reason}") from None
-    return value
 
 
-def _encode_payload(payload: Any, where: str) -> tuple[str | None, bytes]:
-    """(JSON text, its UTF-8 bytes) for a JSON payload; (None, the bytes) for bytes, stored and published as given."""
+def _encode_payload(payload: Any, where: str) -> tuple[str | None, bytes | None, int]:
+    """(JSON text, None, its size in UTF-8) for a JSON payload; (None, the bytes, their size) for bytes, stored and
+    published as given."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
-        return None, bytes(payload)
+        raw = bytes(payload)
+        return None, raw, len(raw)
     try:
-        text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        text = _to_json(payload)
     except (TypeError, ValueError) as exc:
         raise InvalidMessageError(f"{where}: payload is not JSON-serialisable: {exc}") from None
     except RecursionError:
         raise InvalidMessageError(f"{where}: payload is nested too deeply to serialise") from None
     if "\\u0000" in text and _JSON_NUL.search(text):
         raise InvalidMessageError(f"{where}: payload contains a NUL character, which jsonb cannot store")
+    if text.isascii():
+        return text, None, len(text)
     try:
-        return text, text.encode("utf-8")
+        return text, None, len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise InvalidMessageError(f"{where}: payload is not valid Unicode text: {exc.reason}") from None
 
@@ -364,7 +404,7 @@ def _encode_headers(headers: Mapping[str, str | bytes] | None, where: str) -> tu
             size += len(name.encode("utf-8")) + len(value)
         else:
             raise InvalidMessageError(f"{where}: header {name!r} must be str or bytes, got {type(value).__name__}")
-    return json.dumps(stored, ensure_ascii=False, separators=(",", ":")), size
+    return _to_json(stored), size
 
 
 def decode_headers(stored: Mapping[str, Any]) -> list[tuple[str, bytes]]:

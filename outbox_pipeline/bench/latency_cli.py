@@ -101,7 +101,7 @@ def run(found: Servers, args: argparse.Namespace) -> int:
         fetch_wait_ms=args.observer_wait_ms,
         dagster=args.dagster,
         relay_checkouts=tuple(args.relay_checkout),
-        traced=args.trace_headers,
+        traced=args.trace_headers is not None,
     )
     command = shlex.join(["outbox", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "outbox bench (from Python)"
     bench = latency.run(found, options, command)

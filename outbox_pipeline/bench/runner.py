@@ -69,8 +69,10 @@ class RunSpec:
     messages: int = 1_000_000
     payload_bytes: int = 256
     binary: bool = False  # our table's payloads as bytes (payload_bytes) of the same size, not JSON
-    # Every transaction's rows carry a traceparent, and the relay records a span per batch (an SDK, spans dropped).
+    # Every transaction's rows carry a traceparent, and (relay_spans) the relay records a span per batch (an SDK,
+    # spans dropped).
     trace_headers: bool = False
+    relay_spans: bool = True
     topics: int = 2
     partitions: int = 1
     keys: int = 1000
@@ -166,7 +168,7 @@ def _worker(
             # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
             published = produce_all(publisher, records, max(1, len(records)))
         else:
-            if spec.trace_headers and spec.kind == "ours":
+            if spec.trace_headers and spec.relay_spans and spec.kind == "ours":
                 _record_spans()
             confirmed = _LastConfirmed()
             relay = build_relay(

@@ -1,21 +1,23 @@
 """Engine room (benchmarks): what the outbox costs a service's own transaction (`outbox bench --writers`).
 
 The baseline is what a user would write without us: one INSERT of the same rows (topic, key, jsonb payload) into a
-table with only a primary key, in the same schema. Against it, per transaction size (``--rows-per-transaction``,
-default 1, 10 and 100 rows) and per strategy's index set (``--strategies``, default partitioned and serialized: an
-outbox keeps only its strategy's indexes, indexes.py): the Python ``enqueue_many`` (routes in Python, one statement),
-a plain INSERT into the outbox that names each row's partition and one that leaves routing to the trigger, and the
-SQL ``<schema>.enqueue()`` once per row; for ``serialized`` the Python and SQL writers enqueue serialized (its
-writers take the partition's lock: part of what it costs). One session each, ``synchronous_commit = off`` (a
-durable commit would time the disk's flush, the same for every writer), every cell in a fresh schema, cells
-interleaved in every run. Reported: rows/s and PostgreSQL's
-CPU per row (the server's processes, from /proc; embedded stack only), each as a ratio to the baseline's in the same
+table with only a primary key, in the same schema. Every writer starts from the same messages, each payload a Python
+object that it serializes as its user would (``json.dumps``; ``enqueue_many`` does it inside). Against it, per
+transaction size (``--rows-per-transaction``, default 1, 10 and 100 rows) and per strategy's index set
+(``--strategies``, default partitioned and serialized: an outbox keeps only its strategy's indexes, indexes.py): the
+Python ``enqueue_many`` (routes in Python, one statement), a plain INSERT into the outbox that names each row's
+partition and one that leaves routing to the trigger, and the SQL ``<schema>.enqueue()`` once per row; for
+``serialized`` the Python and SQL writers enqueue serialized (its writers take the partition's lock: part of what it
+costs). One session each, ``synchronous_commit = off`` (a durable commit would time the disk's flush, the same for
+every writer), every cell in a fresh schema, cells interleaved in every run. Reported: rows/s and PostgreSQL's CPU
+per row (the server's processes, from /proc; embedded stack only), each as a ratio to the baseline's in the same
 run, medians of ``--runs``. Then bulk: ``outbox load`` (COPY) with the partition computed in Python against COPY
 without the partition column (the trigger on every row).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 import uuid
@@ -36,7 +38,7 @@ from .runner import Servers
 TOPIC = "writers"
 PARTITIONS = 12
 KEYS = 1000
-PAYLOAD = '{"n": 1}'
+PAYLOAD = {"n": 1}  # each message's payload, an object every writer serializes (the SQL writers with json.dumps)
 # Rows each cell writes: enough transactions to time, few enough that a run of 1-row cells takes seconds.
 ROWS_PER_CELL = {1: 3_000, 10: 10_000, 100: 30_000}
 DEFAULT_ROWS_PER_CELL = 10_000
@@ -50,17 +52,21 @@ def _keys(first: int, count: int) -> list[str]:
     return [f"key-{i % KEYS}" for i in range(first, first + count)]
 
 
+def _payloads(count: int) -> list[str]:
+    return [json.dumps(PAYLOAD) for _ in range(count)]
+
+
 def _plain_table(conn: psycopg.Connection, table: OutboxTable, first: int, count: int, serialized: bool) -> None:
     conn.execute(
         sql.SQL(
             "INSERT INTO {} (topic, key, payload) SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[])"
         ).format(table.ident("plain")),
-        ([TOPIC] * count, _keys(first, count), [PAYLOAD] * count),
+        ([TOPIC] * count, _keys(first, count), _payloads(count)),
     )
 
 
 def _python_enqueue(conn: psycopg.Connection, table: OutboxTable, first: int, count: int, serialized: bool) -> None:
-    messages = [Message(TOPIC, {"n": 1}, key=key) for key in _keys(first, count)]
+    messages = [Message(TOPIC, PAYLOAD, key=key) for key in _keys(first, count)]
     enqueue_many(conn, messages, serialized=serialized, table=table)
 
 
@@ -73,7 +79,7 @@ def _insert_with_partition(
             "INSERT INTO {} (topic, key, payload, partition) "
             "SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[], %s::int[])"
         ).format(table.messages),
-        ([TOPIC] * count, keys, [PAYLOAD] * count, [partition_for(k, PARTITIONS) for k in keys]),
+        ([TOPIC] * count, keys, _payloads(count), [partition_for(k, PARTITIONS) for k in keys]),
     )
 
 
@@ -84,14 +90,14 @@ def _insert_routed_by_trigger(
         sql.SQL(
             "INSERT INTO {} (topic, key, payload) SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[])"
         ).format(table.messages),
-        ([TOPIC] * count, _keys(first, count), [PAYLOAD] * count),
+        ([TOPIC] * count, _keys(first, count), _payloads(count)),
     )
 
 
 def _sql_enqueue(conn: psycopg.Connection, table: OutboxTable, first: int, count: int, serialized: bool) -> None:
     query = sql.SQL("SELECT id, message_id FROM {}(%s, %s, key => %s, serialized => %s)").format(table.ident("enqueue"))
     for key in _keys(first, count):
-        conn.execute(query, (TOPIC, PAYLOAD, key, serialized))
+        conn.execute(query, (TOPIC, json.dumps(PAYLOAD), key, serialized))
 
 
 BASELINE = "plain table, one INSERT (baseline)"

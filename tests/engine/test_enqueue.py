@@ -57,8 +57,9 @@ def test_enqueue_many_stores_all_messages_in_order_with_distinct_ids(
         results = enqueue_many(db, [Message("orders", {"n": i}, key=f"k{i % 3}") for i in range(50)], table=table)
     rows = _rows(db, table)
     assert [r[5] for r in rows] == [{"n": i} for i in range(50)]
-    assert [r.id for r in results] == [r[0] for r in rows]
+    assert [(r.id, r.message_id) for r in results] == [(r[0], r[1]) for r in rows]
     assert len({r.message_id for r in results}) == 50
+    assert {r.message_id.version for r in results} == {4}
 
 
 BAD_MESSAGES: list[tuple[str, Message, str]] = [
@@ -69,6 +70,7 @@ BAD_MESSAGES: list[tuple[str, Message, str]] = [
     ("payload with lone surrogate", Message("orders", "\ud800"), "Unicode"),
     ("empty topic", Message("", {}), "non-empty"),
     ("topic not a string", Message(7, {}), "non-empty"),  # type: ignore[arg-type]
+    ("topic a list", Message(["orders"], {}), "non-empty"),  # type: ignore[arg-type]
     ("topic with a space", Message("my topic", {}), "invalid Kafka topic"),
     ("topic with a slash", Message("a/b", {}), "invalid Kafka topic"),
     ("topic too long", Message("t" * 250, {}), "invalid Kafka topic"),
