@@ -21,9 +21,9 @@ from typing import Literal
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from .config import redact_kafka_config, redact_kafka_error
-from .enqueue import is_valid_topic
 from .errors import ConfigurationError
 from .kafka_errors import PRODUCER_RESET_ERRORS, failure_kind
+from .messages import is_valid_topic
 from .record_headers import CloudEvents, Headers, RecordHeaders, cloud_events_from_env
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .topic_limits import TopicLimits

@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.enqueue import decode_headers
+from outbox_pipeline.messages import decode_headers
 from outbox_pipeline.partitioning import partition_for
 from outbox_pipeline.schema import set_topic_partitions
 

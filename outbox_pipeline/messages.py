@@ -1,0 +1,197 @@
+"""Engine room: a message as a service hands it to the outbox, checked and encoded before it is stored.
+
+Every check runs before the first byte reaches PostgreSQL (enqueue.py), so bad input raises ``InvalidMessageError``
+naming the message and leaves the caller's transaction usable. A row's own headers are stored as jsonb and read back
+for Kafka by ``decode_headers``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidMessageError
+from .migrations import TOPIC_PATTERN
+from .partitioning import key_hash
+from .routing import RESERVED_HEADERS
+
+# Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
+BYTES_HEADER_FIELD = "base64"
+
+_TOPIC_RE = re.compile(TOPIC_PATTERN)
+_SMALLINT = range(-32768, 32768)
+_INT4 = range(0, 2**31)
+# json.dumps with any argument makes an encoder per call (a microsecond a row); this one is made once. Like the
+# encoder json.dumps keeps for its defaults, it holds only its settings.
+_to_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+# jsonb cannot store U+0000; json.dumps writes it as \u0000 preceded by an even number of backslashes.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message to enqueue; the fields mirror ``enqueue``'s arguments."""
+
+    topic: str
+    payload: Any
+    key: str | None = None
+    headers: Mapping[str, str | bytes] | None = None
+    type: str | None = None
+    priority: int = 0
+    partition: int | None = None
+
+
+NO_HEADERS = "{}"  # the headers column of a row with none, as enqueue encodes it
+
+
+@dataclass(slots=True)
+class Row:
+    """A validated message, as its columns (not frozen: a frozen dataclass sets each field through a call)."""
+
+    topic: str
+    key: str | None
+    key_utf8: bytes | None
+    type: str | None
+    payload: str | None  # JSON text
+    payload_bytes: bytes | None  # or bytes, published unchanged
+    headers: str
+    priority: int
+    partition: int | None
+    hash: int
+
+
+def validate(m: Message, max_bytes: int, index: int, topics: set[str]) -> Row:
+    """``topics``: the call's topics already checked (a topic's check is a regular expression)."""
+    where = f"message {index}"
+    topic = m.topic
+    if not isinstance(topic, str) or topic not in topics:
+        topics.add(_check_topic(topic, where))
+    key = m.key
+    key_bytes = _text_bytes(key, "key", where) if key is not None else b""
+    type_ = _check_text(m.type, "type", where)
+    payload, payload_bytes, payload_size = _encode_payload(m.payload, where)
+    headers, headers_size = _encode_headers(m.headers, where)
+    if isinstance(m.priority, bool) or not isinstance(m.priority, int) or m.priority not in _SMALLINT:
+        raise InvalidMessageError(f"{where}: priority must be an integer in -32768..32767, got {m.priority!r}")
+    if m.partition is not None and (
+        isinstance(m.partition, bool) or not isinstance(m.partition, int) or m.partition not in _INT4
+    ):
+        raise InvalidMessageError(f"{where}: partition must be an integer in 0..2^31-1, got {m.partition!r}")
+    size = payload_size + len(key_bytes) + headers_size
+    if size > max_bytes:
+        raise InvalidMessageError(
+            f"{where} to topic {topic!r} is {size} bytes, over the maximum of {max_bytes} bytes "
+            "(OUTBOX_MAX_MESSAGE_BYTES)"
+        )
+    return Row(
+        topic=topic,
+        key=key,
+        key_utf8=key_bytes if key is not None else None,
+        type=type_,
+        payload=payload,
+        payload_bytes=payload_bytes,
+        headers=headers,
+        priority=m.priority,
+        partition=m.partition,
+        # No key: spread evenly over the topic's partitions.
+        hash=key_hash(key_bytes) if key is not None else random.getrandbits(31),
+    )
+
+
+def _check_topic(topic: object, where: str) -> str:
+    if not isinstance(topic, str) or not topic:
+        raise InvalidMessageError(f"{where}: topic must be a non-empty string, got {topic!r}")
+    if not is_valid_topic(topic):
+        raise InvalidMessageError(
+            f"{where}: invalid Kafka topic name {topic[:260]!r}: use 1..249 characters from [a-zA-Z0-9._-], "
+            "not '.' or '..'"
+        )
+    return topic
+
+
+def is_valid_topic(topic: str) -> bool:
+    """A name Kafka accepts for a topic (the table's CHECK constraint says the same)."""
+    return bool(_TOPIC_RE.fullmatch(topic)) and topic not in (".", "..")
+
+
+def _check_text(value: object, field: str, where: str) -> str | None:
+    if value is None:
+        return None
+    _text_bytes(value, field, where)
+    assert isinstance(value, str)  # _text_bytes raised otherwise
+    return value
+
+
+def _text_bytes(value: object, field: str, where: str) -> bytes:
+    """A text column's value as UTF-8, checked: a str, no NUL (PostgreSQL's text cannot hold it), encodable."""
+    if not isinstance(value, str):
+        raise InvalidMessageError(f"{where}: {field} must be a string or None, got {type(value).__name__}")
+    if "\x00" in value:
+        raise InvalidMessageError(f"{where}: {field} must not contain NUL characters")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(f"{where}: {field} is not valid Unicode text: {exc.reason}") from None
+
+
+def _encode_payload(payload: Any, where: str) -> tuple[str | None, bytes | None, int]:
+    """(JSON text, None, its size in UTF-8) for a JSON payload; (None, the bytes, their size) for bytes, stored and
+    published as given."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        raw = bytes(payload)
+        return None, raw, len(raw)
+    try:
+        text = _to_json(payload)
+    except (TypeError, ValueError) as exc:
+        raise InvalidMessageError(f"{where}: payload is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise InvalidMessageError(f"{where}: payload is nested too deeply to serialise") from None
+    if "\\u0000" in text and _JSON_NUL.search(text):
+        raise InvalidMessageError(f"{where}: payload contains a NUL character, which jsonb cannot store")
+    if text.isascii():
+        return text, None, len(text)
+    try:
+        return text, None, len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(f"{where}: payload is not valid Unicode text: {exc.reason}") from None
+
+
+def _encode_headers(headers: Mapping[str, str | bytes] | None, where: str) -> tuple[str, int]:
+    if headers is None:
+        return NO_HEADERS, 0
+    if not isinstance(headers, Mapping):
+        raise InvalidMessageError(f"{where}: headers must be a mapping of str to str or bytes")
+    stored: dict[str, object] = {}
+    size = 0
+    for name, value in headers.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidMessageError(f"{where}: header names must be non-empty strings, got {name!r}")
+        if name in RESERVED_HEADERS:
+            raise InvalidMessageError(f"{where}: header {name!r} is reserved: the relay sets it")
+        _check_text(name, f"header name {name!r}", where)
+        if isinstance(value, str):
+            _check_text(value, f"header {name!r}", where)
+            stored[name] = value
+            size += len(name.encode("utf-8")) + len(value.encode("utf-8"))
+        elif isinstance(value, (bytes, bytearray)):
+            stored[name] = {BYTES_HEADER_FIELD: base64.b64encode(value).decode("ascii")}
+            size += len(name.encode("utf-8")) + len(value)
+        else:
+            raise InvalidMessageError(f"{where}: header {name!r} must be str or bytes, got {type(value).__name__}")
+    return _to_json(stored), size
+
+
+def decode_headers(stored: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    """Kafka header pairs from the jsonb headers column (the inverse of enqueue's encoding)."""
+    pairs: list[tuple[str, bytes]] = []
+    for name, value in stored.items():
+        if isinstance(value, dict):
+            pairs.append((name, base64.b64decode(value[BYTES_HEADER_FIELD])))
+        else:
+            pairs.append((name, str(value).encode("utf-8")))
+    return pairs
