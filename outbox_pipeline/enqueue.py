@@ -128,7 +128,9 @@ def enqueue_many(
             _unless_all([r.partition for r in rows], None),
             wire_arrays.int8_array([r.hash for r in rows]),
         )
-    with conn.cursor() as cur:
+    # A cursor that binds on the server whatever the connection's cursor_factory: a ClientCursor would quote the
+    # binary arrays as bytea literals (tests/engine/test_enqueue.py).
+    with psycopg.Cursor(conn) as cur:
         if len(rows) > 1:
             wire_arrays.register(cur.adapters)
         if not notify:

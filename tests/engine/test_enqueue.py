@@ -167,3 +167,18 @@ def test_plain_writers_do_not_wait_for_each_other(dsn: str, table: OutboxTable) 
         enqueue(second, "orders", {"n": 2}, table=table)  # would time out if it waited for `first`
         second.commit()
         first.rollback()
+
+
+def test_enqueue_many_works_on_a_connection_whose_cursors_bind_on_the_client(dsn: str, table: OutboxTable) -> None:
+    """A service that made ClientCursor its connection's cursor class (PgBouncer in statement mode, say) still
+    enqueues: the outbox's statements bind on the server whatever the connection's default."""
+    with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor) as conn:
+        results = enqueue_many(conn, [Message("orders", {"n": i}, key=f"k{i}") for i in range(3)], table=table)
+        single = enqueue(conn, "orders", {"n": 3}, key="k3", table=table)
+        conn.commit()
+    with psycopg.connect(dsn) as conn:
+        rows = _rows(conn, table)
+    assert [(r[0], r[1], r[5]) for r in rows] == [
+        *((r.id, r.message_id, {"n": i}) for i, r in enumerate(results)),
+        (single.id, single.message_id, {"n": 3}),
+    ]
