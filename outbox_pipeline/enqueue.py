@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from confluent_kafka.serialization import MessageField, SerializationContext
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from . import wire_arrays
 from .config import OutboxTable
@@ -128,9 +129,10 @@ def enqueue_many(
             _unless_all([r.partition for r in rows], None),
             wire_arrays.int8_array([r.hash for r in rows]),
         )
-    # A cursor that binds on the server whatever the connection's cursor_factory: a ClientCursor would quote the
-    # binary arrays as bytea literals (tests/engine/test_enqueue.py).
-    with psycopg.Cursor(conn) as cur:
+    # The service's connection, not its defaults: a cursor that binds on the server whatever its cursor_factory (a
+    # ClientCursor quoted the binary arrays as bytea literals) and returns tuples whatever its row_factory (dict_row
+    # rows were unpacked as their keys). Both tested in tests/engine/test_enqueue.py.
+    with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
         if len(rows) > 1:
             wire_arrays.register(cur.adapters)
         if not notify:

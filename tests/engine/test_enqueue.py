@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.rows import dict_row
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.messages import decode_headers
@@ -173,6 +174,20 @@ def test_enqueue_many_works_on_a_connection_whose_cursors_bind_on_the_client(dsn
     """A service that made ClientCursor its connection's cursor class (PgBouncer in statement mode, say) still
     enqueues: the outbox's statements bind on the server whatever the connection's default."""
     with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor) as conn:
+        results = enqueue_many(conn, [Message("orders", {"n": i}, key=f"k{i}") for i in range(3)], table=table)
+        single = enqueue(conn, "orders", {"n": 3}, key="k3", table=table)
+        conn.commit()
+    with psycopg.connect(dsn) as conn:
+        rows = _rows(conn, table)
+    assert [(r[0], r[1], r[5]) for r in rows] == [
+        *((r.id, r.message_id, {"n": i}) for i, r in enumerate(results)),
+        (single.id, single.message_id, {"n": 3}),
+    ]
+
+
+def test_enqueue_many_works_on_a_connection_whose_rows_are_dicts(dsn: str, table: OutboxTable) -> None:
+    """``row_factory=dict_row`` on the service's connection (common) changes nothing the outbox returns."""
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:
         results = enqueue_many(conn, [Message("orders", {"n": i}, key=f"k{i}") for i in range(3)], table=table)
         single = enqueue(conn, "orders", {"n": 3}, key="k3", table=table)
         conn.commit()
