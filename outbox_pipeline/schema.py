@@ -7,11 +7,13 @@ migration runs in its own transaction and is recorded in ``outbox_schema_migrati
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from .config import OutboxTable
 from .errors import OutboxError, SchemaError
@@ -33,6 +35,29 @@ def init_db(
     existing one gets those it lacks, built without blocking writers, and keeps the others (dropping is
     ``indexes.drop_except``'s, on purpose). None: a new outbox gets every strategy's indexes."""
     indexes_for(strategies or ())  # an unknown name fails before anything is created
+    with _tuple_rows(conn):
+        return _init_db(conn, table, days_ahead=days_ahead, today=today, strategies=strategies)
+
+
+@contextlib.contextmanager
+def _tuple_rows(conn: psycopg.Connection) -> Iterator[None]:
+    """The caller's connection returns tuples meanwhile, whatever its row_factory (dict_row rows have no [0])."""
+    caller = conn.row_factory
+    conn.row_factory = tuple_row
+    try:
+        yield
+    finally:
+        conn.row_factory = caller
+
+
+def _init_db(
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    *,
+    days_ahead: int,
+    today: dt.date | None,
+    strategies: Sequence[str] | None,
+) -> list[Migration]:
     new = current_version(conn, table) == 0
     applied: list[Migration] = []
     with conn.transaction():

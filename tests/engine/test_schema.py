@@ -9,6 +9,7 @@ import uuid
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.rows import dict_row
 
 from outbox_pipeline import schema
 from outbox_pipeline.config import OutboxTable
@@ -38,6 +39,16 @@ def _partitions(conn: psycopg.Connection, table: OutboxTable) -> set[str]:
 def test_init_db_twice_applies_nothing_the_second_time(db: psycopg.Connection, table: OutboxTable) -> None:
     assert init_db(db, table) == []
     assert current_version(db, table) == LATEST_VERSION
+
+
+def test_init_db_works_on_a_connection_whose_rows_are_dicts_and_leaves_it_so(dsn: str) -> None:
+    table = OutboxTable(schema=f"dicts_{uuid.uuid4().hex[:8]}")
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        applied = init_db(conn, table, strategies=["partitioned"])
+        assert conn.execute("SELECT 1 AS one").fetchone() == {"one": 1}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert current_version(conn, table) == LATEST_VERSION
+    assert [m.version for m in applied] == [m.version for m in MIGRATIONS]
 
 
 def test_migrations_are_recorded_with_their_names(db: psycopg.Connection, table: OutboxTable) -> None:
