@@ -170,24 +170,19 @@ def test_plain_writers_do_not_wait_for_each_other(dsn: str, table: OutboxTable) 
         first.rollback()
 
 
-def test_enqueue_many_works_on_a_connection_whose_cursors_bind_on_the_client(dsn: str, table: OutboxTable) -> None:
-    """A service that made ClientCursor its connection's cursor class (PgBouncer in statement mode, say) still
-    enqueues: the outbox's statements bind on the server whatever the connection's default."""
-    with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor) as conn:
-        results = enqueue_many(conn, [Message("orders", {"n": i}, key=f"k{i}") for i in range(3)], table=table)
-        single = enqueue(conn, "orders", {"n": 3}, key="k3", table=table)
-        conn.commit()
-    with psycopg.connect(dsn) as conn:
-        rows = _rows(conn, table)
-    assert [(r[0], r[1], r[5]) for r in rows] == [
-        *((r.id, r.message_id, {"n": i}) for i, r in enumerate(results)),
-        (single.id, single.message_id, {"n": 3}),
-    ]
+# A service's connection with its own defaults: ClientCursor binds on the client (PgBouncer in statement mode, say),
+# dict_row is common. Neither may change what the outbox stores or returns.
+SERVICE_CONNECTIONS: dict[str, dict[str, Any]] = {
+    "cursors that bind on the client": {"cursor_factory": psycopg.ClientCursor},
+    "rows that are dicts": {"row_factory": dict_row},
+}
 
 
-def test_enqueue_many_works_on_a_connection_whose_rows_are_dicts(dsn: str, table: OutboxTable) -> None:
-    """``row_factory=dict_row`` on the service's connection (common) changes nothing the outbox returns."""
-    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+@pytest.mark.parametrize("options", SERVICE_CONNECTIONS.values(), ids=SERVICE_CONNECTIONS.keys())
+def test_enqueue_works_whatever_the_service_connection_defaults(
+    dsn: str, table: OutboxTable, options: dict[str, Any]
+) -> None:
+    with psycopg.connect(dsn, **options) as conn:
         results = enqueue_many(conn, [Message("orders", {"n": i}, key=f"k{i}") for i in range(3)], table=table)
         single = enqueue(conn, "orders", {"n": 3}, key="k3", table=table)
         conn.commit()
