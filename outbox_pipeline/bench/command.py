@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .. import settings
 from ..strategies import STRATEGY_NAMES
-from . import held, latency_cli, retained, writers
+from . import header_floor, held, latency_cli, retained, writers
 from .comparison import HEADLINE, PRODUCE_ONLY, READ_ONLY, Comparison, bench_lines, compare
 from .runner import RunSpec, Servers
 
@@ -36,6 +36,8 @@ TALK_TABLE = {
     "partitioned": ("02:36", "01:07"),
     "serialized": ("01:58", "00:57"),
 }
+# Messages the hand-written producer sends per round for `--trace-headers`' baseline (header_floor.py).
+HEADER_FLOOR_MESSAGES = 200_000
 # Server settings for benchmarks: durable defaults kept (fsync, synchronous_commit), with room for a
 # million rows in memory and no checkpoint storm during the load.
 BENCH_PG_SETTINGS = {
@@ -246,6 +248,13 @@ def run(args: argparse.Namespace) -> int:
         lines = bench_lines(base, baseline=args.baseline, naive_strategy=args.baseline_strategy)
         comparison = compare(found, lines, args.runs)
         print("\n" + render_comparison(base, comparison, args.runs))
+        if base.trace_headers:
+            # The same invocation's baseline for what the header costs: the client library's own share.
+            messages = min(base.messages, HEADER_FLOOR_MESSAGES)
+            floor = header_floor.measure(
+                found.bootstrap, messages=messages, payload_bytes=base.payload_bytes, runs=max(3, args.runs)
+            )
+            print("\n" + floor.render(messages))
         return 0 if comparison.complete else 1
 
 

@@ -59,6 +59,22 @@ def test_bench_baseline_runs_the_talks_table_a_hand_written_relay_ours_and_both_
     assert _bench_schemas(bench_servers) == []  # every run drops its schema
 
 
+def test_bench_trace_headers_reports_what_the_header_costs_a_hand_written_producer_in_the_same_invocation(
+    bench_servers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--strategy", "partitioned", "--messages", "2000", "--batch-size", "500", "--trace-headers",
+                 "rows", "--verify"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"partitioned ours w=2 b=500 +2,000 msgs .* verified", out), out
+    floor = re.search(
+        r"hand-written producer .*2,000 messages, medians of 3 interleaved rounds\): ([\d.]+) us/msg with our three "
+        r"headers, ([\d.]+) with a traceparent too",
+        out,
+    )
+    assert floor and float(floor[1]) > 0 and float(floor[2]) > 0, out
+
+
 def test_the_talks_table_is_the_seeds_with_nothing_added(db: psycopg.Connection) -> None:
     table = OutboxTable(schema="talk_spec")
     try:

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import psycopg
 from opentelemetry import trace
@@ -18,6 +19,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
+from outbox_pipeline.tracing import start_batch_span
 from tests.kit.kafka import KafkaProbe, Record
 from tests.kit.relay import drain
 from tests.kit.tracing import finished_spans
@@ -32,6 +34,13 @@ def _relay_spans(topic: str) -> list[ReadableSpan]:
         for s in finished_spans().get_finished_spans()
         if s.kind == SpanKind.PRODUCER and (s.attributes or {}).get("messaging.destination.name") == topic
     ]
+
+
+class _Row(NamedTuple):
+    """What start_batch_span reads of an outbox record."""
+
+    topic: str
+    headers: str
 
 
 def _extract(record: Record) -> object:
@@ -94,6 +103,43 @@ def test_a_messages_own_traceparent_is_kept_over_the_writers_current_span(
         enqueue(db, "orders", {"n": 1}, headers={"traceparent": own}, table=table)
     stored = db.execute(sql.SQL("SELECT headers FROM {}").format(table.messages)).fetchone()
     assert stored == ({"traceparent": own},)
+
+
+# Headers as rows carry them: valid, then what the W3C format (and so OpenTelemetry's propagator) refuses.
+ROW_HEADERS: list[dict[str, object]] = [
+    {"traceparent": f"00-{TRACE_ID}-{SPAN_ID}-01"},
+    {"traceparent": f"00-{TRACE_ID}-{SPAN_ID}-00", "tracestate": "vendor=a1,other=b2"},
+    {"traceparent": f"01-{TRACE_ID}-{SPAN_ID}-01-a-future-field"},
+    {"traceparent": f"ff-{TRACE_ID}-{SPAN_ID}-01"},
+    {"traceparent": f"00-{TRACE_ID}-{SPAN_ID}-01-extra"},
+    {"traceparent": f"00-{'0' * 32}-{SPAN_ID}-01"},
+    {"traceparent": f"00-{TRACE_ID}-{'0' * 16}-01"},
+    {"traceparent": f"00-{TRACE_ID.upper()}-{SPAN_ID}-01"},
+    {"traceparent": "not a trace"},
+    {"traceparent": 7},
+    {"tracestate": "vendor=a1"},
+    {"other": "value"},
+]
+
+
+def test_the_relay_links_to_the_contexts_opentelemetrys_propagator_reads_from_the_rows() -> None:
+    finished_spans().clear()
+    propagator = TraceContextTextMapPropagator()
+    expected = []
+    for headers in ROW_HEADERS:
+        carrier = {name: value for name, value in headers.items() if isinstance(value, str)}
+        context = trace.get_current_span(propagator.extract(carrier)).get_span_context()
+        if context.is_valid:
+            expected.append(context)
+    rows = [_Row("orders", json.dumps(h)) for h in ROW_HEADERS for _ in range(2)]  # a transaction's rows share theirs
+
+    span = start_batch_span(rows)  # type: ignore[arg-type]  # the two fields it reads
+    assert span is not None
+    span.end(len(rows), 0)
+
+    [send] = _relay_spans("orders")
+    assert [link.context for link in send.links] == expected
+    assert len(expected) == 3
 
 
 WITHOUT_OPENTELEMETRY = """
