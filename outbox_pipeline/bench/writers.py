@@ -10,9 +10,9 @@ partition and one that leaves routing to the trigger, and the SQL ``<schema>.enq
 ``serialized`` the Python and SQL writers enqueue serialized (its writers take the partition's lock: part of what it
 costs). One session each, ``synchronous_commit = off`` (a durable commit would time the disk's flush, the same for
 every writer), every cell in a fresh schema, cells interleaved in every run. Reported: rows/s and PostgreSQL's CPU
-per row (the server's processes, from /proc; embedded stack only), each as a ratio to the baseline's in the same
-run, medians of ``--runs``. Then bulk: ``outbox load`` (COPY) with the partition computed in Python against COPY
-without the partition column (the trigger on every row).
+per row (the server's processes, from /proc; then the writer session's backend alone), each as a ratio to the
+baseline's in the same run, medians of ``--runs``. Then bulk: ``outbox load`` (COPY) with the partition computed in
+Python against COPY without the partition column (the trigger on every row).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..demo import load
 from ..enqueue import Message, enqueue_many
 from ..partitioning import partition_for
 from ..schema import init_db, set_topic_partitions
-from .procstat import parent_pid, tree_cpu_s, wait_for_client_backends_to_end
+from .procstat import parent_pid, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .runner import Servers
 
 TOPIC = "writers"
@@ -113,10 +113,12 @@ BULK = {"outbox load, partition from Python": False, "outbox load --route-in-db 
 
 @dataclass
 class Cell:
-    """One writer at one transaction size, per run: rows/s, and PostgreSQL's CPU per row (None: not measurable)."""
+    """One writer at one transaction size, per run: rows/s, and PostgreSQL's CPU per row (None: not measurable): all
+    of its processes', and the writer session's backend alone."""
 
     rates: list[float] = field(default_factory=list)
     pg_us_per_row: list[float | None] = field(default_factory=list)
+    backend_us_per_row: list[float | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,8 @@ class WriterResults:
         runs = len(self.cells[(BASELINE, self.sizes[0], "")].rates)
         lines = [
             f"| writer | indexes of | rows per transaction | rows/s (median of {runs}) | x baseline "
-            "| PostgreSQL CPU us/row | x baseline |",
-            "|---|---|---|---|---|---|---|",
+            "| PostgreSQL CPU us/row | x baseline | its backend us/row | x baseline |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for size in self.sizes:
             base = self.cells[(BASELINE, size, "")]
@@ -141,22 +143,23 @@ class WriterResults:
                 rate = statistics.median(cell.rates)
                 # Ratios per run (the machine's speed swings between runs), then their median.
                 rate_x = statistics.median(r / b for r, b in zip(cell.rates, base.rates, strict=True))
-                cpu = _median_or_none(cell.pg_us_per_row)
-                cpu_x = _median_or_none(
-                    [
-                        c / b if c is not None and b else None
-                        for c, b in zip(cell.pg_us_per_row, base.pg_us_per_row, strict=True)
-                    ]
-                )
+                cpu, cpu_x = _cpu(cell.pg_us_per_row, base.pg_us_per_row)
+                backend, backend_x = _cpu(cell.backend_us_per_row, base.backend_us_per_row)
                 lines.append(
                     f"| {name} | {index_set or '-'} | {size} | {rate:,.0f} | {rate_x:.2f} | {_fmt(cpu, '.1f')} "
-                    f"| {_fmt(cpu_x, '.2f')} |"
+                    f"| {_fmt(cpu_x, '.2f')} | {_fmt(backend, '.1f')} | {_fmt(backend_x, '.2f')} |"
                 )
         bulk_base = statistics.median(self.bulk[next(iter(BULK))])
         lines += ["", f"| bulk load, {self.bulk_rows:,} rows, commits every 100 | rows/s | x first |", "|---|---|---|"]
         for name, rates in self.bulk.items():
             lines.append(f"| {name} | {statistics.median(rates):,.0f} | {statistics.median(rates) / bulk_base:.2f} |")
         return "\n".join(lines)
+
+
+def _cpu(cell: Sequence[float | None], base: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """The cell's median CPU per row, and the median of its per-run ratios to the baseline's."""
+    ratios = [c / b if c is not None and b else None for c, b in zip(cell, base, strict=True)]
+    return _median_or_none(cell), _median_or_none(ratios)
 
 
 def _median_or_none(values: Sequence[float | None]) -> float | None:
@@ -190,9 +193,10 @@ def measure(
         for size in sizes:
             for name, index_set in _cells(index_sets):
                 cell_rows = size * transactions if transactions else ROWS_PER_CELL.get(size, DEFAULT_ROWS_PER_CELL)
-                rate, cpu = _write(found, WRITERS[name], size, cell_rows, index_set)
+                rate, cpu, backend = _write(found, WRITERS[name], size, cell_rows, index_set)
                 cells[(name, size, index_set)].rates.append(rate)
                 cells[(name, size, index_set)].pg_us_per_row.append(cpu)
+                cells[(name, size, index_set)].backend_us_per_row.append(backend)
                 print(
                     f"run {run + 1}: {name} ({index_set or 'no outbox'}) x {size}: {rate:,.0f} rows/s, "
                     f"PostgreSQL {_fmt(cpu, '.1f')} us/row"
@@ -210,8 +214,13 @@ def measure(
     return WriterResults(tuple(sizes), tuple(index_sets), cells, bulk, rows)
 
 
-def _write(found: Servers, writer: Writer, size: int, rows: int, index_set: str) -> tuple[float, float | None]:
-    """(rows/s, PostgreSQL CPU us per row) of ``rows`` rows in transactions of ``size``."""
+def _write(
+    found: Servers, writer: Writer, size: int, rows: int, index_set: str
+) -> tuple[float, float | None, float | None]:
+    """(rows/s, PostgreSQL CPU us per row, the session's backend's us per row) of ``rows`` rows in transactions of
+    ``size``. All of the server's processes is what the issue measured; they include background work (autovacuum
+    analyzing the fresh tables, the WAL writer) that lands in some cells and not others. The backend alone is what
+    the service's own transactions cost, and steadier."""
     table = _fresh_outbox(found.dsn, index_set or DEFAULT_INDEX_SETS[0])
     try:
         with psycopg.connect(found.dsn, autocommit=True) as conn:
@@ -220,6 +229,8 @@ def _write(found: Servers, writer: Writer, size: int, rows: int, index_set: str)
             # runs on this machine (None: elsewhere, no CPU figure).
             server = found.postgres_pid or parent_pid(conn.info.backend_pid)
             transactions = max(1, rows // size)
+            backend = conn.info.backend_pid if server else None
+            backend_before = process_cpu_s(backend) if backend else 0.0
             cpu_before = tree_cpu_s(server) if server else 0.0
             started = time.perf_counter()
             for t in range(transactions):
@@ -228,11 +239,16 @@ def _write(found: Servers, writer: Writer, size: int, rows: int, index_set: str)
             elapsed = time.perf_counter() - started
             # This session's backend is live: its CPU so far is in the server's tree now.
             cpu = tree_cpu_s(server) - cpu_before if server else None
+            backend_cpu = process_cpu_s(backend) - backend_before if backend else None
             _check(conn, table, writer, transactions * size)
         if server:
             wait_for_client_backends_to_end(server)
         written = transactions * size
-        return written / elapsed, None if cpu is None else cpu * 1e6 / written
+        return (
+            written / elapsed,
+            None if cpu is None else cpu * 1e6 / written,
+            None if backend_cpu is None else backend_cpu * 1e6 / written,
+        )
     finally:
         _drop(found.dsn, table)
 
