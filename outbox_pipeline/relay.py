@@ -20,19 +20,15 @@ import psycopg
 
 from .config import OutboxTable
 from .lag import explain_pending, pending_in_scope
-from .presence import WorkerPresence
 from .publisher import KafkaPublisher, PendingBatch
+from .relay_sessions import StrategyFactory, WorkerSessions
 from .relay_settings import Pacer, RelaySettings
 from .relay_stats import BatchMetrics, RelayInstruments, RelayStats
-from .schema import require_current
 from .strategies.base import AckResult, Claim, PublishOutcome, Strategy, StrategyConfig
-from .strategies.sharing import UNSCOPED_KIND
-from .switch import require_relayable
 from .wakeups import WakeUps
 
 log = logging.getLogger(__name__)
 
-StrategyFactory = Callable[[psycopg.Connection, StrategyConfig], Strategy]
 # Called with every batch's outcome after its ack (in the relay's thread): per-partition accounting.
 OutcomeObserver = Callable[[PublishOutcome], None]
 
@@ -74,99 +70,58 @@ class Relay:
         self.dsn = dsn
         self.observer = observer
         self.instruments = instruments
-        self.strategy_factory = strategy_factory
         self.strategy_config = strategy_config
         self.publisher = publisher
-        self.settings = settings
         self.stop = stop or threading.Event()
         self.stats = RelayStats()
         # Set once this worker is in the registry (dealt partitions, visible to orchestrators).
         self.registered = threading.Event()
-        self._connections: list[psycopg.Connection] = []
-        self._strategies: list[Strategy] = []
-        self._control: psycopg.Connection | None = None
         self._wake_ups = WakeUps(strategy_config.table, self.stop)
+        self._sessions = WorkerSessions(
+            dsn, strategy_factory, strategy_config, settings, self._wake_ups, self.stop, self.registered
+        )
         # Whether a claim may find anything: False after an empty or partial one, until a NOTIFY arrives (or the
         # poll interval passes); a claim that could only find nothing costs statements at every cycle.
         self._may_have_work = True
         self._pacer = Pacer(self.settings.min_cycle_s)
-        self._presence: WorkerPresence | None = None
-        self._upkeep_at = float("-inf")
         self._turn = 0
         self._settled: _Settled | None = None
 
-    # -- connections -------------------------------------------------------------------------
+    # -- sessions ----------------------------------------------------------------------------
+
+    # The factory and the settings live with the sessions that use them; set here, the sessions see the change.
+    @property
+    def strategy_factory(self) -> StrategyFactory:
+        return self._sessions.strategy_factory
+
+    @strategy_factory.setter
+    def strategy_factory(self, factory: StrategyFactory) -> None:
+        self._sessions.strategy_factory = factory
+
+    @property
+    def settings(self) -> RelaySettings:
+        return self._sessions.settings
+
+    @settings.setter
+    def settings(self, settings: RelaySettings) -> None:
+        self._sessions.settings = settings
 
     @property
     def strategy(self) -> Strategy:
         """The (first) strategy instance, connected on first use."""
-        return self._instances()[0]
-
-    def _instances(self) -> list[Strategy]:
-        if not self._strategies:
-            wanted = 1
-            if self.settings.pipeline and getattr(self.strategy_factory, "pipelining", "shared") == "own-connection":
-                wanted = 2  # one open transaction per batch in flight
-            self._connect_control()
-            for _ in range(wanted):
-                conn = psycopg.connect(self.dsn, autocommit=True, application_name=self._application_name)
-                self._connections.append(conn)
-                strategy = self.strategy_factory(conn, self.strategy_config)
-                if not self._strategies:
-                    require_relayable(conn, self.strategy_config.table, strategy.name)
-                self._strategies.append(strategy)
-        return self._strategies
-
-    def _connect_control(self) -> WorkerPresence:
-        """The control connection: this worker's liveness lock and registration, and its LISTEN."""
-        if self._presence is None:
-            conn = psycopg.connect(self.dsn, autocommit=True, application_name=self._application_name)
-            self._control = conn
-            require_current(conn, self.strategy_config.table)
-            scoped = self.strategy_config.partitions is not None
-            presence = WorkerPresence(
-                conn,
-                self.strategy_config.table,
-                self.strategy_config.worker_id,
-                self.settings.liveness,
-                kind="relay-scoped" if scoped else UNSCOPED_KIND,
-                heartbeat_s=self.settings.upkeep_interval_s,
-            )
-            presence.register(wait_s=self.settings.worker_id_wait_s, stop=self.stop)
-            self.registered.set()
-            if self.settings.listen:
-                self._wake_ups.listen(conn)
-            self._presence = presence
-        return self._presence
-
-    @property
-    def _application_name(self) -> str:
-        return f"outbox {self.strategy_config.worker_id}"[:63]
+        return self._sessions.strategies()[0]
 
     def _upkeep(self) -> bool:
-        """Heartbeat and reap at most every upkeep_interval_s; True when dead workers' work was freed."""
-        if time.monotonic() - self._upkeep_at < self.settings.upkeep_interval_s:
+        """Heartbeat and reap when due (relay_sessions.py); True when dead workers' work was freed."""
+        reaped = self._sessions.upkeep()
+        if reaped is None:
             return False
-        self._upkeep_at = time.monotonic()
-        reaped = self._connect_control().upkeep()
         if self.instruments is not None:
             self.instruments.database_ok()
-        return bool(reaped.partitions or reaped.rows)
-
-    def _disconnect(self, *, deregister: bool = False) -> None:
-        if deregister and self._presence is not None:
-            self._presence.deregister()
-        for held in (*self._strategies, *self._connections, self._control):
-            try:
-                if held is not None:
-                    held.close()
-            except Exception:  # the connection is already broken; closing is best effort
-                pass
-        self._strategies, self._connections, self._control, self._presence = [], [], None, None
-        self._wake_ups.forget()
+        return reaped
 
     def close(self) -> None:
-        self._disconnect(deregister=True)
+        self._sessions.disconnect(deregister=True)
         self.publisher.close()
 
     # -- one cycle, unpipelined --------------------------------------------------------------
@@ -252,7 +207,7 @@ class Relay:
             and not outcome.failed
             and bool(outcome.delivered)
             and self._pacer.pause_s() > 0
-            and self._instances()[self._turn % len(self._strategies)] is batch.strategy
+            and (strategies := self._sessions.strategies())[self._turn % len(strategies)] is batch.strategy
         )
 
     def _acked(self, batch: _InFlight, outcome: PublishOutcome, result: AckResult, ack_started: float) -> BatchMetrics:
@@ -288,7 +243,7 @@ class Relay:
                 try:
                     if self._upkeep():
                         idle_wait, self._may_have_work = self.settings.poll_interval_s, True
-                    strategies = self._instances()
+                    strategies = self._sessions.strategies()
                     strategy = strategies[self._turn % len(strategies)]
                     claim = self._claim(strategy, in_flight) if self._ready_to_claim(in_flight) else None
                     if in_flight is not None:
@@ -340,7 +295,7 @@ class Relay:
                     if self.instruments is not None:
                         self.instruments.error()
                     log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
-                    self._disconnect()
+                    self._sessions.disconnect()
                     self.stop.wait(self.settings.error_backoff_s(failures))
                     continue
                 if self.settings.until_idle:
@@ -375,7 +330,7 @@ class Relay:
             if in_flight is not None:
                 return False
             self.stop.wait(pause)
-        if self._wake_ups.coalesce(self._control) or not self._wake_ups.listening:
+        if self._wake_ups.coalesce(self._sessions.control) or not self._wake_ups.listening:
             self._may_have_work = True
         return self._may_have_work
 
@@ -388,18 +343,18 @@ class Relay:
             self.stop.wait(timeout_s)
             return
         try:
-            if self._control is None:
-                self._connect_control()
+            if self._sessions.control is None:
+                self._sessions.connect_control()
                 return  # rows committed before LISTEN sent no wake-up: look once more before waiting
-            self._wake_ups.wait(self._control, timeout_s)
+            self._wake_ups.wait(self._sessions.control, timeout_s)
         except psycopg.OperationalError:
-            self._disconnect()
+            self._sessions.disconnect()
             self.stop.wait(timeout_s)
 
     def _stand_by(self, timeout_s: float) -> None:
         """Wait to ask for the active worker's role again (Strategy.standing_by), not listening meanwhile."""
         try:
-            self._wake_ups.stand_by(self._control, timeout_s)
+            self._wake_ups.stand_by(self._sessions.control, timeout_s)
         except psycopg.OperationalError:
-            self._disconnect()
+            self._sessions.disconnect()
             self.stop.wait(timeout_s)

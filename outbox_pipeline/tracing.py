@@ -42,7 +42,6 @@ class _OpenTelemetry:
     status: Any
     # What the API hands out while no SDK (or vendor) provider is installed: its spans never record.
     no_op_providers: tuple[type, ...]
-    trace_state: Any
 
 
 @functools.cache
@@ -51,7 +50,6 @@ def _open_telemetry() -> _OpenTelemetry | None:
         return None
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-    from opentelemetry.trace.span import TraceState
     from opentelemetry.trace.status import Status, StatusCode
 
     return _OpenTelemetry(
@@ -59,7 +57,6 @@ def _open_telemetry() -> _OpenTelemetry | None:
         TraceContextTextMapPropagator(),
         (Status, StatusCode),
         (trace.NoOpTracerProvider, trace.ProxyTracerProvider),
-        TraceState,
     )
 
 
@@ -145,7 +142,7 @@ def _remote_context(otel: _OpenTelemetry, traceparent: object, tracestate: objec
     if version == "ff" or (version == "00" and more):
         return None
     usable_state = isinstance(tracestate, str) and len(tracestate) <= _TRACESTATE_MAX_LENGTH
-    state = otel.trace_state.from_header([tracestate]) if usable_state else None
+    state = otel.trace.TraceState.from_header([tracestate]) if usable_state else None
     context = otel.trace.SpanContext(
         int(trace_id, 16),
         int(span_id, 16),

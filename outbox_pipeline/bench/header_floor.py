@@ -5,14 +5,14 @@ The baseline for the trace header's cost: a producer loop as a user would write 
 settings, the bench's payload size, the three headers every relayed message has), sending the same messages without
 and with a W3C ``traceparent``, rounds interleaved. No PostgreSQL and nothing of the relay: what is left is
 librdkafka's own work for the header (copying it, framing it, compressing and sending its bytes), a floor under what
-carrying it can cost any relay built on this client. Measured on 2026-11-27 at about 0.34 us a message (+13 % of a
-bare producer's 2.7 us): on a relay spending 5 us a message in a bulk drain, 7 % before any code of ours runs.
+carrying it can cost any relay built on this client. Measured on 2026-11-27 at about 0.47 us a message (+14 % of a
+bare producer's 2.8 us; docs/performance.md): on a relay spending 5 us a message in a bulk drain, 7-14 % before any
+code of ours runs.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import statistics
 import uuid
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from ..publisher import DEFAULT_PRODUCER_CONFIG, REQUIRED_PRODUCER_CONFIG
 from ..record_headers import Headers
+from .procstat import own_cpu_s
 
 PARTITIONS = 12
 BATCH = 5_000  # messages handed to the producer before each flush, as the relay's bulk batches
@@ -80,7 +81,7 @@ def _produce(bootstrap: str, topic: str, messages: int, payload_bytes: int, *, t
         if error is not None:
             failed.append(error)
 
-    started = _cpu_s()
+    started = own_cpu_s()
     for first in range(0, messages, BATCH):
         for key, message_id, outbox_id in rows[first : first + BATCH]:
             headers: Headers = [("message_id", message_id), ("outbox_id", outbox_id), ("created_at", created_at)]
@@ -89,12 +90,7 @@ def _produce(bootstrap: str, topic: str, messages: int, payload_bytes: int, *, t
             producer.produce(topic, payload, key, headers=headers, on_delivery=on_delivery)
         while len(producer):
             producer.flush(1.0)
-    cpu_s = _cpu_s() - started
+    cpu_s = own_cpu_s() - started
     if failed:
         raise RuntimeError(f"header floor: {len(failed)} messages not delivered, the first: {failed[0]}")
     return cpu_s / messages * 1e6
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime

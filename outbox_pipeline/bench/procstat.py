@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -63,6 +64,12 @@ def tree_cpu_s(root: int) -> float:
         if fields is not None and int(fields[1]) == root:
             total += process_cpu_s(int(stat.parent.name))
     return total
+
+
+def own_cpu_s() -> float:
+    """This process's CPU so far, every thread's (a producer's librdkafka threads too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def own_peak_rss_mb() -> float:

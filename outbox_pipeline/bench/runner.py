@@ -10,7 +10,6 @@ printed, medians of repeated runs are what the README quotes.
 from __future__ import annotations
 
 import multiprocessing
-import resource
 import tempfile
 import time
 import uuid
@@ -36,7 +35,7 @@ from ..workers import WorkerSpec, build_relay
 from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
 from .handwritten import run_hand_written
 from .naive import NAIVE_BATCH, prepare_naive_schema, run_naive
-from .procstat import own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
+from .procstat import own_cpu_s, own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .statements import reset_statements, top_statements
 from .talk_table import add_talk_offsets, create_talk_table, index_talk_table
 
@@ -150,7 +149,7 @@ def _worker(
     def start_line() -> None:
         ready.release()
         go.wait()
-        started_cpu[0] = _cpu_s()
+        started_cpu[0] = own_cpu_s()
 
     ended: float | None = None  # the naive, hand-written and produce-only lines end when they return
     try:
@@ -188,16 +187,11 @@ def _worker(
             start_line()
             published = relay.run().published
             ended = confirmed.at  # 0 when it confirmed nothing: it does not end the drain
-        cpu_s = _cpu_s() - started_cpu[0]
+        cpu_s = own_cpu_s() - started_cpu[0]
         out.put(_WorkerReport(published, time.time() if ended is None else ended, cpu_s, own_peak_rss_mb()))
     except Exception as exc:  # reported, the run is marked failed
         ready.release()
         out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _record_spans() -> None:
