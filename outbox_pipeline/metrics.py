@@ -25,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from . import server
 from .config import OutboxTable
 from .horizon import find_horizon
 from .lag import partition_lag
@@ -136,7 +137,7 @@ class LagSampler(Collector):
         self._thread.join(timeout=10)
 
     def sample(self) -> None:
-        with psycopg.connect(self.dsn, autocommit=True, application_name="outbox metrics") as conn:
+        with server.connect(self.dsn, autocommit=True, application_name="outbox metrics") as conn:
             lags = partition_lag(conn, self.table, self.strategy, cap=self.cap)
             horizon_age = 0.0
             if self.strategy == "partitioned":

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import psycopg
 from psycopg import sql
 
+from . import server
 from .config import OutboxTable
 from .connection_path import connection_path
 from .errors import OutboxError
@@ -268,7 +269,7 @@ class _KeptAlive:
 
     def _register(self) -> WorkerPresence:
         dsn, table, worker_id, kind, liveness, heartbeat_s = self._args
-        conn = psycopg.connect(dsn, autocommit=True, application_name=f"outbox {worker_id}"[:63])
+        conn = server.connect(dsn, autocommit=True, application_name=f"outbox {worker_id}"[:63])
         presence = WorkerPresence(conn, table, worker_id, liveness, kind=kind, heartbeat_s=heartbeat_s)
         presence.register()
         return presence

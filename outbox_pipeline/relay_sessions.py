@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from . import server
 from .presence import WorkerPresence
 from .relay_settings import RelaySettings
 from .schema import require_current
@@ -58,7 +59,7 @@ class WorkerSessions:
                 wanted = 2  # one open transaction per batch in flight
             self.connect_control()
             for _ in range(wanted):
-                conn = psycopg.connect(self.dsn, autocommit=True, application_name=self._application_name)
+                conn = server.connect(self.dsn, autocommit=True, application_name=self._application_name)
                 self._connections.append(conn)
                 strategy = self.strategy_factory(conn, self.strategy_config)
                 if not self._strategies:
@@ -69,7 +70,7 @@ class WorkerSessions:
     def connect_control(self) -> WorkerPresence:
         """The control connection: this worker's liveness lock and registration, and its LISTEN."""
         if self._presence is None:
-            conn = psycopg.connect(self.dsn, autocommit=True, application_name=self._application_name)
+            conn = server.connect(self.dsn, autocommit=True, application_name=self._application_name)
             self.control = conn
             require_current(conn, self.strategy_config.table)
             scoped = self.strategy_config.partitions is not None

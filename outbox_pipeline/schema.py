@@ -19,6 +19,7 @@ from .config import OutboxTable
 from .errors import OutboxError, SchemaError
 from .indexes import build, drop_except, indexes_for
 from .migrations import DEFAULT_DAYS_AHEAD, LATEST_VERSION, MIGRATION_LOCK_CLASS, MIGRATIONS, Migration
+from .server import require_supported
 
 
 def init_db(
@@ -35,6 +36,7 @@ def init_db(
     existing one gets those it lacks, built without blocking writers, and keeps the others (dropping is
     ``indexes.drop_except``'s, on purpose). None: a new outbox gets every strategy's indexes."""
     indexes_for(strategies or ())  # an unknown name fails before anything is created
+    require_supported(conn)
     with _tuple_rows(conn):
         return _init_db(conn, table, days_ahead=days_ahead, today=today, strategies=strategies)
 
@@ -108,7 +110,8 @@ def current_version(conn: psycopg.Connection, table: OutboxTable) -> int:
 
 
 def require_current(conn: psycopg.Connection, table: OutboxTable) -> None:
-    """Fail with a clear message when the outbox schema is missing or behind this code."""
+    """Fail with a clear message when the server is too old, or the outbox schema is missing or behind this code."""
+    require_supported(conn)
     version = current_version(conn, table)
     if version < LATEST_VERSION:
         raise SchemaError(

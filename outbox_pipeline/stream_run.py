@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import psycopg
 
+from . import server
 from .lag import PartitionLag, partition_lag
 from .publisher import KafkaPublisher
 from .relay_settings import RelaySettings
@@ -176,7 +177,7 @@ class StreamRun:
         totals = _Totals()
         thread.start()
         try:
-            with psycopg.connect(self.dsn, autocommit=True, application_name="outbox stream report") as conn:
+            with server.connect(self.dsn, autocommit=True, application_name="outbox stream report") as conn:
                 while True:
                     self._finished.wait(timeout=max(0.0, last + self.report_every_s - time.monotonic()))
                     final = self._finished.is_set()

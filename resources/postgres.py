@@ -13,6 +13,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 from pydantic import Field, PrivateAttr
 
+from outbox_pipeline import server
 from outbox_pipeline.config import DEFAULT_SCHEMA, OutboxTable, redact_dsn
 
 
@@ -41,6 +42,7 @@ class PostgresResource(dg.ConfigurableResource):
             min_size=0,
             max_size=self.pool_max_size,
             kwargs={"autocommit": True},
+            configure=server.configure,  # each pooled session as every engine session (jit off: server.py)
             open=True,
             name="outbox-dagster",
         )
@@ -54,7 +56,7 @@ class PostgresResource(dg.ConfigurableResource):
     def connect(self, *, autocommit: bool = True) -> Iterator[psycopg.Connection]:
         """An autocommit session: from the execution's pool, or a fresh one outside an execution."""
         if self._pool is None or not autocommit:
-            with psycopg.connect(self.dsn, autocommit=autocommit, connect_timeout=int(self.connect_timeout_s)) as conn:
+            with server.connect(self.dsn, autocommit=autocommit, connect_timeout=int(self.connect_timeout_s)) as conn:
                 yield conn
             return
         try:

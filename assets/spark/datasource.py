@@ -17,7 +17,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pyarrow as pa
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -28,6 +27,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from outbox_pipeline import server
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.drain_values import DEFAULT_FETCH_ROWS
 from outbox_pipeline.maintenance import (
@@ -98,7 +98,7 @@ class ArchiveReader(DataSourceReader):
         if not isinstance(partition, SlicePartition):
             return  # Spark's single default partition of an empty partition: no rows
         table = OutboxTable(schema=self.schema_name)
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
+        with server.connect(self.dsn, autocommit=True) as conn:
             pages = fetch_archive_rows(
                 conn, table, self.partition_name, partition.low, partition.high, page_rows=self.page_rows
             )

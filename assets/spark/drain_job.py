@@ -17,10 +17,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping
 
-import psycopg
 from pyspark.accumulators import AccumulatorParam
 from pyspark.sql import SparkSession
 
+from outbox_pipeline import server
 from outbox_pipeline.drain import commit_drain
 from outbox_pipeline.drain_ranges import fetch_range, publish_range
 from outbox_pipeline.drain_values import (
@@ -63,7 +63,7 @@ def run_drain(
 ) -> DrainOutcome:
     """Run the drain as one Spark job and commit what it confirmed; DrainFailed when the job itself failed."""
     if (spark.conf.get("spark.speculation") or "false").lower() == "true":
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with server.connect(dsn, autocommit=True) as conn:
             outcome = commit_drain(conn, plan, ())
         raise DrainFailed("spark.speculation is on: a second attempt of a task would interleave a partition", outcome)
     context = spark.sparkContext
@@ -74,7 +74,7 @@ def run_drain(
         """One task: its range, read and published here; what it confirmed (and what stopped it) goes back."""
         publisher = KafkaPublisher(config)
         try:
-            with psycopg.connect(dsn, autocommit=True) as conn:
+            with server.connect(dsn, autocommit=True) as conn:
                 pages = fetch_range(conn, plan, ranges[index], page_rows=page_rows)
                 report = RangeReport(ranges[index].label, publish_range(publisher, plan.strategy, pages))
         except DeliveryError as exc:
@@ -90,10 +90,10 @@ def run_drain(
         tasks = context.parallelize(range(len(ranges)), max(1, len(ranges))).mapPartitionsWithIndex(drain_range)
         lines = tasks.collect() if ranges else []
     except Exception as exc:
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with server.connect(dsn, autocommit=True) as conn:
             outcome = commit_drain(conn, plan, [RangeReport.from_json(line) for line in finished.value])
         raise DrainFailed(f"bulk drain aborted: {_error_line(exc)}", outcome) from exc
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with server.connect(dsn, autocommit=True) as conn:
         return commit_drain(conn, plan, [RangeReport.from_json(line) for line in lines])
 
 

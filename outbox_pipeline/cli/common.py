@@ -11,7 +11,7 @@ import socket
 
 import psycopg
 
-from .. import schema
+from .. import schema, server
 from ..config import OutboxTable, kafka_config_from_env, parse_timestamp, pg_dsn_from_env, redact_kafka_config
 from ..errors import ConfigurationError, OutboxError
 from ..publisher import check_producer_config
@@ -54,7 +54,7 @@ def kafka_config_of(args: argparse.Namespace) -> dict[str, str]:
 
 
 def connect(args: argparse.Namespace) -> psycopg.Connection:
-    conn = psycopg.connect(dsn_of(args), autocommit=True)
+    conn = server.connect(dsn_of(args), autocommit=True)
     try:
         schema.require_current(conn, table_of(args))
     except BaseException:

@@ -7,9 +7,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from multiprocessing.process import BaseProcess
 
-import psycopg
-
-from .. import schema
+from .. import schema, server
 from ..config import redact_dsn
 from ..errors import OutboxError
 from ..relay_settings import RelaySettings
@@ -33,7 +31,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         raise OutboxError(f"--kafka-transactions needs a position strategy (partitioned, serialized), not {cls.name!r}")
     dsn, table = dsn_of(args), table_of(args)
     kafka = kafka_config_of(args)
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with server.connect(dsn, autocommit=True) as conn:
         schema.require_current(conn, table)
         require_relayable(conn, table, cls.name)
     settings = RelaySettings.from_env(

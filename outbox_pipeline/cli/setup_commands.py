@@ -10,9 +10,7 @@ import signal
 import sys
 import threading
 
-import psycopg
-
-from .. import indexes, schema
+from .. import indexes, schema, server
 from ..config import redact_dsn
 from ..enqueue import enqueue
 from ..errors import OutboxError
@@ -22,7 +20,7 @@ from .common import dsn_of, table_of
 
 def cmd_init_db(args: argparse.Namespace) -> int:
     table = table_of(args)
-    with psycopg.connect(dsn_of(args), autocommit=True) as conn:
+    with server.connect(dsn_of(args), autocommit=True) as conn:
         applied = schema.init_db(conn, table, days_ahead=args.days_ahead, strategies=args.strategy)
         if args.partitions is not None:
             schema.set_topic_partitions(conn, table, DEFAULT_TOPIC_ROW, args.partitions)
@@ -39,7 +37,7 @@ def cmd_init_db(args: argparse.Namespace) -> int:
 
 def cmd_indexes(args: argparse.Namespace) -> int:
     table = table_of(args)
-    with psycopg.connect(dsn_of(args), autocommit=True) as conn:
+    with server.connect(dsn_of(args), autocommit=True) as conn:
         schema.require_current(conn, table)
         for index in indexes.indexes_for(args.strategy or ()):
             built = indexes.build(conn, table, index)
@@ -78,7 +76,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
         except json.JSONDecodeError as exc:
             raise OutboxError(f"--payload is not valid JSON: {exc}") from None
     headers = dict(h.split("=", 1) for h in args.header or [])
-    with psycopg.connect(dsn_of(args)) as conn:
+    with server.connect(dsn_of(args)) as conn:
         result = enqueue(
             conn,
             args.topic,

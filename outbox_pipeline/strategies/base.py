@@ -18,6 +18,7 @@ from psycopg import sql
 from psycopg.types.numeric import Int8BinaryLoader
 from psycopg.types.string import ByteaBinaryLoader
 
+from .. import server
 from ..config import OutboxTable, default_worker_id
 
 AckMode = Literal["delete", "mark-sent"]
@@ -233,18 +234,23 @@ class Strategy(abc.ABC):
     # Whether claim_settling acks and claims in one statement: then a paced relay keeps a batch's ack for the next
     # claim (which comes within the linger) instead of paying a statement for it alone.
     folds_ack: ClassVar[bool] = False
+    # Set on the strategy's session in one statement, with server.SESSION_SETTINGS (jit = off: server.py).
+    session_settings: ClassVar[Mapping[str, str]] = {
+        # Every relay query reads an index range in index order and stops at LIMIT. Right after a bulk load, or on a
+        # fresh daily partition, the planner's statistics say "a few hundred rows" and it sorts the whole backlog
+        # instead (measured: 1 s instead of 25 ms per claim of 5,000 rows from 200,000, with a spill to disk). No
+        # relay query needs a sort of the backlog: forbid sorts (before PostgreSQL 18 this costs a plan with any sort
+        # 10^10, which is why the session's JIT must be off).
+        "enable_sort": "off",
+        # Text columns load as their bytes and go to Kafka as they are (stamped_cursor): the server must send them as
+        # UTF-8 whatever the database's encoding (libpq's default is the database's own).
+        "client_encoding": "UTF8",
+    }
 
     def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
         self.conn = conn
         self.config = config
-        # Every relay query reads an index range in index order and stops at LIMIT. Right after a
-        # bulk load, or on a fresh daily partition, the planner's statistics say "a few hundred
-        # rows" and it sorts the whole backlog instead (measured: 1 s instead of 25 ms per claim of
-        # 5,000 rows from 200,000, with a spill to disk). No relay query needs a sort: forbid it.
-        conn.execute("SET enable_sort = off")
-        # Text columns load as their bytes and go to Kafka as they are (stamped_cursor): the server must send
-        # them as UTF-8 whatever the database's encoding (libpq's default is the database's own).
-        conn.execute("SET client_encoding = 'UTF8'")
+        server.configure(conn, self.session_settings)
 
     @property
     def table(self) -> OutboxTable:

@@ -15,10 +15,11 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.bench.ceilings import ConfirmingPublisher
 from outbox_pipeline.bench.talk_table import create_talk_table, index_talk_table
 from outbox_pipeline.cli import main
-from outbox_pipeline.localstack import LocalBroker, LocalPostgres, PostgresSpec, free_port
+from outbox_pipeline.localstack import LocalBroker, LocalPostgres
 from outbox_pipeline.relay_settings import RelaySettings
 from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.workers import WorkerSpec, build_relay
+from tests.kit.servers import server_under_test
 
 
 @pytest.fixture
@@ -131,12 +132,9 @@ def test_bench_rejects_descending_retained_steps(capsys: pytest.CaptureFixture[s
 def counting_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
     """A PostgreSQL that preloads pg_stat_statements, as the bench's embedded one does (the session's does not):
     the latency bench counts the relay's statements with it."""
-    server = LocalPostgres(
-        PostgresSpec(
-            data_dir=tmp_path_factory.mktemp("pg-statements") / "data",
-            port=free_port(),
-            settings={"fsync": "off", "synchronous_commit": "off", "shared_preload_libraries": "pg_stat_statements"},
-        )
+    server = server_under_test(
+        tmp_path_factory.mktemp("pg-statements") / "data",
+        {"fsync": "off", "synchronous_commit": "off", "shared_preload_libraries": "pg_stat_statements"},
     )
     server.start()
     try:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
+from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, free_port
+from tests.kit.servers import server_under_test
 from tests.kit.tcp_proxy import TcpProxy
 
 from ..conftest import FAULT_FIGURE
@@ -31,16 +32,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def module_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
     """A PostgreSQL server of the module's own: restarting it breaks no other test's connections, and its
     transactions hold back no other server's snapshots."""
-    server = LocalPostgres(
-        PostgresSpec(
-            data_dir=tmp_path_factory.mktemp("fault_pg") / "data",
-            port=free_port(),
-            # synchronous_commit stays on: an immediate shutdown is a crash, and an acknowledged commit must
-            # survive it (asynchronous commits would be lost, and with them acks: more duplicates than the
-            # relay's own bound). fsync off is safe, the OS does not crash.
-            settings={"fsync": "off"},
-        )
-    )
+    # synchronous_commit stays on: an immediate shutdown is a crash, and an acknowledged commit must survive it
+    # (asynchronous commits would be lost, and with them acks: more duplicates than the relay's own bound). fsync
+    # off is safe, the OS does not crash.
+    server = server_under_test(tmp_path_factory.mktemp("fault_pg") / "data", {"fsync": "off"})
     server.start()
     try:
         yield server

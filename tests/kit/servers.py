@@ -13,6 +13,7 @@ import pytest
 
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
 from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.settings import TEST_PG_BIN
 
 from .kafka import KafkaProbe
 
@@ -27,16 +28,27 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+def server_under_test(data_dir: Path, settings: dict[str, str]) -> LocalPostgres:
+    """A test server: the embedded wheel's, tuned, or (OUTBOX_TEST_PG_BIN) another build's at its own defaults,
+    as a user who installed that package runs it (Debian's 15: JIT on, 128 MB of shared buffers). ``settings``
+    are the test's needs, set on either: durability (not under test) and two-phase commit's slots."""
+    bin_dir = TEST_PG_BIN.read()
+    spec = PostgresSpec(
+        data_dir=data_dir,
+        port=free_port(),
+        settings={"max_prepared_transactions": "20", **settings},
+        bin_dir=Path(bin_dir) if bin_dir else None,
+        tuned=not bin_dir,
+    )
+    return LocalPostgres(spec)
+
+
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
-    data_dir = tmp_path_factory.mktemp("pg") / "data"
-    server = LocalPostgres(
-        PostgresSpec(
-            data_dir=data_dir,
-            port=free_port(),
-            # Durability is not under test here (crash tests restart the server, not the OS).
-            settings={"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"},
-        )
+    # Durability is not under test here (crash tests restart the server, not the OS).
+    server = server_under_test(
+        tmp_path_factory.mktemp("pg") / "data",
+        {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"},
     )
     server.start()
     try:

@@ -1,0 +1,85 @@
+"""Engine room: the PostgreSQL the engine runs on: which versions it supports, and the settings each of its sessions
+sets for itself (every engine session opens through ``connect``).
+
+Versions: 13 and newer. The ordered strategies read ``xid8`` transaction ids against ``pg_current_snapshot()``, and
+rows carry ``pg_current_xact_id()`` (all new in 13); the routing trigger is a BEFORE INSERT row trigger on the
+partitioned message table (13); message ids default to the core ``gen_random_uuid()`` (13).
+
+JIT: a build with LLVM (Debian's and the official image's packages, most managed services) compiles a statement
+whose planned cost passes ``jit_above_cost`` again at every execution. The relay's statements are short and run many
+times a second, and some of its sessions forbid sorts of the backlog (``enable_sort = off``): before PostgreSQL 18
+that adds 10^10 to the cost of a plan whose one sort is of a few partitions, past every JIT threshold, and each claim
+was compiled with inlining and optimization (3.3 s a claim on Debian's 15). Even with honest costs, a claim over a
+million-row backlog is costed past ``jit_above_cost`` (its reads of unknown size are guessed at a tenth of each
+partition). So every engine session runs with ``jit = off``, set in the one statement that also sets the session's
+other settings: no extra round trip, and nothing a DBA has to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .errors import SchemaError
+
+#: The oldest PostgreSQL the engine runs on (server_version_num), and why, for the refusal.
+MIN_SERVER_VERSION = 130000
+_WHY_13 = "xid8 transaction ids and pg_current_snapshot(), BEFORE INSERT triggers on partitioned tables"
+
+#: What every engine session sets for itself (see the module's docstring).
+SESSION_SETTINGS: Mapping[str, str] = {"jit": "off"}
+
+
+def connect(dsn: str, *, autocommit: bool = False, **kwargs: Any) -> psycopg.Connection:
+    """A session of the engine's: ``psycopg.connect`` and the settings every engine session runs with."""
+    conn = psycopg.connect(dsn, autocommit=autocommit, **kwargs)
+    try:
+        configure(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def configure(conn: psycopg.Connection, extra: Mapping[str, str] | None = None) -> None:
+    """Set SESSION_SETTINGS and ``extra`` on ``conn`` for the session, in one round trip.
+
+    Outside a transaction block, so a rollback cannot undo them (a setting made in a transaction that rolls back
+    is rolled back with it); a connection in a transaction already is refused rather than committed for its caller.
+    """
+    settings = {**SESSION_SETTINGS, **(extra or {})}
+    if not conn.autocommit and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise RuntimeError("configure() sets session settings: call it outside a transaction")
+    # SET statements, not set_config() in a SELECT: a SELECT is planned, and would itself be JIT-compiled before its
+    # jit = off takes effect. Several statements without parameters go as one simple query: one round trip.
+    conn.execute(
+        sql.SQL("; ").join(
+            sql.SQL("SET {} = {}").format(sql.Identifier(name), sql.Literal(value)) for name, value in settings.items()
+        )
+    )
+    if not conn.autocommit:
+        conn.commit()
+
+
+def require_supported(conn: psycopg.Connection) -> None:
+    """Refuse a server older than MIN_SERVER_VERSION with a message that says what to do."""
+    refusal = version_refusal(conn.info.server_version)
+    if refusal:
+        raise SchemaError(refusal)
+
+
+def version_refusal(server_version_num: int) -> str | None:
+    """Why a server of this ``server_version_num`` cannot run the outbox, or None when it can."""
+    if server_version_num >= MIN_SERVER_VERSION:
+        return None
+    if server_version_num >= 100000:
+        major = str(server_version_num // 10000)
+    else:  # 9.6 is 90600
+        major = f"{server_version_num // 10000}.{server_version_num // 100 % 100}"
+    return (
+        f"PostgreSQL {major} is not supported: the outbox needs PostgreSQL 13 or newer ({_WHY_13}); "
+        "upgrade the server (docs/operations.md, Your PostgreSQL)"
+    )
