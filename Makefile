@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: dev test lint install clean tools
+.PHONY: dev test test-pg15 lint install clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ install: $(STAMP)
 dev: $(STAMP)
 	$(BIN)/outbox dev
 
+# Debian's PostgreSQL 15 as users run it (JIT on, 128 MB shared_buffers): the engine and fault suites run on it too.
+PG15_BIN ?= /usr/lib/postgresql/15/bin
+
 # PgBouncer (for the transaction-pooling test) and Chromium (for the headless screenshot of a partition's page
 # in the `dagster dev` test) from Debian's packages, where this user may install them; without them those
 # tests are skipped with the reason.
@@ -28,6 +31,14 @@ tools:
 	    (apt-get install -y -qq pgbouncer >/dev/null 2>&1 || \
 	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq pgbouncer >/dev/null 2>&1)); } || \
 	  echo "pgbouncer not installed: tests/engine/test_pgbouncer.py will be skipped"
+	@test -x $(PG15_BIN)/initdb || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    mkdir -p /etc/postgresql-common && \
+	    { grep -qs '^create_main_cluster' /etc/postgresql-common/createcluster.conf || \
+	      echo 'create_main_cluster = false' >> /etc/postgresql-common/createcluster.conf; } && \
+	    (apt-get install -y -qq postgresql-15 >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq postgresql-15 >/dev/null 2>&1)); } || \
+	  echo "postgresql-15 not installed: the suites' second pass on Debian's PostgreSQL 15 will be skipped"
 	@command -v chromium >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    (apt-get install -y -qq chromium >/dev/null 2>&1 || \
@@ -45,6 +56,21 @@ lint: $(STAMP)
 test: $(STAMP) tools lint
 	$(BIN)/python -m pytest -n 4 -m "not timing" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m timing $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-pg15
+
+# The engine and fault suites again on Debian's PostgreSQL 15 at its defaults (tests/kit/servers.py). Where the
+# package cannot be installed (no apt-get, not root), this says how to run it and passes: elsewhere, set PG15_BIN to
+# any build's bin folder, or run the same command with OUTBOX_TEST_PG_BIN=<bin folder>.
+test-pg15: $(STAMP)
+	@if test -x $(PG15_BIN)/initdb; then \
+	  set -e; \
+	  OUTBOX_TEST_PG_BIN=$(PG15_BIN) $(BIN)/python -m pytest -n 4 -m "not timing" tests/engine tests/faults $(PYTEST_ARGS); \
+	  OUTBOX_TEST_PG_BIN=$(PG15_BIN) $(BIN)/python -m pytest -m timing tests/engine tests/faults $(PYTEST_ARGS); \
+	else \
+	  echo "SKIPPED the engine and fault suites on PostgreSQL 15: $(PG15_BIN)/initdb is missing"; \
+	  echo "  install it (Debian: apt-get install postgresql-15, as root: make tools does) and run make test-pg15,"; \
+	  echo "  or run them on any build: make test-pg15 PG15_BIN=/path/to/postgresql/bin"; \
+	fi
 
 clean:
 	rm -rf $(VENV) .outbox .pytest_cache

@@ -11,13 +11,16 @@ times a second, and some of its sessions forbid sorts of the backlog (``enable_s
 that adds 10^10 to the cost of a plan whose one sort is of a few partitions, past every JIT threshold, and each claim
 was compiled with inlining and optimization (3.3 s a claim on Debian's 15). Even with honest costs, a claim over a
 million-row backlog is costed past ``jit_above_cost`` (its reads of unknown size are guessed at a tenth of each
-partition). So every engine session runs with ``jit = off``, set in the one statement that also sets the session's
-other settings: no extra round trip, and nothing a DBA has to change.
+partition). So every engine session runs with ``jit = off``, set in the one round trip that also sets the session's
+other settings: nothing a DBA has to change. Measured alternatives (docs/operations.md, Your PostgreSQL): a startup
+option (``options=-c jit=off``) costs no statement but PgBouncer refuses the connection; ``SET LOCAL`` costs three
+statements a claim; estimates kept under the thresholds do not stay there as the backlog grows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import psycopg
@@ -30,7 +33,10 @@ MIN_SERVER_VERSION = 130000
 _WHY_13 = "xid8 transaction ids and pg_current_snapshot(), BEFORE INSERT triggers on partitioned tables"
 
 #: What every engine session sets for itself (see the module's docstring).
-SESSION_SETTINGS: Mapping[str, str] = {"jit": "off"}
+SESSION_SETTINGS: Mapping[str, str] = MappingProxyType({"jit": "off"})
+#: And from PostgreSQL 14 on: a relay's sessions are idle by design between wake-ups (LISTEN, the liveness lock), and
+#: a server-wide idle_session_timeout would end them, and with them the worker's liveness, every few minutes.
+SESSION_SETTINGS_14: Mapping[str, str] = MappingProxyType({"idle_session_timeout": "0"})
 
 
 def connect(dsn: str, *, autocommit: bool = False, **kwargs: Any) -> psycopg.Connection:
@@ -50,7 +56,8 @@ def configure(conn: psycopg.Connection, extra: Mapping[str, str] | None = None) 
     Outside a transaction block, so a rollback cannot undo them (a setting made in a transaction that rolls back
     is rolled back with it); a connection in a transaction already is refused rather than committed for its caller.
     """
-    settings = {**SESSION_SETTINGS, **(extra or {})}
+    since_14 = SESSION_SETTINGS_14 if conn.info.server_version >= 140000 else {}
+    settings = {**SESSION_SETTINGS, **since_14, **(extra or {})}
     if not conn.autocommit and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         raise RuntimeError("configure() sets session settings: call it outside a transaction")
     # SET statements, not set_config() in a SELECT: a SELECT is planned, and would itself be JIT-compiled before its

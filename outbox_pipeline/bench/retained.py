@@ -15,7 +15,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -45,18 +45,21 @@ class LatencyStep:
     samples: int
     # Per captured claim statement: its scan nodes with the rows each returned (from auto_explain).
     plans: list[str] = field(default_factory=list)
+    pending: int = 0
 
     def bounded(self, batch_size: int) -> bool:
-        """No sequential scan of messages, and no scan returned more than twice a batch (the fair pick
-        reads two ranges of at most a batch each); a scan that walked the history would return millions.
-        Only scans of the message table count: offsets (a row per partition) and leases (a row per
-        row in flight) are small by construction."""
+        """No scan of messages returned more than twice a batch (the fair pick reads two ranges of at most a batch
+        each), and a sequential scan read no more than the pending rows and that: a scan that walked the history
+        would read millions. (A planner may rightly read a partition of a few pending rows whole: PostgreSQL 15 does
+        for 200 of 1,000, 18 does not.) Only scans of the message table count: offsets (a row per partition) and
+        leases (a row per row in flight) are small by construction."""
         nodes = [node for plan in self.plans for node in plan.split("; ") if "outbox_messages" in node]
-        rows = [int(n) for node in nodes for n in re.findall(r"rows=(\d+)", node)]
+        rows = [int(n) for node in nodes for n in re.findall(r" rows=(\d+)", node)]
+        examined = [int(n) for node in nodes if node.startswith("Seq Scan") for n in re.findall(r"read=(\d+)", node)]
         return (
             bool(self.plans)
-            and all("Seq Scan on outbox_messages" not in p for p in self.plans)
             and max(rows, default=0) <= 2 * batch_size
+            and max(examined, default=0) <= self.pending + 2 * batch_size
         )
 
 
@@ -91,7 +94,8 @@ def measure(
                 _refill(conn, table, topics, add_retained=step - retained, pending=pending, positions=positions)
                 retained = step
                 progress(f"  {strategy}: {retained:,} retained rows, {pending:,} pending; timing claims")
-                results.append(time_claims(servers.dsn, table, strategy, retained, batch_size, samples))
+                step_result = time_claims(servers.dsn, table, strategy, retained, batch_size, samples)
+                results.append(replace(step_result, pending=pending))
         finally:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
     return results
@@ -191,18 +195,27 @@ def _explain_next_statements(conn: psycopg.Connection) -> None:
 
 _SCAN = re.compile(
     r"(Index Only Scan|Index Scan|Bitmap Heap Scan|Seq Scan|Bitmap Index Scan)(?: Backward)?"
-    r"(?: using (\S+))? on (\S+)[^\n]*?rows=(\d+(?:\.\d+)?) loops=(\d+)"
+    r"(?: using (\S+))? on (\S+)[^\n]*?rows=(\d+(?:\.\d+)?) loops=(\d+)\)"
+    # The node's own detail lines, up to the next node: what its filter removed is what it read and dropped.
+    r"((?:\n(?![^\n]*->)[^\n]*)*)"
 )
+_REMOVED = re.compile(r"Rows Removed by Filter: (\d+)")
 
 
 def _scan_summary(plan: str) -> str:
-    """The scan nodes of a plan that returned rows: "Index Scan using <index> rows=N"."""
+    """The scan nodes of a plan that returned rows: "Index Scan using <index> rows=N", and what a sequential scan
+    read ("Seq Scan on <table> rows=N read=M")."""
     nodes = []
-    for kind, index, relation, rows, loops in _SCAN.findall(plan):
-        if float(rows) * int(loops) == 0:
+    for kind, index, relation, rows, loops, detail in _SCAN.findall(plan):
+        returned = float(rows) * int(loops)
+        if returned == 0:
             continue  # an empty daily partition probed once
         where = f" using {index}" if index else f" on {relation}"
-        nodes.append(f"{kind}{where} rows={float(rows) * int(loops):.0f}")
+        read = ""
+        if kind == "Seq Scan":
+            removed = sum(int(n) for n in _REMOVED.findall(detail)) * int(loops)
+            read = f" read={returned + removed:.0f}"
+        nodes.append(f"{kind}{where} rows={returned:.0f}{read}")
     return "; ".join(nodes)
 
 

@@ -10,9 +10,11 @@ import dagster as dg
 import pytest
 
 from assets import outbox_backlog, outbox_lag_slo
+from outbox_pipeline import OutboxTable
 from outbox_pipeline.definitions import defs
 from outbox_pipeline.errors import ConfigurationError
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from resources import PostgresResource
 
 from .conftest import Written
 
@@ -95,3 +97,17 @@ def test_an_invalid_setting_names_its_variable() -> None:
         OrchestrationSettings.from_env({"OUTBOX_RELAY_STRATEGY": "fastest"})
     with pytest.raises(ConfigurationError, match="OUTBOX_RELAY_RUNS_MAX='many': must be an integer"):
         OrchestrationSettings.from_env({"OUTBOX_RELAY_RUNS_MAX": "many"})
+
+
+def test_the_postgres_resources_sessions_run_with_jit_off_pooled_or_not(dsn: str, table: OutboxTable) -> None:
+    """The lag sensor, the checks and the operator jobs read through this resource: their sessions are engine
+    sessions (outbox_pipeline/server.py), JIT off whatever the server's default."""
+    resource = PostgresResource(dsn=dsn, schema_name=table.schema)
+    with dg.build_init_resource_context() as context:
+        resource.setup_for_execution(context)
+        try:
+            for autocommit in (True, False):  # the pool's, then a fresh one
+                with resource.connect(autocommit=autocommit) as conn:
+                    assert conn.execute("SHOW jit").fetchone() == ("off",)
+        finally:
+            resource.teardown_after_execution(context)

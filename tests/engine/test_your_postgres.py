@@ -146,3 +146,16 @@ def test_a_server_older_than_13_is_refused_with_what_it_lacks_and_what_to_do(ver
 @pytest.mark.parametrize("version", [130000, 150020, 180001])
 def test_servers_from_13_on_are_accepted(version: int) -> None:
     assert server.version_refusal(version) is None
+
+
+def test_an_engine_session_outlives_an_idle_session_timeout_the_dba_set(dsn: str, db: psycopg.Connection) -> None:
+    """A relay's sessions idle between wake-ups by design; a role or server default must not end them."""
+    if db.info.server_version < 140000:
+        pytest.skip("idle_session_timeout is new in PostgreSQL 14")
+    with server.connect(dsn, autocommit=True, options="-c idle_session_timeout=200") as conn:
+        pid = conn.info.backend_pid
+        waited = db.execute(
+            "SELECT count(*) FROM generate_series(1, 10) WHERE pg_sleep(0.05) IS NOT NULL"
+        ).fetchone()  # 0.5 s, past the 0.2 s timeout, while ``conn`` idles
+        assert waited == (10,)
+        assert conn.execute("SELECT pg_backend_pid()").fetchone() == (pid,)
