@@ -21,6 +21,8 @@ dev: $(STAMP)
 
 # Debian's PostgreSQL 15 as users run it (JIT on, 128 MB shared_buffers): the engine and fault suites run on it too.
 PG15_BIN ?= /usr/lib/postgresql/15/bin
+# The two modules left out start the embedded server themselves (the dev stack and its start/stop): no second build.
+PG15_SUITES := tests/engine tests/faults --ignore=tests/engine/test_dev_stack.py --ignore=tests/engine/test_localstack.py
 
 # PgBouncer (for the transaction-pooling test) and Chromium (for the headless screenshot of a partition's page
 # in the `dagster dev` test) from Debian's packages, where this user may install them; without them those
@@ -64,8 +66,8 @@ test: $(STAMP) tools lint
 test-pg15: $(STAMP)
 	@if test -x $(PG15_BIN)/initdb; then \
 	  set -e; \
-	  OUTBOX_TEST_PG_BIN=$(PG15_BIN) $(BIN)/python -m pytest -n 4 -m "not timing" tests/engine tests/faults $(PYTEST_ARGS); \
-	  OUTBOX_TEST_PG_BIN=$(PG15_BIN) $(BIN)/python -m pytest -m timing tests/engine tests/faults $(PYTEST_ARGS); \
+	  OUTBOX_TEST_PG_BIN=$(PG15_BIN) $(BIN)/python -m pytest -n 4 -m "not timing" $(PG15_SUITES) $(PYTEST_ARGS); \
+	  OUTBOX_TEST_PG_BIN=$(PG15_BIN) $(BIN)/python -m pytest -m timing $(PG15_SUITES) $(PYTEST_ARGS); \
 	else \
 	  echo "SKIPPED the engine and fault suites on PostgreSQL 15: $(PG15_BIN)/initdb is missing"; \
 	  echo "  install it (Debian: apt-get install postgresql-15, as root: make tools does) and run make test-pg15,"; \

@@ -26,7 +26,16 @@ from pathlib import Path
 from .. import settings
 from ..strategies import STRATEGY_NAMES
 from . import header_floor, held, latency_cli, retained, writers
-from .comparison import HEADLINE, PRODUCE_ONLY, READ_ONLY, Comparison, bench_lines, compare
+from .comparison import (
+    HEADLINE,
+    PRODUCE_ONLY,
+    READ_ONLY,
+    Comparison,
+    bench_lines,
+    compare,
+    same_jit,
+    with_server_jit,
+)
 from .runner import RunSpec, Servers
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
@@ -111,6 +120,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="after each run, PostgreSQL's top statements by total time during the drain (pg_stat_statements)",
     )
     parser.add_argument("--embedded", action="store_true", help="use the embedded stack even if servers are set")
+    parser.add_argument(
+        "--server-jit",
+        type=lambda text: [v for v in text.split(",") if v],
+        metavar="on,off",
+        help="every line once per value of the server's own jit (ALTER SYSTEM, a superuser's), interleaved: a server "
+        "with JIT against itself without (the embedded server has no JIT)",
+    )
     parser.add_argument(
         "--retained",
         type=_steps,
@@ -246,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
         if args.matrix:
             return _matrix(found, base, args.runs, args.matrix_strategies)
         lines = bench_lines(base, baseline=args.baseline, naive_strategy=args.baseline_strategy)
+        if args.server_jit:
+            lines = with_server_jit(lines, args.server_jit)
         comparison = compare(found, lines, args.runs)
         print("\n" + render_comparison(base, comparison, args.runs))
         if base.trace_headers:
@@ -270,7 +288,6 @@ _WHAT = {
 
 def render_comparison(base: RunSpec, c: Comparison, runs: int) -> str:
     """The results table: medians, ratios against the headline baseline, shares of both ceilings."""
-    produce, read = c.median(PRODUCE_ONLY), c.median(READ_ONLY)
     traced = (", traced" + ("" if base.relay_spans else ", no relay spans")) if base.trace_headers else ""
     head = [
         f"{base.strategy}, {base.workers} worker(s), {base.messages:,} x {base.payload_bytes} B "
@@ -284,7 +301,9 @@ def render_comparison(base: RunSpec, c: Comparison, runs: int) -> str:
     rows = []
     for name, spec in c.specs.items():
         rate = c.median(name)
-        vs_headline = f"{c.ratio(name, HEADLINE):.2f}" if HEADLINE in c.specs else "-"
+        produce, read = c.median(same_jit(PRODUCE_ONLY, name)), c.median(same_jit(READ_ONLY, name))
+        headline = same_jit(HEADLINE, name)
+        vs_headline = f"{c.ratio(name, headline):.2f}" if headline in c.specs else "-"
         verified = {r.verified for r in c.results.get(name, [])}
         rows.append(
             f"| {name} | {_WHAT[spec.kind]} | {rate:,.0f} | {vs_headline} | "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from .handwritten import HAND_WRITTEN
 from .runner import RunResult, RunSpec, Servers, run_once
+from .server_jit import set_server_jit
 
 
 @dataclass
@@ -41,6 +42,7 @@ HEADLINE = "talk v1"  # the talk's variant 1 on the talk's own table: what a use
 OURS = "ours"
 PRODUCE_ONLY = "produce-only"
 READ_ONLY = "read-only"
+JIT_SUFFIX = " @ jit "
 
 
 def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = None) -> dict[str, RunSpec]:
@@ -67,8 +69,29 @@ def compare(
 ) -> Comparison:
     """Every line once per round, ``runs`` rounds: the machine's speed swings, so a round shares its conditions."""
     comparison = Comparison(lines)
-    for n in range(runs):
-        for name, spec in lines.items():
-            progress(f"round {n + 1}/{runs}: {name}")
-            comparison.results.setdefault(name, []).append(run_once(servers, spec, progress))
+    try:
+        for n in range(runs):
+            for name, spec in lines.items():
+                progress(f"round {n + 1}/{runs}: {name}")
+                if spec.server_jit is not None:
+                    set_server_jit(servers.dsn, spec.server_jit)
+                comparison.results.setdefault(name, []).append(run_once(servers, spec, progress))
+    finally:
+        if any(spec.server_jit is not None for spec in lines.values()):
+            set_server_jit(servers.dsn, None)
     return comparison
+
+
+def with_server_jit(lines: dict[str, RunSpec], values: list[str]) -> dict[str, RunSpec]:
+    """Every line once per value of the server's ``jit``, named ``<line> @ jit <value>`` (see ``same_jit``)."""
+    return {
+        f"{name}{JIT_SUFFIX}{value}": replace(spec, server_jit=value)
+        for value in values
+        for name, spec in lines.items()
+    }
+
+
+def same_jit(line: str, name: str) -> str:
+    """``line``'s counterpart measured at the same server ``jit`` as ``name`` (itself without --server-jit)."""
+    _, found, value = name.partition(JIT_SUFFIX)
+    return f"{line}{JIT_SUFFIX}{value}" if found else line

@@ -80,6 +80,7 @@ class RunSpec:
     mode: str = "delete"
     verify: bool = False
     statements: bool = False  # print pg_stat_statements' top statements of the drain
+    server_jit: str | None = None  # the server's own jit during the run (server_jit.py); None: as configured
 
     @property
     def naive(self) -> bool:

@@ -292,3 +292,19 @@ def test_the_read_only_ceiling_starts_no_kafka_producer(
     relay = build_relay(spec, publisher=ConfirmingPublisher())
     assert relay.run().published == 10
     assert "bootstrap.servers" not in capfd.readouterr().err
+
+
+def test_bench_server_jit_runs_every_line_at_each_server_jit_in_one_invocation_and_leaves_the_servers_own(
+    bench_servers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--strategy", "partitioned", "--messages", "2000", "--batch-size", "500", "--baseline",
+                 "--server-jit", "on,off", "--verify"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = re.findall(
+        r"^\| ([\w -]+? @ jit \w+) \| .* \| [\d,]+ \| [\d.]+ \| \d+ % \| \d+ % \| (?:yes|-) \|$", out, re.M
+    )
+    assert {"talk v1 @ jit on", "ours @ jit on", "talk v1 @ jit off", "ours @ jit off"} <= set(lines), out
+    with psycopg.connect(bench_servers) as conn:
+        overridden = conn.execute("SELECT count(*) FROM pg_file_settings WHERE name = 'jit' AND applied").fetchone()
+        assert overridden == (0,)  # ALTER SYSTEM's line is gone: the server's own value again
