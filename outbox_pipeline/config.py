@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -125,6 +126,7 @@ def pg_dsn_from_env(env: Mapping[str, str] | None = None) -> str:
             f"{ENV_PG_DSN} is not set: give a libpq DSN such as 'host=127.0.0.1 port=55432 user=postgres "
             "dbname=postgres' or a postgresql:// URI (or pass --dsn)"
         )
+    check_dsn(dsn)
     return dsn
 
 
@@ -143,6 +145,29 @@ def redact_dsn(dsn: str) -> str:
         return "<unparsable DSN>"
     shown = {k: (REDACTED if v and is_secret(k) else v) for k, v in params.items() if v is not None}
     return make_conninfo("", **shown)
+
+
+def check_dsn(dsn: str) -> None:
+    """Fail on a DSN libpq cannot parse with its reason and none of the DSN's text: libpq quotes the token it choked on,
+    which may be the password (``postgresql://app:p%zz...@host/db``: an invalid percent-encoding)."""
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        # What libpq quotes of the DSN goes (a one-character token such as "=" is its grammar, not the DSN's).
+        reason = _QUOTED.sub(lambda m: '"..."' if len(m[1]) > 1 and m[1] in dsn else m[0], str(exc).strip())
+        for match in _PASSWORD.finditer(dsn):
+            reason = reason.replace(match.group(1) or match.group(2), REDACTED)
+        hint = " (a SQLAlchemy URL? libpq's is postgresql://, without +driver)" if _DRIVER_URL.match(dsn) else ""
+        raise ConfigurationError(
+            f"the PostgreSQL DSN is not valid: {reason}{hint}; give a libpq key=value DSN or a postgresql:// URI "
+            "(OUTBOX_PG_DSN or --dsn)"
+        ) from None
+
+
+_QUOTED = re.compile(r'"([^"]+)"')
+# A password as a URI (scheme://user:PASSWORD@) or a keyword (password=VALUE) carries it, for the last scrub.
+_PASSWORD = re.compile(r"://[^:/@]*:([^@]+)@|password\s*=\s*'?([^'\s]+)")
+_DRIVER_URL = re.compile(r"^[a-z0-9]+\+[a-z0-9]+://", re.IGNORECASE)
 
 
 def kafka_config_from_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -115,14 +115,41 @@ def enqueue_many(
         # A column with nothing to say goes as NULL, not as an array of defaults: unnest pads it with NULLs, and
         # dumping an array costs the client per element (most calls give no type, bytes, headers, priority or
         # partition). The columns every call fills go as arrays built from their bytes (wire_arrays.py).
-        topic_utf8 = {topic: topic.encode() for topic in topics}
         payloads = _unless_all([r.payload for r in rows], None)
+        text_columns: tuple[object, object, object]
+        if conn.info.encoding in _UTF8_AS_IS:
+            topic_utf8 = {topic: topic.encode() for topic in topics}
+            text_columns = (
+                wire_arrays.text_array([topic_utf8[r.topic] for r in rows]),
+                wire_arrays.text_array([r.key_utf8 for r in rows]),
+                None
+                if payloads is None
+                else wire_arrays.text_array([None if p is None else p.encode() for p in payloads]),
+            )
+        else:
+            # A client encoding other than UTF-8 (a LATIN1 database's default): text goes in that encoding, as
+            # psycopg encodes it, and the server reads it so; UTF-8 bytes would be stored as other characters
+            # ("café" as "cafÃ©": another Kafka key). A character the encoding lacks fails here, before anything
+            # is sent.
+            encoding = conn.info.encoding
+            try:
+                text_columns = (
+                    _encoded([r.topic for r in rows], encoding),
+                    _encoded([r.key for r in rows], encoding),
+                    _encoded(payloads, encoding),
+                )
+            except UnicodeEncodeError as exc:
+                raise InvalidMessageError(
+                    f"{exc.object[exc.start : exc.end]!r} cannot be stored in this database's client encoding "
+                    f"{conn.info.encoding}: use a UTF8 database (or client_encoding), or leave such characters out"
+                ) from None
+        topic_column, key_column, payload_column = text_columns
         params = (
             wire_arrays.uuid_array(raw_ids),
-            wire_arrays.text_array([topic_utf8[r.topic] for r in rows]),
-            wire_arrays.text_array([r.key_utf8 for r in rows]),
+            topic_column,
+            key_column,
             _unless_all([r.type for r in rows], None),
-            None if payloads is None else wire_arrays.text_array([None if p is None else p.encode() for p in payloads]),
+            payload_column,
             _unless_all([r.payload_bytes for r in rows], None),
             _unless_all([r.headers for r in rows], NO_HEADERS),
             _unless_all([r.priority for r in rows], 0),
@@ -215,6 +242,17 @@ def _insert_sql(table: OutboxTable) -> bytes:
         .format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
         .as_bytes(None)
     )
+
+
+# Client encodings that take UTF-8 bytes as they are: UTF8, and SQL_ASCII (no conversion at all).
+_UTF8_AS_IS = frozenset({"utf-8", "ascii"})
+
+
+def _encoded(values: Sequence[str | None] | None, encoding: str) -> wire_arrays.TextArray | None:
+    """A text column's values in the connection's encoding (see enqueue_many); UnicodeEncodeError if one cannot be."""
+    if values is None:
+        return None
+    return wire_arrays.text_array([None if v is None else v.encode(encoding) for v in values])
 
 
 def _unless_all(values: list[Any], default: object) -> list[Any] | None:

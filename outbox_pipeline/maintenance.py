@@ -29,13 +29,11 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .migrations import MIGRATION_LOCK_CLASS
-from .schema import PARTITION_STORAGE, ensure_partitions, partition_name
+from .schema import DEFAULT_PARTITION, ensure_partitions, move_into_own_partition
 from .strategies import STRATEGY_NAMES
 from .strategies.offsets import BEHIND_POSITION
 
 _DAY_PARTITION = re.compile(r"^outbox_messages_p(\d{8})$")
-DEFAULT_PARTITION = "outbox_messages_default"
 
 POSITION_STRATEGIES = ("partitioned", "serialized")
 
@@ -181,16 +179,10 @@ class Rescue:
 
 
 def move_default_rows(conn: psycopg.Connection, table: OutboxTable, *, lock_timeout: str = "5s") -> Rescue:
-    """Give each day found in DEFAULT its own partition, with its rows.
-
-    Per day, one transaction: stop writers (the parent table in SHARE ROW EXCLUSIVE mode: a row committed
-    into DEFAULT between the move and the ATTACH made the ATTACH fail, for ever under steady writes),
-    create the day's table, move its rows out of DEFAULT into it, attach it. Writers wait for the few
-    milliseconds that takes. Rows keep every column (id, transaction_id), so positions and ids mean what
-    they meant; readers see the rows in DEFAULT until the commit and in the new partition after it, never
-    both or neither. A day that fails (a lock not granted within ``lock_timeout``: a long transaction is
-    writing) is reported and left in DEFAULT for the next run; the other days go on.
-    """
+    """Give each day found in DEFAULT its own partition, with its rows (schema.move_into_own_partition), one
+    transaction a day. Writers wait for the few milliseconds that takes. A day that fails (a lock not granted within
+    ``lock_timeout``: a long transaction is writing) is reported and left in DEFAULT for the next run; the other days
+    go on."""
     moved: dict[dt.date, int] = {}
     failed: dict[dt.date, str] = {}
     for day in default_rows_by_day(conn, table):
@@ -202,38 +194,9 @@ def move_default_rows(conn: psycopg.Connection, table: OutboxTable, *, lock_time
 
 
 def _move_day(conn: psycopg.Connection, table: OutboxTable, day: dt.date, lock_timeout: str) -> int:
-    name = partition_name(day)
-    start = dt.datetime.combine(day, dt.time(), dt.UTC)
-    end = start + dt.timedelta(days=1)
-    part = table.ident(name)
     with conn.transaction():
         conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
-        conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (MIGRATION_LOCK_CLASS, table.schema))
-        conn.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(table.messages))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE {part} (LIKE {messages} INCLUDING DEFAULTS INCLUDING CONSTRAINTS) WITH ({storage})"
-            ).format(part=part, messages=table.messages, storage=sql.SQL(PARTITION_STORAGE))
-        )
-        cur = conn.execute(
-            sql.SQL(
-                """
-                WITH rescued AS (
-                    DELETE FROM {default} d
-                    WHERE d.created_at >= %(start)s AND d.created_at < %(end)s
-                    RETURNING d.*
-                )
-                INSERT INTO {part} SELECT * FROM rescued
-                """
-            ).format(default=table.ident(DEFAULT_PARTITION), part=part),
-            {"start": start, "end": end},
-        )
-        conn.execute(
-            sql.SQL("ALTER TABLE {messages} ATTACH PARTITION {part} FOR VALUES FROM ({start}) TO ({end})").format(
-                messages=table.messages, part=part, start=sql.Literal(start), end=sql.Literal(end)
-            )
-        )
-        return cur.rowcount
+        return move_into_own_partition(conn, table, day)
 
 
 # -- relayed? --------------------------------------------------------------------------------------

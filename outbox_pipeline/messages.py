@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidMessageError
+from .header_rules import BASE64_PATTERN
 from .migrations import TOPIC_PATTERN
 from .partitioning import key_hash
 from .routing import RESERVED_HEADERS
@@ -186,12 +187,31 @@ def _encode_headers(headers: Mapping[str, str | bytes] | None, where: str) -> tu
     return _to_json(stored), size
 
 
-def decode_headers(stored: Mapping[str, Any]) -> list[tuple[str, bytes]]:
-    """Kafka header pairs from the jsonb headers column (the inverse of enqueue's encoding)."""
+_BASE64 = re.compile(BASE64_PATTERN)  # header_rules.py
+
+
+class UnencodableHeaders(ValueError):
+    """A row's stored headers that no Kafka record can carry (a writer stored them past enqueue's checks)."""
+
+
+def decode_headers(stored: object) -> list[tuple[str, bytes]]:
+    """Kafka header pairs from the jsonb headers column (the inverse of enqueue's encoding); UnencodableHeaders for
+    anything enqueue would not have stored, so that the relay dead-letters the row instead of failing on it."""
+    if not isinstance(stored, Mapping):
+        raise UnencodableHeaders(f"headers must be a JSON object, got {type(stored).__name__}")
     pairs: list[tuple[str, bytes]] = []
     for name, value in stored.items():
-        if isinstance(value, dict):
-            pairs.append((name, base64.b64decode(value[BYTES_HEADER_FIELD])))
+        if isinstance(value, str):
+            pairs.append((name, value.encode("utf-8")))
+        elif (
+            isinstance(value, dict)
+            and list(value) == [BYTES_HEADER_FIELD]
+            and isinstance(value[BYTES_HEADER_FIELD], str)
+        ):
+            encoded = value[BYTES_HEADER_FIELD]
+            if not _BASE64.match(encoded):
+                raise UnencodableHeaders(f'header "{name}": {encoded[:40]!r} is not base64 (padded, no whitespace)')
+            pairs.append((name, base64.b64decode(encoded)))
         else:
-            pairs.append((name, str(value).encode("utf-8")))
+            raise UnencodableHeaders(f'header "{name}" must be a string or {{"base64": "..."}}, got {value!r:.60}')
     return pairs

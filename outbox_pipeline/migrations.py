@@ -14,6 +14,7 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
+from .header_rules import refuse_unsendable_headers
 from .routing import (
     check_snapshot_writers,
     create_partition_count_guard,
@@ -284,6 +285,11 @@ def _m011_binary_payloads(conn: psycopg.Connection, t: OutboxTable) -> None:
     replace_sql_enqueue(conn, t, topic_pattern=TOPIC_CHECK_PATTERN, binary_payloads=True)
 
 
+def _m012_sendable_headers(conn: psycopg.Connection, t: OutboxTable) -> None:
+    refuse_unsendable_headers(conn, t)
+    replace_sql_enqueue(conn, t, topic_pattern=TOPIC_CHECK_PATTERN, binary_payloads=True)
+
+
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
     Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
@@ -310,5 +316,8 @@ MIGRATIONS: Sequence[Migration] = (
     ),
     Migration(10, "topic names checked without a bounded regex (17 us a row for writers)", _m010_cheap_topic_check),
     Migration(11, "payloads as bytes as well as JSON (payload_bytes), no table rewrite", _m011_binary_payloads),
+    Migration(
+        12, "headers the relay can send: base64 checked; the table refuses others in new rows", _m012_sendable_headers
+    ),
 )
 LATEST_VERSION = MIGRATIONS[-1].version

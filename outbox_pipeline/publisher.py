@@ -23,7 +23,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from .config import redact_kafka_config, redact_kafka_error
 from .errors import ConfigurationError
 from .kafka_errors import PRODUCER_RESET_ERRORS, failure_kind
-from .messages import is_valid_topic
+from .messages import UnencodableHeaders, is_valid_topic
 from .record_headers import CloudEvents, Headers, RecordHeaders, cloud_events_from_env
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .topic_limits import TopicLimits
@@ -158,7 +158,13 @@ class KafkaPublisher:
                     continue
                 self._valid_topics.add(topic)
                 self.limits.check(topic)
-            headers = headers_of(topic, message_id, outbox_id, created_at, type_, headers_json, binary)
+            try:
+                headers = headers_of(topic, message_id, outbox_id, created_at, type_, headers_json, binary)
+            except UnencodableHeaders as exc:  # stored past enqueue's checks: it can never be sent as it is
+                pending.errors[oid] = (f"headers cannot be sent: {exc}", "permanent")
+                if key is not None:
+                    refused.add((topic, key))
+                continue
             while True:
                 try:
                     # Positional (the C signature's order: topic, value, key, partition, callback, on_delivery,

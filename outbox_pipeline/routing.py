@@ -18,6 +18,7 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
+from .header_rules import BASE64_PATTERN
 from .strategies.offsets import BEHIND_POSITION
 
 # Class id for the transaction-scoped lock that serialized writers take: (class, hashtext(schema)).
@@ -147,11 +148,12 @@ _ENQUEUE = """
         WHERE h.key = '' OR NOT (
             jsonb_typeof(h.value) = 'string'
             OR (jsonb_typeof(h.value) = 'object' AND jsonb_typeof(h.value -> 'base64') = 'string'
-                AND (SELECT count(*) FROM jsonb_object_keys(h.value)) = 1))
+                AND (SELECT count(*) FROM jsonb_object_keys(h.value)) = 1
+                AND (h.value ->> 'base64') ~ {base64_pattern}))
         LIMIT 1;
         IF bad IS NOT NULL THEN
-            RAISE EXCEPTION 'outbox enqueue: header "%" must be a string, or {{"base64": "..."}} for bytes, under a '
-                'non-empty name', bad USING ERRCODE = 'invalid_parameter_value';
+            RAISE EXCEPTION 'outbox enqueue: header "%" must be a string, or {{"base64": "..."}} for bytes (padded '
+                'base64, no whitespace), under a non-empty name', bad USING ERRCODE = 'invalid_parameter_value';
         END IF;
         IF priority IS NULL OR priority NOT BETWEEN -32768 AND 32767 THEN
             RAISE EXCEPTION 'outbox enqueue: priority must be in -32768..32767, got %', priority
@@ -324,6 +326,7 @@ def replace_sql_enqueue(
             enqueue=t.ident("enqueue"),
             messages=t.messages,
             topic_pattern=sql.Literal(topic_pattern),
+            base64_pattern=sql.Literal(BASE64_PATTERN),
             reserved=sql.Literal(sorted(RESERVED_HEADERS)),
             lock_class=sql.Literal(SERIALIZED_LOCK_CLASS),
             schema=sql.Literal(t.schema),

@@ -130,6 +130,9 @@ PARTITION_STORAGE = (
 )
 
 
+DEFAULT_PARTITION = "outbox_messages_default"
+
+
 def partition_name(day: dt.date) -> str:
     return f"outbox_messages_p{day:%Y%m%d}"
 
@@ -162,6 +165,13 @@ def ensure_partitions(
                 continue
             start = dt.datetime.combine(day, dt.time(), dt.UTC)
             end = start + dt.timedelta(days=1)
+            if _default_holds(conn, table, start, end):
+                # Rows of the day landed in DEFAULT while it had no partition (maintenance did not run for longer
+                # than days_ahead): the day's partition is made with them, as maintenance moves them. A plain
+                # CREATE would fail on them at every init-db and maintenance run.
+                move_into_own_partition(conn, table, day)
+                created.append(name)
+                continue
             try:
                 conn.execute(
                     sql.SQL(
@@ -175,13 +185,62 @@ def ensure_partitions(
                         end=sql.Literal(end),
                     )
                 )
-            except psycopg.errors.CheckViolation as exc:
+            except psycopg.errors.CheckViolation as exc:  # a writer committed one since _default_holds looked
                 raise SchemaError(
-                    f"cannot create partition {name}: the DEFAULT partition holds rows for {day}; "
-                    "run partition maintenance to move them first"
+                    f"cannot create partition {name}: a row for {day} was just written to the DEFAULT partition; "
+                    "run it again"
                 ) from exc
             created.append(name)
     return created
+
+
+def _default_holds(conn: psycopg.Connection, table: OutboxTable, start: dt.datetime, end: dt.datetime) -> bool:
+    row = conn.execute(
+        sql.SQL("SELECT EXISTS (SELECT 1 FROM {} d WHERE d.created_at >= %s AND d.created_at < %s)").format(
+            table.ident(DEFAULT_PARTITION)
+        ),
+        (start, end),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def move_into_own_partition(conn: psycopg.Connection, table: OutboxTable, day: dt.date) -> int:
+    """Give ``day`` its own partition with its rows from DEFAULT, in the caller's transaction; returns rows moved.
+
+    Writers wait meanwhile (the parent in SHARE ROW EXCLUSIVE mode: a row committed into DEFAULT between the move
+    and the ATTACH made the ATTACH fail, for ever under steady writes). Rows keep every column (id, transaction_id),
+    so positions and ids mean what they meant; readers see them in DEFAULT until the commit and in the new
+    partition after it, never both or neither.
+    """
+    start = dt.datetime.combine(day, dt.time(), dt.UTC)
+    end = start + dt.timedelta(days=1)
+    part = table.ident(partition_name(day))
+    _lock_migrations(conn, table)
+    conn.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(table.messages))
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE {part} (LIKE {messages} INCLUDING DEFAULTS INCLUDING CONSTRAINTS) WITH ({storage})"
+        ).format(part=part, messages=table.messages, storage=sql.SQL(PARTITION_STORAGE))
+    )
+    cur = conn.execute(
+        sql.SQL(
+            """
+            WITH rescued AS (
+                DELETE FROM {default} d
+                WHERE d.created_at >= %(start)s AND d.created_at < %(end)s
+                RETURNING d.*
+            )
+            INSERT INTO {part} SELECT * FROM rescued
+            """
+        ).format(default=table.ident(DEFAULT_PARTITION), part=part),
+        {"start": start, "end": end},
+    )
+    conn.execute(
+        sql.SQL("ALTER TABLE {messages} ATTACH PARTITION {part} FOR VALUES FROM ({start}) TO ({end})").format(
+            messages=table.messages, part=part, start=sql.Literal(start), end=sql.Literal(end)
+        )
+    )
+    return cur.rowcount
 
 
 def set_topic_partitions(

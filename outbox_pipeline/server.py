@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from .config import check_dsn
 from .errors import SchemaError
 
 #: The oldest PostgreSQL the engine runs on (server_version_num), and why, for the refusal.
@@ -41,6 +42,7 @@ SESSION_SETTINGS_14: Mapping[str, str] = MappingProxyType({"idle_session_timeout
 
 def connect(dsn: str, *, autocommit: bool = False, **kwargs: Any) -> psycopg.Connection:
     """A session of the engine's: ``psycopg.connect`` and the settings every engine session runs with."""
+    check_dsn(dsn)  # a DSN libpq cannot parse would show in psycopg's error as it is, password and all
     conn = psycopg.connect(dsn, autocommit=autocommit, **kwargs)
     try:
         configure(conn)

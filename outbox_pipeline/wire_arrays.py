@@ -64,7 +64,7 @@ def register(adapters: AdaptersMap) -> None:
 
 
 def text_array(values: Sequence[bytes | None]) -> TextArray:
-    """A ``text[]`` of UTF-8 encoded values (None: NULL)."""
+    """A ``text[]`` of values encoded in the connection's client encoding (None: NULL)."""
     parts = [b""]
     nulls = 0
     for value in values:

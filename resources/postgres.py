@@ -14,7 +14,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from pydantic import Field, PrivateAttr
 
 from outbox_pipeline import server
-from outbox_pipeline.config import DEFAULT_SCHEMA, OutboxTable, redact_dsn
+from outbox_pipeline.config import DEFAULT_SCHEMA, OutboxTable, check_dsn, redact_dsn
 
 
 class PostgresResource(dg.ConfigurableResource):
@@ -36,6 +36,8 @@ class PostgresResource(dg.ConfigurableResource):
         return redact_dsn(self.dsn)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        # Before the pool: its threads would log libpq's reason for an unparsable DSN, which may quote the password.
+        check_dsn(self.dsn)
         # min_size=0: connections are made on first use, so a tick that never needs one costs nothing.
         self._pool = ConnectionPool(
             self.dsn,

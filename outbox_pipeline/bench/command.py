@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import settings
+from ..config import check_dsn
 from ..strategies import STRATEGY_NAMES
 from . import header_floor, held, latency_cli, retained, writers
 from .comparison import (
@@ -159,6 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def servers(embedded: bool) -> Iterator[Servers]:
     dsn, bootstrap = settings.PG_DSN.read(), os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if dsn and bootstrap and not embedded:
+        check_dsn(dsn)
         yield Servers(dsn, bootstrap)
         return
     from ..localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port

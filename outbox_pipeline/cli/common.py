@@ -12,7 +12,14 @@ import socket
 import psycopg
 
 from .. import schema, server
-from ..config import OutboxTable, kafka_config_from_env, parse_timestamp, pg_dsn_from_env, redact_kafka_config
+from ..config import (
+    OutboxTable,
+    check_dsn,
+    kafka_config_from_env,
+    parse_timestamp,
+    pg_dsn_from_env,
+    redact_kafka_config,
+)
 from ..errors import ConfigurationError, OutboxError
 from ..publisher import check_producer_config
 from ..strategies import strategy_class
@@ -32,7 +39,10 @@ def table_of(args: argparse.Namespace) -> OutboxTable:
 
 
 def dsn_of(args: argparse.Namespace) -> str:
-    return args.dsn or pg_dsn_from_env()
+    if args.dsn:
+        check_dsn(args.dsn)
+        return str(args.dsn)
+    return pg_dsn_from_env()
 
 
 def strategy_named(name: str) -> type[Strategy]:

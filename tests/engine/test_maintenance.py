@@ -20,7 +20,7 @@ from outbox_pipeline.maintenance import (
     fingerprint,
     move_default_rows,
 )
-from outbox_pipeline.schema import partition_name
+from outbox_pipeline.schema import ensure_partitions, init_db, partition_name
 
 LATE_DAY = dt.date(2020, 2, 3)  # no partition that far back: rows for it land in DEFAULT
 LATE_START = dt.datetime.combine(LATE_DAY, dt.time(), dt.UTC)
@@ -127,3 +127,35 @@ def test_the_archive_fingerprint_changes_when_any_column_changes(
 def test_a_retention_below_one_day_is_refused() -> None:
     with pytest.raises(ValueError, match="retention_days must be at least 1"):
         expired([], dt.date(2026, 11, 24), 0)
+
+
+def test_rows_in_default_for_a_day_entering_the_create_ahead_window_get_their_partition_from_init_db_and_maintenance(
+    db: psycopg.Connection, table: OutboxTable
+) -> None:
+    """Issue 40, case 9: maintenance did not run for longer than days_ahead, so rows of a day past the window landed
+    in DEFAULT; once that day enters the window, every init-db and maintenance run failed to create its partition
+    ("run partition maintenance to move them first": maintenance itself created before it moved)."""
+    today = dt.datetime.now(dt.UTC).date()
+    late_day = today + dt.timedelta(days=3)
+    ensure_partitions(db, table, days_ahead=1, today=today)
+    db.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table.ident(partition_name(late_day))))
+    late = dt.datetime.combine(late_day, dt.time(12), dt.UTC)
+    inserted = db.execute(
+        sql.SQL(
+            "INSERT INTO {} (topic, key, payload, partition, created_at) VALUES ('t', 'k', '{{}}', 0, %s) "
+            "RETURNING id, message_id::text, transaction_id::text"
+        ).format(table.messages),
+        (late,),
+    ).fetchone()
+    assert default_rows_by_day(db, table) == {late_day: 1}
+
+    init_db(db, table, today=today + dt.timedelta(days=1))  # late_day is now in the window
+    ensure_partitions(db, table, today=today + dt.timedelta(days=2))  # maintenance's create_ahead, again
+
+    assert default_rows_by_day(db, table) == {}
+    where = db.execute(
+        sql.SQL("SELECT tableoid::regclass::text, id, message_id::text, transaction_id::text FROM {}").format(
+            table.messages
+        )
+    ).fetchall()
+    assert where == [(f"{table.schema}.{partition_name(late_day)}", *inserted)]  # the row itself, in its own day

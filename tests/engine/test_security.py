@@ -181,3 +181,45 @@ def test_hostile_schema_topic_key_and_payload_are_stored_and_relayed_verbatim(
 def test_local_postgres_and_broker_listen_on_loopback_only(pg_server: LocalPostgres, broker: LocalBroker) -> None:
     assert listening_hosts(pg_server.spec.port) == {LOOPBACK}
     assert listening_hosts(broker.spec.port) == {LOOPBACK}
+
+
+# DSNs libpq cannot parse, each carrying the secret: psycopg's error quotes the token it choked on, or the whole DSN.
+MALFORMED_DSNS = [
+    f"postgresql://app:p%zz{DB_SECRET}@127.0.0.1/db",  # an invalid percent-encoding in the password
+    f"postgresql+psycopg://app:{DB_SECRET}@127.0.0.1/db",  # SQLAlchemy's URL
+    f"host=127.0.0.1 password='{DB_SECRET}",  # an unterminated quote
+]
+
+
+@pytest.mark.parametrize("command", [["status", "--strategy", "partitioned"], ["relay", "--strategy", "locking"]])
+@pytest.mark.parametrize("malformed", MALFORMED_DSNS)
+def test_a_malformed_dsn_is_refused_with_a_clear_error_that_never_shows_its_password(
+    malformed: str, command: list[str]
+) -> None:
+    env = dict(os.environ, OUTBOX_PG_DSN=malformed, KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1")
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_pipeline.cli", *command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "error: the PostgreSQL DSN is not valid" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert DB_SECRET not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("malformed", MALFORMED_DSNS)
+def test_a_dagster_step_on_a_malformed_dsn_fails_without_showing_its_password(malformed: str) -> None:
+    resource = PostgresResource(dsn=malformed, schema_name="outbox")
+    result = dg.materialize(
+        [outbox_backlog],
+        resources={"postgres": resource, "orchestration": OrchestrationSettings()},
+        raise_on_error=False,
+    )
+    assert not result.success
+    events = "\n".join(str(event) for event in result.all_events)
+    assert "the PostgreSQL DSN is not valid" in events
+    assert DB_SECRET not in events

@@ -1,0 +1,76 @@
+"""An outbox in a LATIN1 database (issue 40, case 3): every writer form stores a key as the same characters, so one
+key stays one Kafka key, and a character the database cannot hold is refused before anything is written. Before,
+``enqueue_many`` sent UTF-8 bytes whatever the client encoding: ``café`` was stored as ``cafÃ©``."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, enqueue_many
+from outbox_pipeline.localstack import LocalPostgres
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import drain
+
+
+@pytest.fixture
+def latin1_dsn(pg_server: LocalPostgres) -> Iterator[str]:
+    name = f"latin1_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("CREATE DATABASE {} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0").format(
+                sql.Identifier(name)
+            )
+        )
+    yield make_conninfo(pg_server.dsn, dbname=name)
+    with psycopg.connect(pg_server.dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.mark.parametrize("strategy", ["locking", "partitioned"])
+def test_every_writer_form_stores_a_latin1_key_as_itself_and_kafka_gets_one_key(
+    strategy: str,
+    latin1_dsn: str,
+    outbox_tables: Callable[[str], OutboxTable],
+    new_topic: Callable[..., str],
+    kafka: KafkaProbe,
+) -> None:
+    table = outbox_tables(latin1_dsn)
+    topic = new_topic("latin1", partitions=4)
+    with psycopg.connect(latin1_dsn) as conn:
+        assert conn.info.encoding == "iso8859-1"  # the database's own, as libpq's default gives it
+        with conn.transaction():
+            enqueue(conn, topic, {"n": 0}, key="café", table=table)
+            enqueue_many(conn, [Message(topic, {"n": i}, key="café") for i in (1, 2)], table=table)
+            conn.execute(
+                sql.SQL("SELECT {}(topic => %s, payload => '{{\"n\": 3}}', key => 'café')").format(
+                    table.ident("enqueue")
+                ),
+                (topic,),
+            )
+        stored = conn.execute(sql.SQL("SELECT DISTINCT key, partition FROM {}").format(table.messages)).fetchall()
+    assert len(stored) == 1 and stored[0][0] == "café", stored  # one key, one partition
+
+    drain(latin1_dsn, table, kafka.bootstrap_servers, strategy)
+
+    records = kafka.consume(topic, expect=4)
+    assert {r.key for r in records} == {"café".encode()}
+    assert len({r.partition for r in records}) == 1
+
+
+def test_a_character_the_latin1_database_cannot_hold_is_refused_and_nothing_is_stored(
+    latin1_dsn: str, outbox_tables: Callable[[str], OutboxTable]
+) -> None:
+    table = outbox_tables(latin1_dsn)
+    with psycopg.connect(latin1_dsn) as conn:
+        with pytest.raises(InvalidMessageError, match="cannot be stored in this database's client encoding"):
+            with conn.transaction():
+                enqueue_many(
+                    conn, [Message("orders", {"n": i}, key=k) for i, k in enumerate(["café", "東京"])], table=table
+                )
+        assert conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone() == (0,)
