@@ -255,16 +255,18 @@ def _m008_quarantine(conn: psycopg.Connection, t: OutboxTable) -> None:
 
 
 def _m010_cheap_topic_check(conn: psycopg.Connection, t: OutboxTable) -> None:
-    # Adding the check reads every row once, under the lock the ALTER takes (writers wait): about 0.5 us a row.
+    # Added NOT VALID, then validated: the ALTER's exclusive lock is held for the catalog change only, and the check
+    # of every existing row (about 0.5 us a row) runs under VALIDATE's lock, which lets writers write.
     conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT outbox_messages_topic_valid").format(t.messages))
     conn.execute(
         sql.SQL(
             """
             ALTER TABLE {messages} ADD CONSTRAINT outbox_messages_topic_valid
-                CHECK (topic ~ {pattern} AND length(topic) <= 249 AND topic NOT IN ('.', '..'))
+                CHECK (topic ~ {pattern} AND length(topic) <= 249 AND topic NOT IN ('.', '..')) NOT VALID
             """
         ).format(messages=t.messages, pattern=sql.Literal(TOPIC_CHECK_PATTERN))
     )
+    conn.execute(sql.SQL("ALTER TABLE {} VALIDATE CONSTRAINT outbox_messages_topic_valid").format(t.messages))
     replace_sql_enqueue(conn, t, topic_pattern=TOPIC_CHECK_PATTERN)
 
 

@@ -219,12 +219,25 @@ class WorkerPresence:
         self._record()
 
     def deregister(self) -> None:
-        """A clean stop: gone from the registry and the lock released, so nobody waits for expiry."""
+        """A stop, clean or on an exception: gone from the registry, what it leased freed and the lock released, so
+        nobody waits for expiry. (Its registration gone, the reaper could no longer free its leases: a worker that
+        exited on an exception held its partitions for ``lease_s``.) Nothing of it is acked after this: what it had
+        in flight is published again by whoever takes the partition (at least once)."""
         if self.conn.closed or self.conn.broken:
             return
         try:
             self.conn.execute(
-                sql.SQL("DELETE FROM {} WHERE worker_id = %(worker)s").format(self.table.workers), self._key
+                sql.SQL(
+                    """
+                    WITH gone AS (DELETE FROM {workers} WHERE worker_id = %(worker)s),
+                    partitions AS (
+                        UPDATE {offsets} SET locked_by = NULL, available_after = now(), updated_at = now()
+                        WHERE locked_by = %(worker)s
+                    )
+                    DELETE FROM {leases} WHERE locked_by = %(worker)s
+                    """
+                ).format(workers=self.table.workers, offsets=self.table.offsets, leases=self.table.leases),
+                self._key,
             )
             if self.liveness == "session":
                 self.conn.execute(sql.SQL("SELECT pg_advisory_unlock({})").format(self._lock_key))

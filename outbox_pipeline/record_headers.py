@@ -31,6 +31,10 @@ class CloudEvents:
     topics: frozenset[str] | None
     source: str
 
+    def __post_init__(self) -> None:
+        if not self.source.strip():
+            raise ValueError("CloudEvents source must not be empty (ce_source is required: a URI reference)")
+
     def covers(self, topic: str) -> bool:
         return self.topics is None or topic in self.topics
 
@@ -49,7 +53,8 @@ class _Own:
     """A row's own headers, decoded, and their names."""
 
     pairs: list[tuple[str, bytes]]
-    names: frozenset[str]
+    kept_under_ce: list[tuple[str, bytes]]  # the pairs but empty ce_* attributes, for a CloudEvents record
+    given: frozenset[str]  # the names of those
 
 
 class RecordHeaders:
@@ -76,10 +81,12 @@ class RecordHeaders:
         if type_ is not None:
             headers.append(("type", type_))
         own = None
+        cloud = self.cloud_events is not None and self.cloud_events.covers(topic)
         if headers_json != "{}":
             own = self._own.get(headers_json) or self._decode(headers_json)  # no call per row once decoded
-            headers.extend(own.pairs)
-        if self.cloud_events is not None and self.cloud_events.covers(topic):
+            # A CloudEvents record carries no empty ce_* attribute of the row's own: ours stand for them.
+            headers.extend(own.kept_under_ce if cloud else own.pairs)
+        if cloud:
             headers.extend(self._cloud_event(topic, message_id, created, type_, binary, own))
         return headers
 
@@ -87,7 +94,8 @@ class RecordHeaders:
         if len(self._own) >= MAX_DECODED:
             self._own.clear()
         pairs = decode_headers(json.loads(headers_json))
-        own = self._own[headers_json] = _Own(pairs, frozenset(name for name, _ in pairs))
+        kept = [(name, value) for name, value in pairs if value or not name.startswith("ce_")]
+        own = self._own[headers_json] = _Own(pairs, kept, frozenset(name for name, _ in kept))
         return own
 
     def _cloud_event(
@@ -97,7 +105,7 @@ class RecordHeaders:
         attributes: Headers = [
             ("ce_specversion", CE_SPECVERSION),
             ("ce_id", message_id),
-            ("ce_type", type_ if type_ is not None else topic.encode()),
+            ("ce_type", type_ or topic.encode()),  # required and non-empty: an empty type is none
             ("ce_source", self.cloud_events.source.encode()),
         ]
         if created[:1].isdigit():  # not 'infinity': ce_time must be an RFC 3339 timestamp
@@ -105,4 +113,5 @@ class RecordHeaders:
         attributes.append(("content-type", b"application/octet-stream" if binary else b"application/json"))
         if own is None:
             return attributes
-        return [(name, value) for name, value in attributes if name not in own.names]
+        # A row's own attribute replaces ours, unless it is empty (ce_type and ce_source must not be).
+        return [(name, value) for name, value in attributes if name not in own.given]

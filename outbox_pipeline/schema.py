@@ -81,7 +81,16 @@ def _init_db(
             _lock_migrations(conn, table)
             if migration.version <= current_version(conn, table):
                 continue
-            migration.apply(conn, table)
+            # DDL on a live table queues every writer behind it while it waits for its lock: it waits a bounded time.
+            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(MIGRATION_LOCK_TIMEOUT)))
+            try:
+                migration.apply(conn, table)
+            except psycopg.errors.LockNotAvailable:
+                raise SchemaError(
+                    f"migration {migration.version} ({migration.name}) did not get its lock on the outbox within "
+                    f"{MIGRATION_LOCK_TIMEOUT}: a long transaction holds it (outbox status names it); nothing of "
+                    "it was applied, run `outbox init-db` again"
+                ) from None
             conn.execute(
                 sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(table.migrations),
                 (migration.version, migration.name),
@@ -94,6 +103,10 @@ def _init_db(
         for index in indexes_for(strategies):
             build(conn, table, index)
     return applied
+
+
+#: How long a migration waits for a lock on the live table before it gives up (writers queue behind it meanwhile).
+MIGRATION_LOCK_TIMEOUT = "10s"
 
 
 def _lock_migrations(conn: psycopg.Connection, table: OutboxTable) -> None:
@@ -117,6 +130,13 @@ def require_current(conn: psycopg.Connection, table: OutboxTable) -> None:
         raise SchemaError(
             f"outbox schema {table.schema!r} is at version {version}, this code needs {LATEST_VERSION}: "
             "run `outbox init-db`"
+        )
+    if version > LATEST_VERSION:
+        # A relay of an older release would relay rows it cannot read right (before migration 11, a bytes payload
+        # went out as a null value: a tombstone) and ack them.
+        raise SchemaError(
+            f"outbox schema {table.schema!r} is at version {version}, newer than this code knows ({LATEST_VERSION}): "
+            "run the release that migrated it (docs/operations.md, Upgrading the schema)"
         )
 
 

@@ -176,20 +176,31 @@ class StreamRun:
         last = time.monotonic()
         totals = _Totals()
         thread.start()
+        conn: psycopg.Connection | None = None
         try:
-            with server.connect(self.dsn, autocommit=True, application_name="outbox stream report") as conn:
-                while True:
-                    self._finished.wait(timeout=max(0.0, last + self.report_every_s - time.monotonic()))
-                    final = self._finished.is_set()
-                    now = time.monotonic()
-                    if final and self._failure is not None:
-                        raise self._failure
-                    current = _Totals.of(self.relay.stats)
-                    yield self._report(conn, now - last, totals, current, final)
-                    last, totals = now, current
-                    if final:
-                        return
+            while True:
+                self._finished.wait(timeout=max(0.0, last + self.report_every_s - time.monotonic()))
+                final = self._finished.is_set()
+                now = time.monotonic()
+                if final and self._failure is not None:
+                    raise self._failure
+                current = _Totals.of(self.relay.stats)
+                try:
+                    if conn is None:
+                        conn = server.connect(self.dsn, autocommit=True, application_name="outbox stream report")
+                    report = self._report(conn, now - last, totals, current, final)
+                except psycopg.OperationalError:
+                    # The database restarted or ended this session. The relay reconnects by itself; the report
+                    # does at its next interval, and this one goes without lag rather than failing the run.
+                    _closed(conn)
+                    conn = None
+                    report = self._report(None, now - last, totals, current, final)
+                yield report
+                last, totals = now, current
+                if final:
+                    return
         finally:
+            _closed(conn)
             self.close()
 
     def _run(self) -> None:
@@ -201,19 +212,23 @@ class StreamRun:
             self._finished.set()
 
     def _report(
-        self, conn: psycopg.Connection, interval_s: float, before: _Totals, now: _Totals, final: bool
+        self, conn: psycopg.Connection | None, interval_s: float, before: _Totals, now: _Totals, final: bool
     ) -> StreamReport:
-        published, failed, errors = self._tally.take()
+        """``conn`` None: the database cannot be read now; the interval is reported from the relay's own counts."""
         table = self.config.table
-        lags = {
-            (lag.topic, lag.partition): lag for lag in partition_lag(conn, table, self.strategy, cap=REPORT_LAG_CAP)
-        }
-        if self.config.partitions is None and not final:
+        lags = {}
+        # The database is read before the tally is taken: a read that fails loses no count.
+        if conn is not None:
+            lags = {
+                (lag.topic, lag.partition): lag for lag in partition_lag(conn, table, self.strategy, cap=REPORT_LAG_CAP)
+            }
+        if conn is not None and self.config.partitions is None and not final:
             # While registered it is dealt its share; before it registers and once it has deregistered
             # (the final report) it keeps the share it had, so no partition is reported by two workers.
             home = deal(conn, table, self.config.worker_id, self.config.lease_s)
             if not home.everywhere:
                 self._dealt = set(zip(home.topics or [], home.partitions or [], strict=True))
+        published, failed, errors = self._tally.take()
         dealt = self._dealt
         pairs = sorted(dealt | set(published) | set(failed))
         return StreamReport(
@@ -238,3 +253,9 @@ class StreamRun:
             errors=now.errors - before.errors,
             final=final,
         )
+
+
+def _closed(conn: psycopg.Connection | None) -> None:
+    """Close ``conn`` if there is one (a broken connection closes without error)."""
+    if conn is not None:
+        conn.close()

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -58,17 +59,27 @@ class AlertResource(dg.ConfigurableResource):
         url = os.environ.get(self.webhook_url_env, "").strip()
         if not url:
             return True
-        request = urllib.request.Request(
-            url,
-            data=json.dumps(alert.payload(), default=str).encode(),
-            headers={"Content-Type": "application/json", "User-Agent": "outbox-pipeline-alerts"},
-            method="POST",
-        )
+        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+            # urllib would raise with the URL in its message, on the tick that must alert; the URL holds a token.
+            out.error(
+                "alert %s %s not delivered: %s is not an http:// or https:// URL (its value is not shown: it may "
+                "hold a token)",
+                alert.alert,
+                alert.status,
+                self.webhook_url_env,
+            )
+            return False
         try:
+            request = urllib.request.Request(
+                url,
+                data=json.dumps(alert.payload(), default=str).encode(),
+                headers={"Content-Type": "application/json", "User-Agent": "outbox-pipeline-alerts"},
+                method="POST",
+            )
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 response.read()
             return True
         except Exception as exc:  # never fail the caller: report and carry on
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            reason = str(exc.reason if isinstance(exc, urllib.error.URLError) else exc).replace(url, "<webhook URL>")
             out.error("alert %s %s not delivered to the webhook: %s", alert.alert, alert.status, reason)
             return False

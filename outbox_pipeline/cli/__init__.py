@@ -20,7 +20,7 @@ from ..migrations import DEFAULT_DAYS_AHEAD
 from ..relay_settings import RelaySettings
 from ..strategies import STRATEGY_NAMES, strategy_list
 from ..strategies.quarantine import ON_POISON_CHOICES
-from .common import add_db_args, timestamp_arg
+from .common import add_db_args, header_pair, positive_int, timestamp_arg, topic_partitions
 from .inspect_commands import cmd_lag, cmd_settings, cmd_status
 from .operator_commands import cmd_dead_letters, cmd_release_lease, cmd_replay, cmd_switch_strategy, cmd_verify
 from .relay_command import EXIT_NOT_EMPTY, cmd_relay
@@ -37,8 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init-db", help="create or migrate the outbox schema (idempotent)")
     add_db_args(p)
     p.add_argument("--days-ahead", type=int, default=DEFAULT_DAYS_AHEAD, help="daily partitions to create ahead")
-    p.add_argument("--partitions", type=int, help="default number of virtual partitions per topic")
-    p.add_argument("--topic", action="append", metavar="NAME:PARTITIONS", help="virtual partitions of one topic")
+    p.add_argument("--partitions", type=positive_int, help="default number of virtual partitions per topic")
+    p.add_argument(
+        "--topic",
+        type=topic_partitions,
+        action="append",
+        metavar="NAME:PARTITIONS",
+        help="virtual partitions of one topic",
+    )
     p.add_argument(
         "--strategy",
         type=strategy_list,
@@ -66,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     payload.add_argument("--payload-base64", help="bytes, base64-encoded: published unchanged")
     p.add_argument("--key")
     p.add_argument("--type")
-    p.add_argument("--header", action="append", metavar="NAME=VALUE")
+    p.add_argument("--header", type=header_pair, action="append", metavar="NAME=VALUE")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--partition", type=int)
     p.add_argument("--serialized", action="store_true", help="take the serialized-writer lock")
@@ -182,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", type=int, action="append", help="retry, discard: this dead letter (repeatable)")
     p.add_argument("--reason", help="discard: why (recorded with the dead letter)")
     p.add_argument("--topic", help="retry: the dead letters of this topic")
+    p.add_argument("--all", action="store_true", help="retry: every dead letter not yet retried or discarded")
     p.add_argument("--limit", type=int, default=100, help="list: at most this many")
     p.add_argument("--include-retried", action="store_true", help="list: retried ones too")
     p.add_argument("--json", action="store_true", help="list: as JSON")

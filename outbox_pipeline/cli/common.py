@@ -28,6 +28,33 @@ from ..strategies.base import Strategy
 log = logging.getLogger("outbox")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1 (a partition count of 0 reached the database as a CHECK violation)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def topic_partitions(text: str) -> tuple[str, int]:
+    """An argparse type: ``NAME:PARTITIONS``."""
+    name, colon, count = text.rpartition(":")
+    if not colon or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME:PARTITIONS (a topic and its partition count), got {text!r}")
+    return name, positive_int(count)
+
+
+def header_pair(text: str) -> tuple[str, str]:
+    """An argparse type: ``NAME=VALUE``."""
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def add_db_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsn", help="libpq DSN or URI (default: $OUTBOX_PG_DSN)")
     parser.add_argument("--schema", help="schema holding the outbox tables (default: $OUTBOX_SCHEMA or 'outbox')")

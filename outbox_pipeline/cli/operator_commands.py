@@ -61,6 +61,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
     table = table_of(args)
+    if args.action == "retry" and not (args.id or args.topic or args.all):
+        # Without a selector it retried every dead letter: an operator who meant one got them all.
+        raise OutboxError("dead-letters retry: say which: --id ID (repeatable), --topic TOPIC, or --all")
     with connect(args) as conn:
         if args.action == "retry":
             count = dead_letters.retry_dead_letters(conn, table, ids=args.id, topic=args.topic, by=operator_name())

@@ -24,9 +24,8 @@ def cmd_init_db(args: argparse.Namespace) -> int:
         applied = schema.init_db(conn, table, days_ahead=args.days_ahead, strategies=args.strategy)
         if args.partitions is not None:
             schema.set_topic_partitions(conn, table, DEFAULT_TOPIC_ROW, args.partitions)
-        for topic_spec in args.topic or []:
-            name, _, count = topic_spec.partition(":")
-            schema.set_topic_partitions(conn, table, name, int(count))
+        for name, count in args.topic or []:
+            schema.set_topic_partitions(conn, table, name, count)
         version = schema.current_version(conn, table)
         found = indexes.states(conn, table)
     names = ", ".join(f"{m.version} ({m.name})" for m in applied) or "none (already current)"
@@ -75,7 +74,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
             payload = json.loads(args.payload)
         except json.JSONDecodeError as exc:
             raise OutboxError(f"--payload is not valid JSON: {exc}") from None
-    headers = dict(h.split("=", 1) for h in args.header or [])
+    headers = dict(args.header or [])
     with server.connect(dsn_of(args)) as conn:
         result = enqueue(
             conn,

@@ -155,19 +155,36 @@ def _spawn(
             preexec_fn=_restore_default_signals,
         )
     pid_file = settings.run_dir / f"{name}.pid"
-    pid_file.write_text(str(process.pid))
+    _write_pid(pid_file, process.pid)
     log.info("started %s (pid %d), log: %s", name, process.pid, log_path)
     return _Child(name, process, pid_file, stop_signal)
 
 
+def _start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat): with the pid, names one process for ever."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return int(fields[19])  # the 22nd field of stat; the first two (pid, comm) are cut off with the ")"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _write_pid(pid_file: Path, pid: int) -> None:
+    pid_file.write_text(f"{pid} {_start_ticks(pid)}")
+
+
 def _reap_stale(settings: DevSettings) -> None:
-    """Stop children left behind by a supervisor that died without cleaning up."""
+    """Stop children left behind by a supervisor that died without cleaning up.
+
+    Only the very process each pid file names, and only as the leader of its own group (as started): a pid that
+    was reused since (by anything, ours or not, the same start time never comes back) is left alone, and so is
+    its group."""
     for pid_file in settings.run_dir.glob("*.pid"):
         try:
-            pid = int(pid_file.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if not any(marker in cmdline for marker in (b"outbox_pipeline", b"dagster", b"tansu")):
-                raise ProcessLookupError  # the pid was reused by something that is not ours
+            pid_text, _, started = pid_file.read_text().strip().partition(" ")
+            pid = int(pid_text)
+            if not started or started == "None" or _start_ticks(pid) != int(started) or os.getpgid(pid) != pid:
+                raise ProcessLookupError  # not the process that was started, or no longer leading its group
             os.killpg(pid, signal.SIGTERM)
             log.warning("stopped %s left over from an earlier run (pid %d)", pid_file.stem, pid)
         except (ValueError, OSError):
@@ -203,7 +220,8 @@ def run_dev(settings: DevSettings) -> int:
             )
         pg.start()
         broker.start()
-        (settings.run_dir / "broker.pid").write_text(str(broker.pid))
+        if broker.pid is not None:
+            _write_pid(settings.run_dir / "broker.pid", broker.pid)
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             # The indexes of the strategy the Dagster runs relay with: each index costs every write.
             init_db(conn, settings.table, strategies=[catalogue.RELAY_STRATEGY.read()])

@@ -304,3 +304,20 @@ def test_dead_letters_alert_the_webhook_once_per_incident_and_once_when_all_are_
         ("outbox_dead_letters", "resolved"),
     ]
     assert "1 outbox messages dead-lettered" in str(receiver.received[0]["text"])
+
+
+@pytest.mark.parametrize(
+    "url", ["hooks.example.com/services/T0/B0/tok3n-Secr3t", "ftp://hooks.example.com/tok3n-Secr3t"]
+)
+def test_a_webhook_url_without_an_http_scheme_is_reported_by_its_variable_not_raised_nor_shown(
+    url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40, case 17: urllib raised on the tick that had to alert, with the URL (its token) in the tick error."""
+    monkeypatch.setenv("OUTBOX_ALERT_WEBHOOK_URL", url)
+    alert = Alert(alert="outbox_lag_slo", status="firing", severity="ERROR", text="test")
+
+    with caplog.at_level("INFO"):
+        assert AlertResource(timeout_s=2).send(alert) is False
+
+    assert "OUTBOX_ALERT_WEBHOOK_URL is not an http:// or https:// URL" in caplog.text
+    assert "tok3n-Secr3t" not in caplog.text

@@ -101,3 +101,30 @@ def test_an_unreachable_database_error_never_prints_the_password(capsys: pytest.
     captured = capsys.readouterr()
     assert "cannot reach PostgreSQL" in captured.err
     assert secret not in captured.err + captured.out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["init-db", "--topic", "orders"], "expected NAME:PARTITIONS (a topic and its partition count), got 'orders'"),
+        (["init-db", "--topic", "orders:0"], "must be at least 1, got 0"),
+        (["init-db", "--partitions", "0"], "must be at least 1, got 0"),
+        (["enqueue", "--topic", "t", "--payload", "{}", "--header", "foo"], "expected NAME=VALUE, got 'foo'"),
+    ],
+)
+def test_malformed_arguments_are_refused_with_what_was_expected_before_touching_the_database(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 40, case 29: each was a traceback (ValueError, a CHECK violation from the database)."""
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--dsn", "host=127.0.0.1 port=1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_dead_letters_retry_without_a_selector_retries_nothing_and_says_which_to_give(
+    db: psycopg.Connection, table: OutboxTable, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["dead-letters", "retry", "--dsn", db.info.dsn, "--schema", table.schema]) == 2
+    assert "say which: --id ID (repeatable), --topic TOPIC, or --all" in capsys.readouterr().err

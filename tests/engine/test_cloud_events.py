@@ -64,3 +64,35 @@ def test_messages_of_a_cloudevents_topic_parse_as_cloudevents_and_other_topics_g
     assert [v for k, v in own_type.headers.items() if k == "content-type"] == [b"application/cloudevents-test+json"]
     [other] = kafka.consume(plain, expect=1)
     assert not [name for name in other.headers if name.startswith("ce_")]
+
+
+def test_an_empty_type_or_an_empty_own_ce_attribute_never_makes_an_empty_required_attribute(
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 40, case 28: ``type=''`` gave ``ce_type: ''``, and a row's own empty ``ce_source`` replaced ours; both
+    are required, non-empty attributes (a CloudEvents SDK refuses the record)."""
+    events = new_topic("events")
+    monkeypatch.setenv("OUTBOX_CLOUDEVENTS", "all")
+    monkeypatch.setenv("OUTBOX_CLOUDEVENTS_SOURCE", "/shop/orders")
+    written = enqueue_many(
+        db,
+        [
+            Message(events, {"n": 1}, key="k", type=""),
+            Message(events, {"n": 2}, key="k", headers={"ce_source": "", "ce_type": "", "ce_subject": "s"}),
+        ],
+        table=table,
+    )
+    db.commit()
+
+    drain(db.info.dsn, table, kafka.bootstrap_servers, "partitioned")
+
+    by_id = {r.headers["message_id"].decode(): r for r in kafka.consume(events, expect=2)}
+    for w in written:
+        record = by_id[str(w.message_id)]
+        event = _event(record)
+        assert (event.get_type(), event.get_source()) == (events, "/shop/orders")
+        assert all(value for name, value in record.headers.items() if name.startswith("ce_"))

@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from outbox_pipeline.localstack import free_port
+from outbox_pipeline.localstack.dev import DevSettings, _reap_stale, _write_pid
 from tests.kit.net import LOOPBACK, listening_hosts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,3 +177,27 @@ def test_dev_with_a_taken_port_says_which_variable_to_change(dev_home: Path) -> 
         )
     assert result.returncode == 1
     assert "already in use" in result.stderr and "OUTBOX_DEV_KAFKA_PORT" in result.stderr
+
+
+def test_a_stale_pid_file_stops_only_the_process_it_named_never_one_that_reused_its_pid(tmp_path: Path) -> None:
+    """Issue 40, case 30: a pid file of an earlier run was trusted on the pid and a word in the command line, so a
+    reused pid (another dagster, say) had its process group signalled."""
+    settings = DevSettings(home=tmp_path, project_dir=tmp_path)
+    settings.run_dir.mkdir(parents=True)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)  # dagster"]
+    ours = subprocess.Popen(sleeper, start_new_session=True)
+    reused = subprocess.Popen(sleeper, start_new_session=True)
+    try:
+        _write_pid(settings.run_dir / "ours.pid", ours.pid)
+        # What a pid file of a process long gone looks like when the pid now belongs to another: its start differs.
+        (settings.run_dir / "reused.pid").write_text(f"{reused.pid} 1")
+
+        _reap_stale(settings)
+
+        assert ours.wait(10) == -signal.SIGTERM
+        assert reused.poll() is None  # left alone
+        assert list(settings.run_dir.glob("*.pid")) == []
+    finally:
+        for process in (ours, reused):
+            process.kill()
+            process.wait()

@@ -20,10 +20,11 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.liveness import live_workers, reap
 from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.presence import WorkerIdInUseError, WorkerPresence
-from outbox_pipeline.schema import init_db
+from outbox_pipeline.schema import init_db, set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import lease_partition, wait_until
-from tests.kit.relay import make_relay, message_ids
+from tests.kit.relay import drain, make_relay, message_ids
+from tests.kit.workers import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,3 +156,39 @@ def test_two_cli_relays_given_one_worker_id_publish_nothing_twice_the_second_ref
     assert "worker id 'same-id-0'" in said and "in use by a live session (pid " in said
     arrived = message_ids(records)
     assert len(arrived) == 3000 == len(set(arrived))
+
+
+@pytest.mark.parametrize("strategy", ["lease", "partitioned", "serialized"])
+def test_a_worker_that_exits_on_an_exception_frees_what_it_leased_at_once(
+    strategy: str,
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    workers: Callable[..., WorkerProcess],
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    """Issue 40, case 13: its registration went with it, so the reaper could not free its leases, and every other
+    worker waited ``lease_s`` (here ten minutes) for them."""
+    topic = new_topic(partitions=2)
+    set_topic_partitions(db, table, topic, 2)
+    written = [
+        str(e.message_id)
+        for e in enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i % 5}") for i in range(400)], table=table)
+    ]
+    failing = workers(
+        "failing", dsn=dsn, table=table, bootstrap=kafka.bootstrap_servers, strategy=strategy,
+        config={"lease_s": 600}, fail_after_publish=1,
+    ).start()  # fmt: skip
+    assert failing.wait(60) != 0  # it exited on the exception
+
+    held = db.execute(
+        sql.SQL(
+            "SELECT (SELECT count(*) FROM {offsets} WHERE locked_by = 'failing'), "
+            "(SELECT count(*) FROM {leases} WHERE locked_by = 'failing')"
+        ).format(offsets=table.offsets, leases=table.leases)
+    ).fetchone()
+    assert held == (0, 0)
+    drain(dsn, table, kafka.bootstrap_servers, strategy, worker_id="next", lease_s=600, max_seconds=30)
+    # Everything, once at least: what the failing worker published before it failed comes again (not acked).
+    assert set(message_ids(kafka.consume(topic, idle_s=2.0))) == set(written)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import threading
 import uuid
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -12,9 +14,11 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from outbox_pipeline import schema
+from outbox_pipeline.cli import main
 from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.errors import SchemaError
 from outbox_pipeline.migrations import LATEST_VERSION, MIGRATIONS, TOPIC_CHECK_PATTERN
-from outbox_pipeline.schema import current_version, init_db, partition_name
+from outbox_pipeline.schema import current_version, init_db, partition_name, require_current
 
 
 def _write_rows_as_plain_sql(conn: psycopg.Connection, table: OutboxTable, count: int) -> None:
@@ -172,3 +176,49 @@ def test_an_outbox_with_rows_migrates_to_the_cheap_topic_check_keeping_every_row
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute(sql.SQL("INSERT INTO {} (topic, payload) VALUES ('no spaces', '1')").format(table.messages))
         conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+
+
+def test_a_relay_and_the_commands_refuse_a_schema_newer_than_this_code_knows(
+    db: psycopg.Connection, table: OutboxTable, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 40, case 4: only an older schema was refused; a relay of the release before bytes payloads published a
+    bytes row as a null value (a tombstone) and acked it."""
+    db.execute(
+        sql.SQL("INSERT INTO {} (version, name) VALUES (%s, 'from a newer release')").format(table.migrations),
+        (LATEST_VERSION + 1,),
+    )
+    newer = f"is at version {LATEST_VERSION + 1}, newer than this code knows ({LATEST_VERSION})"
+    with pytest.raises(SchemaError, match=re.escape(newer)):
+        require_current(db, table)
+    where = ["--dsn", db.info.dsn, "--schema", table.schema]
+    relay = ["relay", "--strategy", "partitioned", "--until-empty", "--bootstrap-servers", "127.0.0.1:1", *where]
+    for command in (relay, ["lag", "--strategy", "partitioned", *where]):
+        assert main(command) == 2
+        assert newer in capsys.readouterr().err
+
+
+def test_a_migration_that_cannot_get_its_lock_gives_up_applies_nothing_and_succeeds_when_run_again(
+    dsn: str, connect: Callable[[], psycopg.Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40, case 26: migrations' DDL waited for its lock without a bound, and every writer queued behind it."""
+    table = OutboxTable(schema=f"locked_{uuid.uuid4().hex[:8]}")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        try:
+            monkeypatch.setattr(schema, "MIGRATIONS", MIGRATIONS[:-1])
+            init_db(conn, table)
+            monkeypatch.setattr(schema, "MIGRATIONS", MIGRATIONS)
+            monkeypatch.setattr(schema, "MIGRATION_LOCK_TIMEOUT", "200ms")
+            reader = connect()
+            reader.execute("BEGIN")
+            reader.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages))  # held until its commit
+
+            with pytest.raises(
+                SchemaError, match=f"migration {LATEST_VERSION} .* did not get its lock .* within 200ms"
+            ):
+                init_db(conn, table)
+            assert current_version(conn, table) == LATEST_VERSION - 1
+
+            reader.execute("COMMIT")
+            assert [m.version for m in init_db(conn, table)] == [LATEST_VERSION]
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(table.schema_ident))

@@ -160,3 +160,31 @@ def test_an_interrupt_by_signal_while_it_waits_still_ends_with_the_worker_deregi
 
     assert raised == 1
     assert db.execute(sql.SQL("SELECT worker_id FROM {}").format(table.workers)).fetchall() == []
+
+
+def test_a_stream_run_whose_report_session_the_database_ended_goes_on_and_reports_lag_again(
+    db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """Issue 40, case 10: the report's one connection never reconnected, so a database restart (or an
+    idle_session_timeout under the report interval) failed the Dagster run at its next report."""
+    topic = new_topic(partitions=2)
+    set_topic_partitions(db, table, topic, 2)
+    enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(50)], table=table)
+    run = _stream(db.info.dsn, table, kafka, "stream-cut", window_s=3.0)
+
+    reports: list[StreamReport] = []
+    for report in run.reports():
+        if len(reports) == 1:  # what a restart does to the report's session
+            ended = db.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'outbox stream report'"
+            ).fetchone()
+            assert ended == (1,)
+            enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(50, 80)], table=table)
+        reports.append(report)
+
+    assert reports[-1].final
+    assert len(set(message_ids(kafka.consume(topic, expect=80)))) == 80
+    assert sum(r.published for r in reports) == 80  # no interval's counts lost with the session
+    assert any(p.lag is None for r in reports[2:3] for p in r.partitions)  # the interval after the cut: no lag
+    assert all(p.lag is not None and p.lag.pending == 0 for p in reports[-1].partitions)

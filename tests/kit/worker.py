@@ -55,11 +55,13 @@ class InstrumentedPublisher(KafkaPublisher):
         events: Events,
         stop_after_publish: int | None,
         kill_after_publish: int | None = None,
+        fail_after_publish: int | None = None,
     ) -> None:
         super().__init__(config)
         self.events = events
         self.stop_after_publish = stop_after_publish
         self.kill_after_publish = kill_after_publish
+        self.fail_after_publish = fail_after_publish
         self.publishes = 0
 
     def start(self, records: Sequence[OutboxRecord], *args: Any, **kwargs: Any) -> PendingBatch:
@@ -81,6 +83,9 @@ class InstrumentedPublisher(KafkaPublisher):
         if self.publishes == self.kill_after_publish:
             self.events("killed")
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.publishes == self.fail_after_publish:
+            self.events("failed")
+            raise RuntimeError("injected: an exception out of the relay loop")
         if self.publishes == self.stop_after_publish:
             self.events("frozen")
             os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us with SIGCONT
@@ -137,7 +142,11 @@ def main(spec: dict[str, Any]) -> None:
         worker,
         stop,
         publisher=InstrumentedPublisher(
-            worker.kafka_config, events, spec.get("stop_after_publish"), spec.get("kill_after_publish")
+            worker.kafka_config,
+            events,
+            spec.get("stop_after_publish"),
+            spec.get("kill_after_publish"),
+            spec.get("fail_after_publish"),
         ),
         strategy_cls=instrumented(strategy_class(spec["strategy"]), events),
     )

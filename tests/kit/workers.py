@@ -182,6 +182,7 @@ def workers(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
         producer: dict[str, object] | None = None,
         settings: dict[str, object] | None = None,
         stop_after_publish: int | None = None,
+        fail_after_publish: int | None = None,
     ) -> WorkerProcess:
         spec = {
             "dsn": dsn,
@@ -194,6 +195,7 @@ def workers(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
             "producer": producer or {},
             "settings": settings or {},
             "stop_after_publish": stop_after_publish,
+            "fail_after_publish": fail_after_publish,
         }
         worker = WorkerProcess(spec, tmp_path, name)
         spawned.append(worker)
