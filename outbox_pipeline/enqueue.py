@@ -22,7 +22,7 @@ from psycopg.rows import tuple_row
 from . import wire_arrays
 from .config import OutboxTable
 from .errors import InvalidMessageError
-from .messages import NO_HEADERS, Message, validate
+from .messages import NO_HEADERS, Message, Row, validate
 from .migrations import DEFAULT_TOPIC_ROW, NOTIFY_SETTING
 from .routing import SERIALIZED_LOCK_CLASS
 from .tracing import TRACEPARENT, current_trace_headers
@@ -92,6 +92,7 @@ def enqueue_many(
     rows = [validate(m, table.max_message_bytes, i, topics) for i, m in enumerate(messages)]
     if not rows:
         return []
+    _check_call_size(rows)
     raw_ids, message_ids = _new_message_ids(len(rows))
     if len(rows) == 1:
         # The common call: scalar parameters instead of nine one-element arrays (measured: dumping the arrays
@@ -181,6 +182,24 @@ def enqueue_many(
     if len(ids) != len(rows) or any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
         raise RuntimeError(f"outbox insert returned ids {ids[:5]}... for {len(rows)} messages, not in their order")
     return [Enqueued(oid, mid) for oid, mid in zip(ids, message_ids, strict=True)]
+
+
+# PostgreSQL reads one protocol message of at most 1 GB; a statement's parameters past that end the connection
+# ("invalid message length") instead of failing the call. Room is left for the ids and the arrays' own bytes.
+MAX_CALL_BYTES = 900 * 1024 * 1024
+
+
+def _check_call_size(rows: list[Row]) -> None:
+    """Refuse a call whose columns together pass what one statement can carry, before anything is sent."""
+    size = 0
+    for r in rows:  # ASCII-sized for text: a lower bound, enough to tell a call an order of magnitude too big
+        size += len(r.topic) + len(r.key or "") + len(r.payload or "") + len(r.payload_bytes or b"") + len(r.headers)
+    if size > MAX_CALL_BYTES:
+        raise InvalidMessageError(
+            f"enqueue_many: these {len(rows):,} messages are {size:,} bytes together, more than one statement can "
+            f"carry ({MAX_CALL_BYTES:,}): split them into several calls (in the same transaction, if they belong "
+            "together)"
+        )
 
 
 def _new_message_ids(n: int) -> tuple[bytes, list[uuid.UUID]]:

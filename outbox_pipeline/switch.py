@@ -14,8 +14,8 @@ translates: a row was relayed when it is marked sent or behind its partition's p
 - to a row strategy: the rows behind their positions are deleted, or marked sent (``mark-sent``).
 
 Procedure (docs/operations.md): build the new strategy's indexes (``outbox indexes``), stop the relays, switch, start
-relays of the new strategy. The switch refuses while a relay worker is alive and while a key is held behind a dead
-letter (a hold is the old strategy's to release).
+relays of the new strategy. The switch refuses while a relay worker is alive, while a key is held behind a dead
+letter, and while rows held behind a released one wait (a hold is the old strategy's to release and relay).
 """
 
 from __future__ import annotations
@@ -151,13 +151,23 @@ def switch_strategy(
     if workers := live_workers(conn, table, lease_s=60.0):
         alive = ", ".join(w.worker_id for w in workers[:5])
         raise OutboxError(f"stop the relays before switching strategy: live relay workers: {alive}")
-    held = conn.execute(
-        sql.SQL("SELECT count(*) FROM {holds} WHERE released_at IS NULL").format(holds=table.holds)
+    row = conn.execute(
+        sql.SQL(
+            "SELECT (SELECT count(*) FROM {holds} WHERE released_at IS NULL), (SELECT count(*) FROM {held})"
+        ).format(holds=table.holds, held=table.held)
     ).fetchone()
-    if held and held[0]:
+    held_keys, held_rows = row if row else (0, 0)
+    if held_keys:
         raise OutboxError(
-            f"{held[0]} keys are held behind dead letters: retry or discard them (`outbox dead-letters`) "
+            f"{held_keys} keys are held behind dead letters: retry or discard them (`outbox dead-letters`) "
             "before switching strategy"
+        )
+    if held_rows:
+        # Released, but not yet moved back: only the strategy that held them reads outbox_held (the row
+        # strategies never do), so a switch now would strand them for good.
+        raise OutboxError(
+            f"{held_rows} rows held behind retried or discarded dead letters are not relayed yet: run the current "
+            "strategy's relay until `outbox lag` shows no held rows, then switch"
         )
     behind = sql.SQL(BEHIND_POSITION)
     names = {"messages": table.messages, "offsets": table.offsets, "behind": behind}

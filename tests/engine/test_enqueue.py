@@ -192,3 +192,18 @@ def test_enqueue_works_whatever_the_service_connection_defaults(
         *((r.id, r.message_id, {"n": i}) for i, r in enumerate(results)),
         (single.id, single.message_id, {"n": 3}),
     ]
+
+
+def test_an_enqueue_many_too_big_for_one_statement_is_refused_before_sending_and_the_connection_lives(
+    db: psycopg.Connection, table: OutboxTable
+) -> None:
+    """Issue 40, case 27: about 1 GiB in one call passed PostgreSQL's limit of one protocol message, and the server
+    ended the connection instead of the call failing with a reason."""
+    blob = b"x" * 900_000  # one object, referenced by every message: the test allocates it once
+    messages = [Message("orders", blob, key=f"k{i}") for i in range(1_250)]  # 1.125 GB together, past 1 GB
+
+    with pytest.raises(InvalidMessageError, match="more than one statement can carry"):
+        enqueue_many(db, messages, table=table)
+
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone() == (0,)
+    assert enqueue_many(db, messages[:2], table=table)  # the same session goes on

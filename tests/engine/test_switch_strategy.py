@@ -8,15 +8,18 @@ from collections.abc import Callable
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.cli import main
+from outbox_pipeline.dead_letters import discard_dead_letters
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.presence import present
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
 from outbox_pipeline.switch import switch_strategy
 from tests.kit.kafka import KafkaProbe
+from tests.kit.quarantine import POISON, arrived_by_key, poisoned
 from tests.kit.relay import drain, make_relay, order_by_key, row_count
 
 
@@ -179,3 +182,26 @@ def _relaying(dsn: str, table: OutboxTable, bootstrap: str, strategy: str, stop:
     thread = threading.Thread(target=relay.run)
     thread.start()
     return thread
+
+
+def test_the_switch_waits_until_rows_held_behind_a_discarded_dead_letter_are_relayed_and_then_loses_none(
+    dsn: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """Issue 40, case 1: following the switch's own refusal (discard the dead letter, switch again), the switch to a
+    row strategy passed while the key's held rows were still in outbox_held, which row strategies never read: they
+    never reached Kafka."""
+    topic = new_topic()
+    written = poisoned("partitioned", db, table, kafka, topic)  # A4 dead-lettered, A5..A9 held behind it
+    dead = db.execute(sql.SQL("SELECT id FROM {}").format(table.dead_letters)).fetchone()
+    assert dead is not None
+    discard_dead_letters(db, table, [dead[0]], reason="a bad row", by="test")
+
+    with pytest.raises(OutboxError, match="5 rows held behind retried or discarded dead letters are not relayed yet"):
+        switch_strategy(db, table, "locking")
+
+    drain(dsn, table, kafka.bootstrap_servers, "partitioned")  # the current strategy relays them, in order
+    switch_strategy(db, table, "locking")
+    drain(dsn, table, kafka.bootstrap_servers, "locking")
+    arrived = arrived_by_key(kafka, topic)
+    assert arrived["A"] == [i for n, i in enumerate(written["A"]) if n != POISON]
+    assert arrived["B"] == written["B"]
