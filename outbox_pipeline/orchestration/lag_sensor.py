@@ -45,7 +45,7 @@ from outbox_pipeline.switch import require_relayable
 from resources.postgres import PostgresResource
 
 from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, outbox_partitions, partition_key
-from .relay_stream import REGISTERED_TAG, WINDOW_TAG, RelayStreamConfig, stream_worker_id
+from .relay_stream import WINDOW_TAG, RelayStreamConfig, registered, stream_worker_id
 from .settings import OrchestrationSettings
 
 PARTITION_TAG = "dagster/partition"
@@ -115,7 +115,7 @@ def coverage(
                 ending.append(run.run_id)
             else:
                 active += 1
-        elif run.tags.get(REGISTERED_TAG) != "true" and now - record.create_timestamp.timestamp() < START_GRACE_S:
+        elif not registered(run) and now - record.create_timestamp.timestamp() < START_GRACE_S:
             starting.append(run.run_id)
             active += 1
     # A run that failed (killed) and that the instance is about to retry (run_retries): its retry is coming,

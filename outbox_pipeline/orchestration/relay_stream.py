@@ -37,9 +37,18 @@ from .settings import OrchestrationSettings
 RELAY_STREAM_JOB_NAME = "relay_stream"
 RELAYED_OUTBOX = dg.AssetKey("relayed_outbox")
 # Tags the sensor reads: the window a run was launched with (its successor starts before it ends), and
-# that its worker registered (from then on, a run whose worker is not alive covers nothing).
+# that its worker registered (from then on, a run whose worker is not alive covers nothing). The registered tag's
+# value is the run's own id: a retry or re-execution inherits its parent's tags, and a "true" made a retry that
+# had not registered yet look registered and dead, so the sensor launched a second run beside it.
 WINDOW_TAG = "outbox/window_s"
 REGISTERED_TAG = "outbox/registered"
+
+
+def registered(run: dg.DagsterRun) -> bool:
+    """Whether this run's own worker registered (not a parent's it inherited the tag from)."""
+    return run.tags.get(REGISTERED_TAG) == run.run_id
+
+
 # How often the run checks that the process which launched it is still there.
 ORPHAN_CHECK_S = 1.0
 # The pushgateway job of relay runs' metrics (grouped by worker id).
@@ -187,7 +196,7 @@ def _watch(context: dg.OpExecutionContext, run: StreamRun, done: threading.Event
     tagged = False
     while not done.wait(ORPHAN_CHECK_S):
         if not tagged and run.relay.registered.is_set():
-            context.instance.add_run_tags(context.run_id, {REGISTERED_TAG: "true"})
+            context.instance.add_run_tags(context.run_id, {REGISTERED_TAG: context.run_id})
             tagged = True
         if os.getppid() != parent:
             context.log.warning("the process that launched this run is gone: stopping")

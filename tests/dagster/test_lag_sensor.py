@@ -58,8 +58,14 @@ def _live_worker(db: psycopg.Connection, table: OutboxTable, worker_id: str) -> 
         yield
 
 
-def _stream_run(instance: dg.DagsterInstance, status: dg.DagsterRunStatus, **tags: str) -> dg.DagsterRun:
-    return instance.create_run_for_job(relay_stream_job, tags=tags, status=status)
+def _stream_run(
+    instance: dg.DagsterInstance, status: dg.DagsterRunStatus, *, registered: bool = False, **tags: str
+) -> dg.DagsterRun:
+    """A relay_stream run; ``registered``: its worker registered once (the run tags itself so)."""
+    run = instance.create_run_for_job(relay_stream_job, tags=tags, status=status)
+    if registered:
+        instance.add_run_tags(run.run_id, {REGISTERED_TAG: run.run_id})
+    return run
 
 
 def test_an_uncovered_outbox_gets_one_relay_stream_run_and_its_partitions_registered(
@@ -118,7 +124,7 @@ def test_a_run_whose_registered_worker_died_covers_nothing_and_gets_a_successor(
 ) -> None:
     write_rows(40)
     # Started, registered once, and its worker is not alive (kill -9): the code server has not marked it yet.
-    _stream_run(instance, dg.DagsterRunStatus.STARTED, **{REGISTERED_TAG: "true"})
+    _stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True)
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
 
     result = _tick(sensor, instance, dagster_resources)
@@ -132,7 +138,7 @@ def test_a_killed_run_the_instance_is_about_to_retry_gets_no_second_run_from_the
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(40)
-    _stream_run(instance, dg.DagsterRunStatus.FAILURE, **{REGISTERED_TAG: "true", "dagster/will_retry": "true"})
+    _stream_run(instance, dg.DagsterRunStatus.FAILURE, registered=True, **{"dagster/will_retry": "true"})
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
 
     result = _tick(sensor, instance, dagster_resources)
@@ -150,8 +156,8 @@ def test_a_run_near_the_end_of_its_window_gets_its_successor_before_it_ends(
     write_rows(40)
     settings = OrchestrationSettings()
     # A window shorter than the handover: from its start the run is about to end.
-    ending = _stream_run(instance, dg.DagsterRunStatus.STARTED, **{"outbox/window_s": "30", REGISTERED_TAG: "true"})
-    long = _stream_run(instance, dg.DagsterRunStatus.STARTED, **{"outbox/window_s": "600", REGISTERED_TAG: "true"})
+    ending = _stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True, **{"outbox/window_s": "30"})
+    long = _stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True, **{"outbox/window_s": "600"})
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=settings)
 
     with _live_worker(db, table, stream_worker_id(ending)):
@@ -171,7 +177,7 @@ def test_lagging_partitions_get_one_more_run_up_to_the_maximum(
     table: OutboxTable,
 ) -> None:
     write_rows(200)
-    runs = [_stream_run(instance, dg.DagsterRunStatus.STARTED, **{REGISTERED_TAG: "true"}) for _ in range(2)]
+    runs = [_stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True) for _ in range(2)]
     below = build_outbox_lag_sensor(
         relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, relay_runs_max=3)
     )
@@ -198,7 +204,7 @@ def test_a_run_that_registered_moments_ago_gets_time_to_work_through_the_lag_bef
     """Rows older than the age trigger, found by the first run as it comes up (`dagster dev` starting against an
     outbox written before it): the run drains them in moments; a second run would cost seconds of CPU for nothing."""
     write_rows(200)
-    run = _stream_run(instance, dg.DagsterRunStatus.STARTED, **{REGISTERED_TAG: "true"})
+    run = _stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True)
     sensor = build_outbox_lag_sensor(
         relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, trigger_age_s=10.0, relay_runs_max=3)
     )
@@ -342,3 +348,25 @@ def test_an_outbox_the_relay_would_refuse_gets_no_run_but_a_skip_naming_the_comm
 
     assert _requested(result) == []
     assert "outbox indexes --strategy partitioned" in _skip_message(result)
+
+
+@pytest.mark.parametrize("parent_wrote", ["its own run id", "true (the release before)"])
+def test_a_re_executed_run_not_registered_yet_counts_as_starting_though_it_inherited_its_parents_tag(
+    parent_wrote: str,
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+) -> None:
+    """Issue 40, case 18: a retry or re-execution inherits its parent's tags; with ``registered: true`` among them it
+    looked registered (and dead) while it was still starting, and the sensor launched a second run beside it."""
+    write_rows(40)
+    parent = _stream_run(instance, dg.DagsterRunStatus.FAILURE, registered=True)
+    if parent_wrote.startswith("true"):
+        instance.add_run_tags(parent.run_id, {REGISTERED_TAG: "true"})
+    inherited = {**instance.get_run_by_id(parent.run_id).tags, "dagster/parent_run_id": parent.run_id}  # type: ignore[union-attr]
+    _stream_run(instance, dg.DagsterRunStatus.STARTED, **inherited)
+    sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
+
+    result = _tick(sensor, instance, dagster_resources)
+
+    assert _requested(result) == [] and "1 run(s) starting" in _skip_message(result)
