@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -44,6 +45,14 @@ def _materializations(instance: dg.DagsterInstance, key: str) -> list[dg.EventLo
     return list(records.records)
 
 
+def _failed_deliveries(instance: dg.DagsterInstance, keys: list[str]) -> int:
+    return sum(
+        r.asset_materialization.metadata["failed_deliveries"].value  # type: ignore[union-attr,misc]
+        for key in keys
+        for r in _materializations(instance, key)
+    )
+
+
 def test_one_run_relays_every_partition_and_records_a_materialization_per_partition_per_interval(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
@@ -77,13 +86,28 @@ def test_with_the_broker_down_a_run_backs_off_records_the_failures_per_partition
     broker: LocalBroker,
 ) -> None:
     written = write_rows(40, partitions=2)
-    config = {"ops": {"relay_outbox_stream": {"config": {"window_s": 12.0, "report_interval_s": 1.0}}}}
-    thaw = threading.Timer(5.0, broker.thaw)  # a 5 s outage, longer than the resource's 2 s delivery timeout
+    config = {"ops": {"relay_outbox_stream": {"config": {"window_s": 15.0, "report_interval_s": 1.0}}}}
+    # The outage lasts until a report has recorded a failed delivery (the resource's delivery timeout is 2 s), not a
+    # fixed 5 s: on a loaded machine the run took longer than that to start, and the broker was back before the
+    # relay had tried it (seen once in a parallel run).
+    outage_seen = threading.Event()
+
+    def thaw_once_the_outage_is_reported() -> None:
+        deadline = time.monotonic() + 12.0
+        while time.monotonic() < deadline and not outage_seen.is_set():
+            if _failed_deliveries(instance, written.keys) > 0:
+                outage_seen.set()
+            else:
+                outage_seen.wait(0.1)
+        broker.thaw()
+
+    thaw = threading.Thread(target=thaw_once_the_outage_is_reported)
     broker.freeze()
     thaw.start()
     try:
         result = relay_stream_job.execute_in_process(run_config=config, instance=instance, resources=dagster_resources)
     finally:
+        outage_seen.set()
         thaw.join()
         broker.thaw()
 
