@@ -8,10 +8,13 @@ skipped with the reason, and the others run.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many, server
 from outbox_pipeline.cli import main
@@ -19,7 +22,7 @@ from outbox_pipeline.localstack import LocalBroker, LocalPostgres
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import StrategyConfig
 from tests.kit.kafka import KafkaProbe
-from tests.kit.relay import drain
+from tests.kit.relay import drain, message_ids
 from tests.kit.servers import server_under_test
 
 STRATEGIES = ["locking", "advisory", "lease", "partitioned", "serialized"]
@@ -159,3 +162,40 @@ def test_an_engine_session_outlives_an_idle_session_timeout_the_dba_set(dsn: str
         ).fetchone()  # 0.5 s, past the 0.2 s timeout, while ``conn`` idles
         assert waited == (10,)
         assert conn.execute("SELECT pg_backend_pid()").fetchone() == (pid,)
+
+
+def test_a_relay_without_superuser_sets_its_session_settings_and_delivers_everything(
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    """A managed service gives no superuser: every setting an engine session sets is one any role may set."""
+    role = f"relay_{uuid.uuid4().hex[:8]}"
+    db.execute(sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER").format(sql.Identifier(role)))
+    try:
+        for grant in (
+            "GRANT USAGE ON SCHEMA {schema} TO {role}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role}",
+            "GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}",
+        ):
+            db.execute(sql.SQL(grant).format(schema=table.schema_ident, role=sql.Identifier(role)))
+        topic = new_topic("role")
+        enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i % 3}") for i in range(30)], table=table)
+        as_role = make_conninfo(dsn, user=role)
+        with server.connect(as_role, autocommit=True) as conn:
+            assert (
+                _jit(conn),
+                conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone(),
+            ) == (
+                "off",
+                (False,),
+            )
+
+        drain(as_role, table, kafka.bootstrap_servers, "partitioned")
+
+        assert len(set(message_ids(kafka.consume(topic, expect=30)))) == 30
+    finally:
+        db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
