@@ -8,6 +8,7 @@ skipped with the reason, and the others run.
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -18,7 +19,13 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many, server
 from outbox_pipeline.cli import main
+from outbox_pipeline.drain import commit_drain, plan_drain
+from outbox_pipeline.drain_ranges import fetch_range, publish_range
+from outbox_pipeline.drain_values import RangeReport, drain_owner
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres
+from outbox_pipeline.maintenance import check_relayed, create_ahead, day_partitions, move_default_rows
+from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import StrategyConfig
 from tests.kit.kafka import KafkaProbe
@@ -199,3 +206,36 @@ def test_a_relay_without_superuser_sets_its_session_settings_and_delivers_everyt
     finally:
         db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
         db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_bulk_drain_and_partition_maintenance_on_a_server_that_would_jit_every_statement_compile_none(
+    compiling_pg: LocalPostgres,
+    outbox_tables: Callable[[str], OutboxTable],
+    new_topic: Callable[..., str],
+    kafka: KafkaProbe,
+) -> None:
+    """What the Spark drain's tasks and the maintenance asset run, through the sessions they open (server.connect)."""
+    table = outbox_tables(compiling_pg.dsn)
+    topic = new_topic("drain", partitions=2)
+    with psycopg.connect(compiling_pg.dsn, options="-c jit=off") as conn, conn.transaction():
+        set_topic_partitions(conn, table, topic, 2)
+        enqueue_many(conn, [Message(topic, {"n": i}, key=f"k{i % 7}") for i in range(300)], table=table)
+    _reset_statements(compiling_pg.dsn)
+
+    with server.connect(compiling_pg.dsn, autocommit=True) as conn:
+        plan = plan_drain(conn, table, strategy="partitioned", owner=drain_owner("jit"))
+        publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers})
+        reports = [
+            RangeReport(r.label, publish_range(publisher, "partitioned", fetch_range(conn, plan, r)))
+            for r in plan.ranges
+        ]
+        publisher.close()
+        commit_drain(conn, plan, reports)
+        today = dt.datetime.now(dt.UTC).date()
+        create_ahead(conn, table, today=today, days_ahead=3)
+        move_default_rows(conn, table)
+        for day in day_partitions(conn, table):
+            check_relayed(conn, table, day.name, "partitioned")
+
+    assert len(set(message_ids(kafka.consume(topic, expect=300)))) == 300
+    assert _compiled(compiling_pg.dsn) == []
