@@ -16,24 +16,31 @@ from .config import OutboxTable
 
 BASE64_PATTERN = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
+# One header ``h`` (a row of jsonb_each) the relay can send: the table's check and SQL enqueue both use it.
+_HEADER_OK = """(h.key <> '' AND (
+                jsonb_typeof(h.value) = 'string'
+                OR (jsonb_typeof(h.value) = 'object' AND jsonb_typeof(h.value -> 'base64') = 'string'
+                    AND (SELECT count(*) FROM jsonb_object_keys(h.value)) = 1
+                    AND (h.value ->> 'base64') ~ {base64})))"""
+
 _SENDABLE = """
     CREATE OR REPLACE FUNCTION {sendable}(headers jsonb) RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$
         SELECT jsonb_typeof(headers) = 'object' AND NOT EXISTS (
-            SELECT 1 FROM jsonb_each(headers) AS h
-            WHERE h.key = '' OR NOT (
-                jsonb_typeof(h.value) = 'string'
-                OR (jsonb_typeof(h.value) = 'object' AND jsonb_typeof(h.value -> 'base64') = 'string'
-                    AND (SELECT count(*) FROM jsonb_object_keys(h.value)) = 1
-                    AND (h.value ->> 'base64') ~ {base64})))
+            SELECT 1 FROM jsonb_each(headers) AS h WHERE NOT {header_ok})
     $fn$
 """
+
+
+def sendable_header() -> sql.Composed:
+    """The rule for one header ``h`` (a row of ``jsonb_each(headers) AS h``), as SQL."""
+    return sql.SQL(_HEADER_OK).format(base64=sql.Literal(BASE64_PATTERN))
 
 
 def refuse_unsendable_headers(conn: psycopg.Connection, t: OutboxTable) -> None:
     """Migration 12: the function, and the message table's CHECK on it for new rows ('{}' costs no call)."""
     sendable = t.ident("headers_sendable")
-    conn.execute(sql.SQL(_SENDABLE).format(sendable=sendable, base64=sql.Literal(BASE64_PATTERN)))
+    conn.execute(sql.SQL(_SENDABLE).format(sendable=sendable, header_ok=sendable_header()))
     conn.execute(
         sql.SQL(
             "ALTER TABLE {messages} ADD CONSTRAINT outbox_messages_headers_sendable "

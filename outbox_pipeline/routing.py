@@ -18,7 +18,7 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .header_rules import BASE64_PATTERN
+from .header_rules import sendable_header
 from .strategies.offsets import BEHIND_POSITION
 
 # Class id for the transaction-scoped lock that serialized writers take: (class, hashtext(schema)).
@@ -144,13 +144,7 @@ _ENQUEUE = """
             RAISE EXCEPTION 'outbox enqueue: header "%" is reserved: the relay sets it', bad
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
-        SELECT h.key INTO bad FROM jsonb_each(headers) AS h
-        WHERE h.key = '' OR NOT (
-            jsonb_typeof(h.value) = 'string'
-            OR (jsonb_typeof(h.value) = 'object' AND jsonb_typeof(h.value -> 'base64') = 'string'
-                AND (SELECT count(*) FROM jsonb_object_keys(h.value)) = 1
-                AND (h.value ->> 'base64') ~ {base64_pattern}))
-        LIMIT 1;
+        SELECT h.key INTO bad FROM jsonb_each(headers) AS h WHERE NOT {header_ok} LIMIT 1;
         IF bad IS NOT NULL THEN
             RAISE EXCEPTION 'outbox enqueue: header "%" must be a string, or {{"base64": "..."}} for bytes (padded '
                 'base64, no whitespace), under a non-empty name', bad USING ERRCODE = 'invalid_parameter_value';
@@ -326,7 +320,7 @@ def replace_sql_enqueue(
             enqueue=t.ident("enqueue"),
             messages=t.messages,
             topic_pattern=sql.Literal(topic_pattern),
-            base64_pattern=sql.Literal(BASE64_PATTERN),
+            header_ok=sendable_header(),
             reserved=sql.Literal(sorted(RESERVED_HEADERS)),
             lock_class=sql.Literal(SERIALIZED_LOCK_CLASS),
             schema=sql.Literal(t.schema),

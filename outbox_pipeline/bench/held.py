@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -62,8 +61,7 @@ def measure(
                 _write(conn, table, topic, pending, held=False)
                 conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(table.messages))
                 progress(f"  {strategy}: {held:,} held rows, {pending:,} pending of other keys; timing claims")
-                step = time_claims(servers.dsn, table, strategy, held, batch_size, samples)
-                results.append(replace(step, pending=pending))
+                results.append(time_claims(servers.dsn, table, strategy, held, batch_size, samples, pending))
             finally:
                 conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
     return results

@@ -15,7 +15,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -94,8 +94,7 @@ def measure(
                 _refill(conn, table, topics, add_retained=step - retained, pending=pending, positions=positions)
                 retained = step
                 progress(f"  {strategy}: {retained:,} retained rows, {pending:,} pending; timing claims")
-                step_result = time_claims(servers.dsn, table, strategy, retained, batch_size, samples)
-                results.append(replace(step_result, pending=pending))
+                results.append(time_claims(servers.dsn, table, strategy, retained, batch_size, samples, pending))
         finally:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
     return results
@@ -148,7 +147,7 @@ def _refill(
 
 
 def time_claims(
-    dsn: str, table: OutboxTable, strategy: str, retained: int, batch_size: int, samples: int
+    dsn: str, table: OutboxTable, strategy: str, retained: int, batch_size: int, samples: int, pending: int
 ) -> LatencyStep:
     plans: list[str] = []
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -177,7 +176,7 @@ def time_claims(
         plans = [_scan_summary(text) for text in captured if "Query Text" in text or "->" in text]
     timings.sort()
     p99 = timings[min(len(timings) - 1, round(0.99 * (len(timings) - 1)))]
-    return LatencyStep(retained, statistics.median(timings), p99, len(timings), [p for p in plans if p])
+    return LatencyStep(retained, statistics.median(timings), p99, len(timings), [p for p in plans if p], pending)
 
 
 def _explain_next_statements(conn: psycopg.Connection) -> None:
