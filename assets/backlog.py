@@ -24,10 +24,11 @@ DEAD_LETTER_CHECK = "outbox_dead_letters"
 def read_lag(postgres: PostgresResource, settings: OrchestrationSettings) -> LagVerdict:
     """The lag verdict, held keys (quarantine) included: they count as lag and are named in it."""
     with postgres.connect() as conn:
-        lags = partition_lag(conn, postgres.table, settings.strategy, cap=settings.lag_cap)
+        strategy = settings.strategy_of(conn, postgres.table)
+        lags = partition_lag(conn, postgres.table, strategy, cap=settings.lag_cap)
         held = tuple(key.describe() for key in held_keys(conn, postgres.table) if key.rows and not key.released)
-        horizon = find_horizon(conn, postgres.table) if settings.strategy == "partitioned" else None
-        statuses = partition_status(conn, postgres.table, settings.strategy, lags=lags, horizon=horizon)
+        horizon = find_horizon(conn, postgres.table) if strategy == "partitioned" else None
+        statuses = partition_status(conn, postgres.table, strategy, lags=lags, horizon=horizon)
     return evaluate_lag(lags, settings.thresholds, held=held, horizon=horizon, status_table=markdown(statuses))
 
 

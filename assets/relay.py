@@ -25,7 +25,7 @@ class RelayRunConfig(dg.Config):
     """How one partition's relay run works; the defaults suit the lag sensor's runs."""
 
     strategy: str | None = Field(
-        default=None, description="relay strategy; empty: OUTBOX_RELAY_STRATEGY (default partitioned)"
+        default=None, description="relay strategy; empty: OUTBOX_RELAY_STRATEGY, else the outbox's own"
     )
     max_seconds: float | None = Field(
         default=None, description="time budget in seconds; empty: OUTBOX_RELAY_MAX_SECONDS (default 60)"
@@ -56,7 +56,6 @@ def relayed_outbox(
 ) -> dg.MaterializeResult:
     topic, partition = parse_partition_key(context.partition_key)
     settings = orchestration
-    strategy = config.strategy or settings.strategy
     # Retries of this run (op retries, run retries, a rerun from the UI) share the root run id, so they
     # share the worker id and take back this run's lease at once; other runs wait for it to end.
     worker_id = f"dagster-{context.run.root_run_id or context.run.run_id}"
@@ -73,6 +72,7 @@ def relayed_outbox(
         batch_size=config.batch_size, listen=False, max_seconds=config.max_seconds or settings.relay_max_seconds
     )
     with postgres.connect() as conn:
+        strategy = settings.strategy_of(conn, postgres.table, config.strategy)
         # This attempt is the retry: the engine's own backoff would only make it find nothing to claim.
         if end_backoff(conn, postgres.table, strategy, topic, partition):
             context.log.info("%s: ended the engine's backoff after earlier delivery failures", context.partition_key)

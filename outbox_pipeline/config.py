@@ -115,6 +115,10 @@ class OutboxTable:
         return self.ident("outbox_topics")
 
     @cached_property
+    def strategy_record(self) -> sql.Identifier:
+        return self.ident("outbox_strategy")
+
+    @cached_property
     def migrations(self) -> sql.Identifier:
         return self.ident("outbox_schema_migrations")
 

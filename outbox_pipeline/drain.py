@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 import psycopg
 from psycopg import sql
 
+from . import strategy_record
 from .config import OutboxTable
 from .drain_values import (
     DEFAULT_LEASE_S,
@@ -62,7 +63,7 @@ def plan_drain(
     conn: psycopg.Connection,
     table: OutboxTable,
     *,
-    strategy: str,
+    strategy: str | None,
     owner: str,
     lease_s: float = DEFAULT_LEASE_S,
     topics: Sequence[str] | None = None,
@@ -73,6 +74,9 @@ def plan_drain(
     Partitions an online relay holds (or that back off after a failure) are skipped, not waited for.
     ``conn`` must be in autocommit mode; the lease and the ends are one transaction.
     """
+    if strategy is not None:
+        position_class(strategy)  # a row strategy is refused before the outbox could record it
+    strategy = strategy_record.claim(conn, table, strategy)  # None: the outbox's own; another is refused
     cls = position_class(strategy)
     if not owner.startswith(OWNER_PREFIX):
         raise DrainError(f"a drain owner starts with {OWNER_PREFIX!r}, got {owner!r}")

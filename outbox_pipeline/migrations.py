@@ -24,6 +24,7 @@ from .routing import (
 )
 from .strategies.base import MESSAGE_BODY_COLUMNS
 from .strategies.quarantine import create_quarantine_tables
+from .strategy_record import create_table as create_strategy_record
 
 # Kafka topic names: [a-zA-Z0-9._-], 1..249 characters, and not "." or "..".
 TOPIC_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
@@ -321,5 +322,6 @@ MIGRATIONS: Sequence[Migration] = (
     Migration(
         12, "headers the relay can send: base64 checked; the table refuses others in new rows", _m012_sendable_headers
     ),
+    Migration(13, "the outbox records the strategy that relays it", create_strategy_record),
 )
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -15,6 +15,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import tuple_row
 
+from . import strategy_record
 from .config import OutboxTable
 from .errors import OutboxError, SchemaError
 from .indexes import build, drop_except, indexes_for
@@ -34,7 +35,8 @@ def init_db(
 
     ``strategies``: the relay strategies the outbox serves (indexes.py). A new outbox gets only their indexes; an
     existing one gets those it lacks, built without blocking writers, and keeps the others (dropping is
-    ``indexes.drop_except``'s, on purpose). None: a new outbox gets every strategy's indexes."""
+    ``indexes.drop_except``'s, on purpose). None: a new outbox gets every strategy's indexes. One strategy is also
+    recorded as the outbox's (strategy_record.py): refused if another one is."""
     indexes_for(strategies or ())  # an unknown name fails before anything is created
     require_supported(conn)
     with _tuple_rows(conn):
@@ -96,6 +98,8 @@ def _init_db(
                 (migration.version, migration.name),
             )
             applied.append(migration)
+    if strategies is not None and len(strategies) == 1:
+        strategy_record.claim(conn, table, strategies[0], by=strategy_record.BY_INIT_DB)
     ensure_partitions(conn, table, days_ahead=days_ahead, today=today)
     if strategies is not None and new:
         drop_except(conn, table, strategies)

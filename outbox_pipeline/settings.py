@@ -125,9 +125,11 @@ HOME = Setting("OUTBOX_HOME", ".outbox", "local state: the dev stack's servers, 
 
 RELAY_STRATEGY = Setting(
     "OUTBOX_RELAY_STRATEGY",
-    "partitioned",
-    "relay strategy of Dagster runs; lag is measured the way it sees it",
-    _one_of("locking", "advisory", "lease", "partitioned", "serialized"),
+    "",
+    "relay strategy of Dagster runs and the lag they read; empty: the outbox's own (recorded by `outbox init-db "
+    "--strategy` or its first relay, changed by `outbox switch-strategy`); set, it must be that one (a run refuses "
+    "another) and an outbox that records none takes it. `make dev` records it (default partitioned)",
+    _one_of("", "locking", "advisory", "lease", "partitioned", "serialized"),
     "dagster",
 )
 LAG_SENSOR_INTERVAL_S = Setting(

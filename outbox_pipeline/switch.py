@@ -14,8 +14,10 @@ translates: a row was relayed when it is marked sent or behind its partition's p
 - to a row strategy: the rows behind their positions are deleted, or marked sent (``mark-sent``).
 
 Procedure (docs/operations.md): build the new strategy's indexes (``outbox indexes``), stop the relays, switch, start
-relays of the new strategy. The switch refuses while a relay worker is alive, while a key is held behind a dead
-letter, and while rows held behind a released one wait (a hold is the old strategy's to release and relay).
+relays of the new strategy. The switch also records the new strategy as the outbox's (strategy_record.py): relays,
+drains and every command that reads the outbox as some strategy use it from then on, and refuse another. The switch
+refuses while a relay worker is alive, while a key is held behind a dead letter, and while rows held behind a
+released one wait (a hold is the old strategy's to release and relay).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
+from . import strategy_record
 from .config import OutboxTable
 from .errors import OutboxError
 from .indexes import require_indexes
@@ -66,10 +69,14 @@ def other_orders(
     return [(topic, int(partition), read_by) for topic, partition, read_by in rows]
 
 
-def require_relayable(conn: psycopg.Connection, table: OutboxTable, strategy: str) -> None:
-    """What a relay of ``strategy`` checks before it claims: its indexes, and positions in its own order."""
+def require_relayable(conn: psycopg.Connection, table: OutboxTable, strategy: str | None) -> str:
+    """What a relay checks before it claims, and the strategy it is to run: the outbox's recorded one (``strategy``,
+    when named, must be it; with none recorded it is recorded now: strategy_record.py), its indexes, and positions
+    in its own order."""
+    strategy = strategy_record.claim(conn, table, strategy)
     require_indexes(conn, table, strategy)
     require_own_positions(conn, table, strategy)
+    return strategy
 
 
 def require_own_positions(conn: psycopg.Connection, table: OutboxTable, strategy: str) -> None:
@@ -173,6 +180,7 @@ def switch_strategy(
     names = {"messages": table.messages, "offsets": table.offsets, "behind": behind}
     try:
         with conn.transaction():
+            strategy_record.record_switch(conn, table, strategy)
             if not _positions(strategy):
                 cur = conn.execute(sql.SQL(_MARK_RELAYED[mode]).format(**names))
                 return Switched(strategy, 0, cur.rowcount)

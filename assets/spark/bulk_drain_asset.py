@@ -21,6 +21,7 @@ from outbox_pipeline.drain_values import (
     OWNER_PREFIX,
     drain_owner,
 )
+from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.liveness import liveness_from_env
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.presence import present
@@ -32,8 +33,8 @@ from resources.spark import SparkResource
 class BulkDrainConfig(dg.Config):
     strategy: str = Field(
         default="",
-        description="empty: the relay's strategy (the orchestration resource, OUTBOX_RELAY_STRATEGY); a drain serves "
-        "partitioned and serialized only, and must use the order the relay's positions are in",
+        description="empty: the outbox's own (set: it must be that one); a drain serves partitioned and serialized "
+        "only",
     )
     topics: list[str] = Field(default_factory=list, description="drain only these topics (empty: all)")
     max_partitions: int | None = Field(default=None, description="drain at most this many virtual partitions")
@@ -65,7 +66,11 @@ def bulk_drain(
     from .drain_job import DrainFailed, run_drain
 
     table = postgres.table
-    strategy = config.strategy or orchestration.strategy
+    with postgres.connect() as conn:
+        try:
+            strategy = orchestration.strategy_of(conn, table, config.strategy or None)
+        except OutboxError as exc:
+            raise dg.Failure(description=str(exc)) from None
     if strategy not in DRAIN_STRATEGIES:
         raise dg.Failure(
             description=f"a bulk drain serves the position strategies ({', '.join(DRAIN_STRATEGIES)}); this outbox is "

@@ -13,6 +13,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.maintenance import (
     DropResult,
     Fingerprint,
@@ -57,8 +58,8 @@ class MaintenanceConfig(dg.Config):
     )
     strategy: str = Field(
         default="",
-        description="the relay strategy in use, which decides what 'relayed' means; empty: the orchestration "
-        "resource's (OUTBOX_RELAY_STRATEGY)",
+        description="the relay strategy in use, which decides what 'relayed' means; empty: the outbox's own (set: it "
+        "must be that one)",
     )
     archive_slices: int = Field(default=4, description="parallel Spark reads per archived day")
     lock_timeout: str = Field(default="2s", description="longest wait for a lock before a step is skipped")
@@ -82,7 +83,6 @@ def outbox_partition_maintenance(
     from .datasource import archive_partition, archive_uri
 
     table = postgres.table
-    strategy = config.strategy or orchestration.strategy
     today = (
         dt.date.fromisoformat(context.partition_key) if context.has_partition_key else dt.datetime.now(dt.UTC).date()
     )
@@ -103,7 +103,12 @@ def outbox_partition_maintenance(
         rescue = move_default_rows(conn, table, lock_timeout=config.lock_timeout)
         for day, reason in rescue.failed.items():
             skipped[f"DEFAULT rows of {day.isoformat()}"] = f"not moved this run: {reason}"
-        candidates = expired(day_partitions(conn, table), today, config.retention_days)
+        try:  # what "relayed" means is the outbox's strategy's: without it no day is archived or dropped
+            strategy = orchestration.strategy_of(conn, table, config.strategy or None)
+            candidates = expired(day_partitions(conn, table), today, config.retention_days)
+        except OutboxError as exc:
+            strategy, candidates = "-", []
+            skipped["expired days"] = f"not archived or dropped: {exc}"
         for candidate in candidates:
             check = check_relayed(conn, table, candidate.name, strategy)
             if not check.relayed:

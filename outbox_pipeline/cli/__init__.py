@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=strategy_list,
         help="the relay strategies the outbox serves, comma-separated: a new outbox gets only their indexes (each "
         "costs every writer), an existing one gets those it lacks, built without blocking writers (default: every "
-        "strategy's)",
+        "strategy's); one strategy is also recorded as the outbox's: relays, status and lag use it, and refuse "
+        "another until `outbox switch-strategy`",
     )
     p.set_defaults(func=cmd_init_db)
 
@@ -101,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("relay", help="run relay workers (one process each) until stopped")
     add_db_args(p)
-    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES)
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGY_NAMES,
+        help="default: the outbox's own (init-db --strategy, switch-strategy; an outbox without one takes this)",
+    )
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--batch-size", type=int, default=RelaySettings.batch_size)
     p.add_argument(
@@ -141,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="why a partition is not moving: owner, position, pending, held, backoff, dead letters, blocker",
     )
     add_db_args(p)
-    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="as this strategy sees the outbox")
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, help="as this strategy sees the outbox (default: its own)")
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--show-query",
@@ -156,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("lag", help="pending rows per topic and virtual partition")
     add_db_args(p)
-    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="pending as this strategy sees it")
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, help="pending as this strategy sees it (default: its own)")
     p.add_argument("--cap", type=int, help="count at most this many rows per partition (cheap on huge backlogs)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_lag)

@@ -7,23 +7,24 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
+from .. import strategy_record
 from ..config import settings_in_effect
 from ..errors import OutboxError
 from ..horizon import find_horizon
 from ..lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
 from ..liveness import holders_alive
-from .common import connect, strategy_named, table_of
+from .common import connect, table_of
 
 
 def cmd_lag(args: argparse.Namespace) -> int:
-    strategy_named(args.strategy)
     if args.cap is not None and args.cap < 1:
         raise OutboxError("--cap must be >= 1")
     with connect(args) as conn:
-        lags = partition_lag(conn, table_of(args), args.strategy, cap=args.cap)
+        strategy = strategy_record.resolve(conn, table_of(args), args.strategy)
+        lags = partition_lag(conn, table_of(args), strategy, cap=args.cap)
         alive = holders_alive(conn, table_of(args), holders(lags))
         held = [key for key in held_keys(conn, table_of(args)) if key.rows or not key.released]
-        horizon = find_horizon(conn, table_of(args)) if args.strategy == "partitioned" else None
+        horizon = find_horizon(conn, table_of(args)) if strategy == "partitioned" else None
     if args.json:
         print(json.dumps([{**dataclasses.asdict(lag), "holders": _holders_json(lag, alive)} for lag in lags]))
     else:
@@ -50,9 +51,9 @@ def cmd_settings(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from .. import status
 
-    strategy_named(args.strategy)
     with connect(args) as conn:
-        statuses = status.partition_status(conn, table_of(args), args.strategy, show_query=args.show_query)
+        strategy = strategy_record.resolve(conn, table_of(args), args.strategy)
+        statuses = status.partition_status(conn, table_of(args), strategy, show_query=args.show_query)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in statuses]))
     else:

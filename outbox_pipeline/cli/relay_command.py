@@ -24,16 +24,16 @@ EXIT_NOT_EMPTY = 3
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    cls = strategy_named(args.strategy)
     if args.workers < 1 or args.batch_size < 1:
         raise OutboxError("--workers and --batch-size must be >= 1")
-    if args.kafka_transactions and not issubclass(cls, PositionStrategy):
-        raise OutboxError(f"--kafka-transactions needs a position strategy (partitioned, serialized), not {cls.name!r}")
     dsn, table = dsn_of(args), table_of(args)
     kafka = kafka_config_of(args)
     with server.connect(dsn, autocommit=True) as conn:
         schema.require_current(conn, table)
-        require_relayable(conn, table, cls.name)
+        strategy = require_relayable(conn, table, args.strategy)
+    cls = strategy_named(strategy)
+    if args.kafka_transactions and not issubclass(cls, PositionStrategy):
+        raise OutboxError(f"--kafka-transactions needs a position strategy (partitioned, serialized), not {cls.name!r}")
     settings = RelaySettings.from_env(
         batch_size=args.batch_size,
         listen=not args.no_listen,
@@ -49,7 +49,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     specs = [
         WorkerSpec(
             dsn=dsn,
-            strategy=args.strategy,
+            strategy=strategy,
             kafka_config=kafka,
             settings=settings,
             config=config,
@@ -60,7 +60,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         )
         for n in range(args.workers)
     ]
-    print(f"relay: {args.workers} x {args.strategy} on schema {table.schema!r} ({redact_dsn(dsn)})", flush=True)
+    print(f"relay: {args.workers} x {strategy} on schema {table.schema!r} ({redact_dsn(dsn)})", flush=True)
     processes, collected = run_worker_processes(specs)
     return _print_summary(processes, collected)
 

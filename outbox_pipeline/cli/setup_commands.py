@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from .. import indexes, schema, server
+from .. import indexes, schema, server, strategy_record
 from ..config import redact_dsn
 from ..enqueue import enqueue
 from ..errors import OutboxError
@@ -28,9 +28,17 @@ def cmd_init_db(args: argparse.Namespace) -> int:
             schema.set_topic_partitions(conn, table, name, count)
         version = schema.current_version(conn, table)
         found = indexes.states(conn, table)
+        relayed_by = strategy_record.recorded(conn, table)
     names = ", ".join(f"{m.version} ({m.name})" for m in applied) or "none (already current)"
     print(f"schema {table.schema!r} at version {version}; applied: {names}")
     print(f"strategy indexes: {_describe(found)}")
+    if relayed_by is None:
+        print("relay strategy: none recorded yet (its first relay records its own; or `outbox init-db --strategy S`)")
+    else:
+        print(
+            f"relay strategy: {relayed_by.strategy} (recorded by {relayed_by.recorded_by}; `outbox switch-strategy` "
+            "changes it)"
+        )
     return 0
 
 

@@ -34,6 +34,7 @@ from .postgres import LocalPostgres, PostgresSpec
 log = logging.getLogger(__name__)
 
 DEMO_PARTITIONS = 4
+DEV_STRATEGY = "partitioned"  # recorded in a new dev outbox unless OUTBOX_RELAY_STRATEGY names another
 
 
 @dataclass(frozen=True)
@@ -223,8 +224,9 @@ def run_dev(settings: DevSettings) -> int:
         if broker.pid is not None:
             _write_pid(settings.run_dir / "broker.pid", broker.pid)
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            # The indexes of the strategy the Dagster runs relay with: each index costs every write.
-            init_db(conn, settings.table, strategies=[catalogue.RELAY_STRATEGY.read()])
+            # The strategy the Dagster runs relay with, recorded in the outbox, and only its indexes (each costs every
+            # write).
+            init_db(conn, settings.table, strategies=[catalogue.RELAY_STRATEGY.read() or DEV_STRATEGY])
             for topic in DEMO_TOPICS:
                 set_topic_partitions(conn, settings.table, topic, DEMO_PARTITIONS)
         broker.create_topics(DEMO_TOPICS, partitions=DEMO_PARTITIONS)

@@ -151,10 +151,11 @@ def build_outbox_lag_sensor(
         jobs=jobs,
         minimum_interval_seconds=cfg.sensor_interval_s,
         default_status=default_status,
-        description=f"Every {cfg.sensor_interval_s} s: reads per-partition lag ({cfg.strategy}) and the live relay "
-        f"workers, registers new partitions, and launches a {relay_job.name} run where no live worker covers the "
-        f"outbox, before a run's window ends, or while partitions lag (>= {cfg.trigger_pending} rows or oldest "
-        f">= {cfg.trigger_age_s:g} s) with fewer than {cfg.relay_runs_max} runs.",
+        description=f"Every {cfg.sensor_interval_s} s: reads per-partition lag (as "
+        f"{cfg.strategy or 'the outbox records'}) and the live relay workers, registers new partitions, and launches a "
+        f"{relay_job.name} run where no live worker covers the outbox, before a run's window ends, or while partitions "
+        f"lag (>= {cfg.trigger_pending} rows or oldest >= {cfg.trigger_age_s:g} s) with fewer than "
+        f"{cfg.relay_runs_max} runs.",
     )
     def outbox_lag_sensor(
         context: dg.SensorEvaluationContext, postgres: PostgresResource
@@ -163,11 +164,11 @@ def build_outbox_lag_sensor(
             try:
                 # What a run would refuse at once (missing indexes, another strategy's positions): a run per tick
                 # otherwise, each failing after seconds of CPU.
-                require_relayable(conn, postgres.table, cfg.strategy)
+                strategy = require_relayable(conn, postgres.table, cfg.strategy or None)
             except OutboxError as exc:
                 context.log.warning("no relay run: %s", exc)
                 return dg.SkipReason(f"no relay run: {exc}")
-            lags = partition_lag(conn, postgres.table, cfg.strategy, cap=cfg.lag_cap)
+            lags = partition_lag(conn, postgres.table, strategy, cap=cfg.lag_cap)
             owners = [w for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND]
         by_key: dict[str, PartitionLag] = {}
         for lag in lags:
@@ -182,7 +183,7 @@ def build_outbox_lag_sensor(
         total = sum(lag.pending for lag in lags)
 
         drain, drain_note = (
-            _bulk_drain_request(context.instance, bulk_drain_job, cfg, total, time.time())
+            _bulk_drain_request(context.instance, bulk_drain_job, cfg, strategy, total, time.time())
             if bulk_drain_job is not None
             else (None, "")
         )
@@ -211,7 +212,7 @@ def build_outbox_lag_sensor(
             job_name=relay_job.name,
             run_key=f"relay-stream/{why}/after:{previous[0].run_id if previous else 'none'}",
             run_config=dg.RunConfig(
-                ops={"relay_outbox_stream": RelayStreamConfig(strategy=cfg.strategy, window_s=cfg.relay_window_s)}
+                ops={"relay_outbox_stream": RelayStreamConfig(strategy=strategy, window_s=cfg.relay_window_s)}
             ),
             tags={
                 WINDOW_TAG: f"{cfg.relay_window_s:g}",
@@ -234,7 +235,7 @@ def build_outbox_lag_sensor(
 
 
 def _bulk_drain_request(
-    instance: dg.DagsterInstance, job: Job, cfg: OrchestrationSettings, total: int, now: float
+    instance: dg.DagsterInstance, job: Job, cfg: OrchestrationSettings, strategy: str, total: int, now: float
 ) -> tuple[dg.RunRequest | None, str]:
     """A bulk drain run, for the relay's own strategy, when the backlog passes the threshold; not while one runs,
     not for a strategy a drain cannot serve, and not within the cooldown after one failed (what stopped it is the
@@ -242,8 +243,8 @@ def _bulk_drain_request(
     Returns the request (or None) and a note for the tick's log."""
     if total < cfg.bulk_drain_threshold:
         return None, ""
-    if cfg.strategy not in DRAIN_STRATEGIES:
-        return None, f"; no bulk drain: it serves {' and '.join(DRAIN_STRATEGIES)}, not {cfg.strategy}"
+    if strategy not in DRAIN_STRATEGIES:
+        return None, f"; no bulk drain: it serves {' and '.join(DRAIN_STRATEGIES)}, not {strategy}"
     if _runs(instance, job.name, in_flight=True):
         return None, f"; {job.name} is draining"
     previous = instance.get_run_records(dg.RunsFilter(job_name=job.name), limit=1)
@@ -257,8 +258,8 @@ def _bulk_drain_request(
     request = dg.RunRequest(
         job_name=job.name,
         run_key=f"bulk-drain/after:{previous[0].dagster_run.run_id if previous else 'none'}",
-        run_config={"ops": {"bulk_drain": {"config": {"strategy": cfg.strategy}}}},
-        tags={"outbox/pending": str(total), "outbox/strategy": cfg.strategy},
+        run_config={"ops": {"bulk_drain": {"config": {"strategy": strategy}}}},
+        tags={"outbox/pending": str(total), "outbox/strategy": strategy},
     )
     return request, f"; bulk drain requested ({total} pending)"
 

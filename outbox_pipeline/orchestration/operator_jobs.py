@@ -39,7 +39,7 @@ class ReplayConfig(dg.Config):
         default=False,
         description="row strategies: the engine replays kept rows by topic, not partition; set to confirm",
     )
-    strategy: str | None = Field(default=None, description="empty: OUTBOX_RELAY_STRATEGY (default partitioned)")
+    strategy: str | None = Field(default=None, description="empty: the outbox's own (set: it must be that one)")
 
 
 def _timestamp(value: str | None, name: str) -> dt.datetime | None:
@@ -59,9 +59,9 @@ def replay_outbox_partition(
     orchestration: OrchestrationSettings,
 ) -> dg.Output[int]:
     topic, partition = parse_partition_key(context.partition_key)
-    strategy = config.strategy or orchestration.strategy
     since, until = _timestamp(config.since, "since"), _timestamp(config.until, "until")
     with postgres.connect() as conn:
+        strategy = orchestration.strategy_of(conn, postgres.table, config.strategy)
         if issubclass(strategy_class(strategy), PositionStrategy):
             if until is not None:
                 raise dg.Failure("`until` applies to row strategies; a position replays everything after it")
@@ -210,7 +210,9 @@ def discard_dead_letters_job() -> None:
 
 
 class StrategyIndexesConfig(dg.Config):
-    strategy: str | None = Field(default=None, description="empty: OUTBOX_RELAY_STRATEGY (default partitioned)")
+    strategy: str | None = Field(
+        default=None, description="empty: the outbox's own; another's before `outbox switch-strategy` to it"
+    )
     drop_others: bool = Field(
         default=False, description="then drop the indexes it does not read (relays of other strategies refuse)"
     )
@@ -223,9 +225,10 @@ def build_outbox_strategy_indexes(
     postgres: PostgresResource,
     orchestration: OrchestrationSettings,
 ) -> dg.Output[list[str]]:
-    strategy = config.strategy or orchestration.strategy
     built: list[str] = []
     with postgres.connect() as conn:
+        # Another strategy's indexes are the first step of a switch to it: named, they are built whatever is recorded.
+        strategy = config.strategy or orchestration.strategy_of(conn, postgres.table)
         try:
             for index in indexes_for([strategy]):
                 if partitions := build(conn, postgres.table, index):

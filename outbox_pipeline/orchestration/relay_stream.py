@@ -64,7 +64,9 @@ def stream_worker_id(run: dg.DagsterRun) -> str:
 class RelayStreamConfig(dg.Config):
     """How a long-lived relay run works; empty fields take the deployment's settings (environment)."""
 
-    strategy: str | None = Field(default=None, description="relay strategy; empty: OUTBOX_RELAY_STRATEGY")
+    strategy: str | None = Field(
+        default=None, description="relay strategy; empty: OUTBOX_RELAY_STRATEGY, else the outbox's own"
+    )
     window_s: float | None = Field(default=None, description="seconds to relay; empty: OUTBOX_RELAY_WINDOW_S")
     report_interval_s: float | None = Field(
         default=None,
@@ -84,7 +86,8 @@ def relay_outbox_stream(
     orchestration: OrchestrationSettings,
 ) -> None:
     settings = orchestration
-    strategy = config.strategy or settings.strategy
+    with postgres.connect() as conn:
+        strategy = settings.strategy_of(conn, postgres.table, config.strategy)
     window_s = config.window_s or settings.relay_window_s
     worker_id = stream_worker_id(context.run)
     pusher = MetricsPusher.create(settings.metrics_pushgateway, strategy, worker_id, context)

@@ -10,9 +10,12 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import dagster as dg
+import psycopg
 from pydantic import Field, model_validator
 
 from outbox_pipeline import settings as catalogue
+from outbox_pipeline import strategy_record
+from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.errors import ConfigurationError
 from outbox_pipeline.lag_slo import LagThresholds
 from outbox_pipeline.settings import Setting
@@ -69,7 +72,7 @@ class OrchestrationSettings(dg.ConfigurableResource):
 
     @model_validator(mode="after")
     def _check(self) -> "OrchestrationSettings":
-        if self.strategy not in STRATEGY_NAMES:
+        if self.strategy and self.strategy not in STRATEGY_NAMES:
             raise ConfigurationError(
                 f"{catalogue.RELAY_STRATEGY.name}={self.strategy!r}: choose one of {', '.join(STRATEGY_NAMES)}"
             )
@@ -103,6 +106,11 @@ class OrchestrationSettings(dg.ConfigurableResource):
             lag_error_pending=thresholds.error_pending,
             **values,
         )
+
+    def strategy_of(self, conn: psycopg.Connection, table: OutboxTable, named: str | None = None) -> str:
+        """The strategy a run or check reads the outbox as: the outbox's own (strategy_record.py); ``named`` (a run's
+        config) or this resource's ``strategy``, when set, must be it."""
+        return strategy_record.resolve(conn, table, named or self.strategy or None)
 
     @property
     def thresholds(self) -> LagThresholds:

@@ -95,16 +95,28 @@ def test_a_relay_refuses_to_start_without_its_strategys_index_and_names_the_comm
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     table = new_outbox(["partitioned"])
+    db.execute(sql.SQL("DROP INDEX {}").format(table.ident("outbox_messages_position")))
     enqueue_many(db, [Message("orders", {"n": 1}, key="a")], table=table)
 
-    code = main(["relay", "--dsn", dsn, "--schema", table.schema, "--strategy", "serialized", "--until-empty",
+    code = main(["relay", "--dsn", dsn, "--schema", table.schema, "--until-empty",
                  "--bootstrap-servers", kafka.bootstrap_servers])  # fmt: skip
-    with pytest.raises(SchemaError, match="outbox_messages_serial"):
-        drain(dsn, table, kafka.bootstrap_servers, "serialized")
+    with pytest.raises(SchemaError, match="outbox_messages_position"):
+        drain(dsn, table, kafka.bootstrap_servers, "partitioned")
+
+    assert code == 2
+    assert f"`outbox indexes --strategy partitioned --schema {table.schema}`" in capsys.readouterr().err
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone() == (1,)
+
+
+def test_switching_to_a_strategy_without_its_index_is_refused_naming_the_command_that_builds_it(
+    dsn: str, new_outbox: Callable[..., OutboxTable], capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = new_outbox(["partitioned"])
+
+    code = main(["switch-strategy", "--dsn", dsn, "--schema", table.schema, "--to", "serialized"])
 
     assert code == 2
     assert f"`outbox indexes --strategy serialized --schema {table.schema}`" in capsys.readouterr().err
-    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone() == (1,)
 
 
 def test_outbox_indexes_builds_a_strategys_index_on_every_partition_and_partitions_made_later_inherit_it(
@@ -132,19 +144,19 @@ def test_outbox_indexes_builds_a_strategys_index_on_every_partition_and_partitio
     assert unindexed == []
 
 
-def test_an_interrupted_build_leaves_the_relay_refusing_and_running_the_command_again_finishes_it(
+def test_an_interrupted_build_leaves_the_switch_refusing_and_running_the_command_again_finishes_it(
     dsn: str, db: psycopg.Connection, new_outbox: Callable[..., OutboxTable], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """What a build stopped after its first partition leaves: the parent's index exists, invalid."""
     table = new_outbox(["partitioned"])
     db.execute(sql.SQL("CREATE INDEX outbox_messages_serial ON ONLY {} (topic, partition, id)").format(table.messages))
 
-    refused = main(["relay", "--dsn", dsn, "--schema", table.schema, "--strategy", "serialized",
-                    "--bootstrap-servers", "127.0.0.1:9"])  # fmt: skip
+    refused = main(["switch-strategy", "--dsn", dsn, "--schema", table.schema, "--to", "serialized"])
     assert refused == 2 and "outbox_messages_serial not finished building" in capsys.readouterr().err
 
     assert main(["indexes", "--dsn", dsn, "--schema", table.schema, "--strategy", "serialized"]) == 0
     assert "outbox_messages_serial" in _ready(db, table)
+    assert main(["switch-strategy", "--dsn", dsn, "--schema", table.schema, "--to", "serialized"]) == 0
 
 
 def test_drop_others_leaves_only_the_named_strategys_indexes(

@@ -151,7 +151,8 @@ def test_an_unreachable_database_is_reported_without_its_password(tmp_path: Path
 def test_dagster_metadata_and_logs_never_show_the_database_password(dsn: str, table: OutboxTable) -> None:
     resource = PostgresResource(dsn=_dsn_with_password(dsn), schema_name=table.schema)
     result = dg.materialize(
-        [outbox_backlog], resources={"postgres": resource, "orchestration": OrchestrationSettings()}
+        [outbox_backlog],
+        resources={"postgres": resource, "orchestration": OrchestrationSettings(strategy="partitioned")},
     )
     assert result.success
     events = "\n".join(str(event) for event in result.all_events)
