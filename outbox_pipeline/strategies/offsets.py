@@ -139,7 +139,8 @@ def discover_recent(conn: psycopg.Connection, table: OutboxTable, after_id: int)
 # relayed rows behind the positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
 # bitmap scan of every pending entry of the partition (25,000 in `outbox bench --retained`); in index order, with
 # LIMIT 1, it stops at the first. Home partitions first, then others whose oldest pending row waited STEAL_AFTER_S
-# (sharing.py). Free: not leased by anyone (this worker's own leases included).
+# (sharing.py), and any whose lease expired unreleased (``locked_by`` kept: its holder stopped renewing, it is hung or
+# cut off), even by a worker busy at home. Free: not leased by anyone (this worker's own leases included).
 _CANDIDATES = """
     SELECT o.topic, o.partition, o.available_after FROM {offsets} o
     LEFT JOIN LATERAL (
@@ -149,8 +150,9 @@ _CANDIDATES = """
     ) oldest ON true
     WHERE o.available_after <= now() {scope} {exclude}
       AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
-      AND ({home} OR (%(steal)s AND coalesce(oldest.created_at, '-infinity')
-                                  <= now() - make_interval(secs => %(steal_after)s)))
+      AND ({home} OR o.locked_by IS NOT NULL
+           OR (%(steal)s AND coalesce(oldest.created_at, '-infinity')
+                             <= now() - make_interval(secs => %(steal_after)s)))
 """
 
 _NO_CONDITION = sql.SQL("")
