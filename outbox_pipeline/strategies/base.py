@@ -157,8 +157,9 @@ class Claim:
     records: list[OutboxRecord]
     collisions: int = 0
     state: Any = None
-    # Set by strategies that publish each batch atomically (Kafka transactions): the producer's id.
-    transactional_id: str | None = None
+    # Set by strategies that publish atomically (Kafka transactions): each (topic, partition)'s transactional id;
+    # each partition's rows of the batch are one transaction.
+    transactional_ids: Mapping[tuple[str, int], str] | None = None
     # Ordered strategies (quarantine.py): rows read but not published, their key being held; the ack moves
     # them into the hold. A claim may consist of these alone.
     withheld: list[OutboxRecord] = field(default_factory=list)

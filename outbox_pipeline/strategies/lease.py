@@ -289,7 +289,7 @@ class LeaseStrategy(Strategy):
         if not records:
             self.give_back(Claim([], state=_Leased(sorted(kept))), "leases lost before publishing")
             return None
-        return Claim(records, claim.collisions, _Leased(sorted(kept)), claim.transactional_id)
+        return Claim(records, claim.collisions, _Leased(sorted(kept)), claim.transactional_ids)
 
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
         # The second short transaction. Message rows first, then our lease rows (see _lock_rows): a

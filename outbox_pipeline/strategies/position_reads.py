@@ -7,8 +7,8 @@ partitions, 926 statements per 1,000 messages. One claim now leases every free p
 ``max_new``: home partitions first, the one that waited longest first, as the single lease did), reads each of those
 and each partition read ahead, its fair share of the batch (``limit`` split evenly), and one ack moves every position
 (offsets.advance_many). A partition that never runs dry cannot keep the others waiting: every claim serves all of
-them. ``partitioned``'s snapshot rule and every other read condition are the strategy's own (``work``). ``Chain``:
-how far a worker has read a partition it has batches in flight for (where the next read starts).
+them. ``partitioned``'s snapshot rule and every other read condition are the strategy's own (``work``). Which
+partitions a claim reads past and how many it leases: position_chains.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from .base import RECORD_COLUMNS, OutboxRecord, StrategyConfig
 from .offsets import PartitionLease, candidates, released_hold
 from .sharing import IS_HOME
 
-# At most this many partitions in one claim (their rows split the batch).
-MAX_PARTITIONS_PER_CLAIM = 32
 _PAYLOAD = OutboxRecord._fields.index("payload")
 _PARTITION = attrgetter("topic", "partition")
 
@@ -267,28 +265,3 @@ def read_partitions(
         by_partition[key].records.extend(run)
     owned = frozenset((topic, partition) for topic, partition in document["owned"] or ())
     return Reads(list(by_partition.values()), share_of(limit, len(by_partition)), max_new, owned)
-
-
-@dataclass
-class Chain:
-    """A leased partition with batches in flight, and how far this worker has read it."""
-
-    lease: PartitionLease
-    read_xid: str
-    read_id: int
-    in_flight: int = 0
-    broken: bool = False
-    # The partition has holds (quarantine.py): reads are split into rows to publish and rows to withhold.
-    has_holds: bool = False
-    # A hold was released: no more reading ahead; once the batches in flight ack, the partition is leased
-    # again and its held rows go first.
-    draining: bool = False
-
-    def extend(self, last: OutboxRecord) -> None:
-        self.read_xid, self.read_id = last.transaction_id, last.id
-        self.in_flight += 1
-
-    @property
-    def ahead(self) -> PartitionLease:
-        """Where the next batch is read from (and its compare-and-set base): past the batches in flight."""
-        return PartitionLease(self.lease.topic, self.lease.partition, self.read_xid, self.read_id, 0)

@@ -18,13 +18,14 @@ partitions move on. Rows after the failure that Kafka did confirm are published 
 duplicates bounded by one batch). A row that can never be delivered (too large, invalid topic) or that ran out of
 attempts is copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the
 default) its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
-are published without it. With Kafka transactions (one transactional id per partition) a claim is one partition.
+are published without it. With Kafka transactions each partition's rows of a batch are one Kafka transaction (its
+transactional id is the partition's), and a claim takes fewer partitions (position_chains.py).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from itertools import islice
 from typing import Any, ClassVar
@@ -44,8 +45,9 @@ from .base import (
 )
 from .discovery import Discovery
 from .offsets import Move, PartitionLease
+from .position_chains import MAX_PARTITIONS_PER_CLAIM, Chain, Chains
 from .position_ids import TransactionalIds
-from .position_reads import MAX_PARTITIONS_PER_CLAIM, Chain, PartitionRead, Reads, Settle, claim_sql, read_partitions
+from .position_reads import PartitionRead, Reads, Settle, claim_sql, read_partitions
 from .position_settle import count_by_partition, settle_all
 from .quarantine import NO_HOLDS, Quarantine
 from .sharing import Dealer, Home
@@ -67,7 +69,7 @@ class PositionStrategy(Strategy):
     def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
         super().__init__(conn, config)
         conn.isolation_level = IsolationLevel.READ_COMMITTED
-        self._chains: dict[Key, Chain] = {}
+        self._chains = Chains(conn, config)
         self._tx_ids = TransactionalIds(conn, config)
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
         # A new partition is nobody's home until the next deal.
@@ -156,13 +158,12 @@ class PositionStrategy(Strategy):
 
     def _read(self, limit: int, settle: Sequence[Settle] = ()) -> Reads:
         home = self._dealer.current()
-        # Read ahead at home only: elsewhere (taken while it was home or its row waited) the lease ends with the
-        # batch in flight, and the partition goes back to its home worker. Reading ahead keeps a lease as long as
-        # the partition has work: the first worker of a backlog kept every partition and the others idled.
-        ahead = [c.ahead for key, c in self._chains.items() if not c.broken and not c.draining and home.holds(*key)]
-        max_new = MAX_PARTITIONS_PER_CLAIM - len(ahead) - len(settle)
-        if self.config.kafka_transactions:  # one partition per claim: one transactional id per partition
-            ahead, max_new = ahead[:1], 0 if ahead else 1
+        # Read ahead at home only, and in turns (position_chains.py): reading ahead keeps a lease as long as the
+        # partition has work, so the first worker of a backlog kept every partition and the others idled.
+        cap = self._chains.cap - len(settle)
+        ahead = self._chains.ahead(home, cap)
+        # At least one: a claim that could lease nothing would never learn that partitions wait.
+        max_new = max(1, cap - len(ahead))
         reads = read_partitions(
             self._cursor,
             self.config,
@@ -174,13 +175,14 @@ class PositionStrategy(Strategy):
             settle=settle,
         )
         self._may_steal = not any(r.records and home.holds(*r.key) for r in reads.partitions)
+        self._chains.saw(sum(r.leased_now and not r.kept for r in reads.partitions), max_new)
         return reads
 
     def _claim_from(self, reads: Reads, limit: int, *, again: bool = True) -> Claim | None:
         """The claim of what a read leased and read (its partitions' chains extended)."""
         if released := next((r for r in reads.partitions if r.lease.released), None):
             # A released hold's held rows go before anything else of its partition, and alone.
-            self._release([r.key for r in reads.partitions if r.leased_now and r is not released])
+            self._chains.release([r.key for r in reads.partitions if r.leased_now and r is not released])
             release = self._claim_release(released.lease, limit)
             return release if release is not None or not again else self._claim(limit, again=False)
         publish: list[OutboxRecord] = []
@@ -197,14 +199,13 @@ class PositionStrategy(Strategy):
             publish += records
             withheld += held
             state[read.key] = read.lease
-        self._release(idle)
+        self._chains.release(idle)
         if not state:
             return None
-        only = next(iter(state.values())) if len(state) == 1 else None
         return Claim(
             publish,
             state=state,
-            transactional_id=self._transactional_id(only) if only is not None else None,
+            transactional_ids=self._tx_ids.of_partitions(state),
             withheld=withheld,
             holds_version=self._quarantine.version,
             # Claim again at once: more partitions may wait than one claim leases, or one gave its whole share.
@@ -244,14 +245,14 @@ class PositionStrategy(Strategy):
         records = self._quarantine.read_released(limit, lease.topic, lease.partition)
         if not records:
             self._quarantine.finish_releases(lease.topic, lease.partition)
-            self._release([(lease.topic, lease.partition)])
+            self._chains.release([(lease.topic, lease.partition)])
             return None
         chain = Chain(lease, lease.xid, lease.last_id, in_flight=1, has_holds=True, draining=True)
         self._chains[(lease.topic, lease.partition)] = chain
         return Claim(
             records,
             state=lease,
-            transactional_id=self._transactional_id(lease),
+            transactional_ids=self._tx_ids.of_partitions([(lease.topic, lease.partition)]),
             holds_version=self._quarantine.version,
             release=True,
         )
@@ -284,7 +285,7 @@ class PositionStrategy(Strategy):
         stale = [key for key in state if (c := self._chains.get(key)) is None or c.broken]
         if not stale:
             return claim
-        self._give_back(stale)
+        self._chains.give_back(stale)
         kept = {key: lease for key, lease in state.items() if key not in stale}
         if not kept:
             return None
@@ -297,9 +298,6 @@ class PositionStrategy(Strategy):
 
     def transactional_ids(self) -> frozenset[str] | None:
         return self._tx_ids.usable()
-
-    def _transactional_id(self, lease: PartitionLease) -> str | None:
-        return self._tx_ids.of(lease.topic, lease.partition)
 
     def _reclaim_own_leases(self) -> None:
         offsets.reclaim_own(self.conn, self.config)
@@ -377,24 +375,6 @@ class PositionStrategy(Strategy):
     def give_back(self, claim: Claim, error: str) -> None:
         if claim.release:
             lease: PartitionLease = claim.state
-            self._give_back([(lease.topic, lease.partition)])
+            self._chains.give_back([(lease.topic, lease.partition)])
         else:
-            self._give_back(list(claim.state))
-
-    def _give_back(self, keys: Iterable[Key]) -> None:
-        """These partitions' batch was not published: nothing may be read past it; a partition with no other batch
-        in flight is released now (the earlier batch in flight acks, then releases it)."""
-        free: list[Key] = []
-        for key in keys:
-            chain = self._chains.get(key)
-            if chain is not None:
-                chain.in_flight -= 1
-                chain.broken = True
-                if chain.in_flight > 0:
-                    continue
-                del self._chains[key]
-            free.append(key)
-        self._release(free)
-
-    def _release(self, keys: Sequence[Key]) -> None:
-        offsets.release_many(self.conn, self.config, keys)
+            self._chains.give_back(list(claim.state))
