@@ -264,6 +264,30 @@ def release_many(conn: psycopg.Connection, config: StrategyConfig, pairs: Sequen
     return cur.rowcount
 
 
+def renew_many(
+    conn: psycopg.Connection, config: StrategyConfig, pairs: Sequence[tuple[str, int]]
+) -> set[tuple[str, int]]:
+    """Renew this worker's leases of ``pairs`` for ``lease_s`` from now, expired or not; the pairs it still held
+    (an expired lease is still this worker's until another worker takes it)."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            UPDATE {offsets} o SET available_after = now() + make_interval(secs => %(lease)s), updated_at = now()
+            FROM unnest(%(topics)s::text[], %(partitions)s::int[]) AS p(topic, partition)
+            WHERE o.topic = p.topic AND o.partition = p.partition AND o.locked_by = %(worker)s
+            RETURNING o.topic, o.partition
+            """
+        ).format(offsets=config.table.offsets),
+        {
+            "topics": [t for t, _ in pairs],
+            "partitions": [p for _, p in pairs],
+            "worker": config.worker_id,
+            "lease": config.lease_s,
+        },
+    ).fetchall()
+    return {(topic, int(partition)) for topic, partition in rows}
+
+
 def reclaim_own(conn: psycopg.Connection, config: StrategyConfig) -> None:
     """A restarted worker with the same id takes its partitions back at once."""
     conn.execute(

@@ -11,17 +11,22 @@ wait, a chain that has been read ``TURN_BATCHES`` batches in a row is not read a
 batch in flight and it waits its turn (the waiting partition that waited longest is leased first). With Kafka
 transactions (a transaction per partition of a batch, one transactional producer each) a claim takes at most
 ``TRANSACTION_PARTITIONS`` partitions the same way.
+
+A batch read ahead waited for the one before it to be confirmed, which a slow broker can make longer than the lease
+(issue 40, case 14): before it goes to Kafka, the leases it holds that are older than a tenth of ``lease_s`` are
+renewed, and a partition whose lease another worker took meanwhile is given back, never published over its owner.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import psycopg
 
 from . import offsets
-from .base import OutboxRecord, StrategyConfig
+from .base import FRESH_LEASE_SHARE, OutboxRecord, StrategyConfig
 from .offsets import PartitionLease
 from .sharing import Home
 
@@ -52,6 +57,8 @@ class Chain:
     draining: bool = False
     # Batches read since it was leased (its turn: TURN_BATCHES).
     batches: int = 0
+    # time.monotonic() no later than when its lease was last set to run ``lease_s`` (leased, or kept by an ack).
+    renewed_at: float = 0.0
 
     def extend(self, last: OutboxRecord) -> None:
         self.read_xid, self.read_id = last.transaction_id, last.id
@@ -92,6 +99,26 @@ class Chains(dict[Key, Chain]):
     def saw(self, leased: int, could_lease: int) -> None:
         """A claim leased ``leased`` partitions of the ``could_lease`` it asked for: as many means more may wait."""
         self.others_wait = leased >= could_lease > 0
+
+    def lost(self, keys: Iterable[Key]) -> list[Key]:
+        """Of these partitions of a batch about to be published, those it may not publish: no chain or a broken one
+        (the batch before it did not ack in full), or a lease that ran out and is no longer this worker's. Leases
+        older than a tenth of ``lease_s`` are renewed (one statement), so each covers the publish."""
+        lost = [key for key in keys if (c := self.get(key)) is None or c.broken]
+        now = time.monotonic()
+        aged = [
+            key
+            for key in keys
+            if key not in lost and now - self[key].renewed_at > self.config.lease_s * (1 - FRESH_LEASE_SHARE)
+        ]
+        if aged:
+            renewed = offsets.renew_many(self.conn, self.config, aged)
+            for key in aged:
+                if key in renewed:
+                    self[key].renewed_at = now
+                else:
+                    lost.append(key)
+        return lost
 
     def give_back(self, keys: Iterable[Key]) -> None:
         """These partitions' batch was not published: nothing may be read past it; a partition with no other batch

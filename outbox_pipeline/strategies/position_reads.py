@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -209,6 +210,7 @@ class Reads:
     max_new: int  # how many partitions it could lease: leasing that many, it may have left others waiting
     # A claim that acked the previous batch (settle): the partitions whose position it moved (still this worker's).
     owned: frozenset[tuple[str, int]] = frozenset()
+    at: float = 0.0  # time.monotonic() before the statement: its leases run from no earlier than this
 
 
 def share_of(limit: int, partitions: int) -> int:
@@ -248,6 +250,7 @@ def read_partitions(
                 for s in settle
             ]
         )
+    at = time.monotonic()
     rows = cursor.execute(query.text, query.params({**params, "limit": limit, **dealt})).fetchall()
     # The partitions' row is the last (UNION ALL appends); looked for if not, since nothing promises it.
     at = len(rows) - 1 if rows and rows[-1][0] is None else next(i for i, row in enumerate(rows) if row[0] is None)
@@ -264,4 +267,4 @@ def read_partitions(
     for key, run in groupby(map(OutboxRecord._make, rows), _PARTITION):
         by_partition[key].records.extend(run)
     owned = frozenset((topic, partition) for topic, partition in document["owned"] or ())
-    return Reads(list(by_partition.values()), share_of(limit, len(by_partition)), max_new, owned)
+    return Reads(list(by_partition.values()), share_of(limit, len(by_partition)), max_new, owned, at)

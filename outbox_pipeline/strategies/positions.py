@@ -25,6 +25,7 @@ transactional id is the partition's), and a claim takes fewer partitions (positi
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from itertools import islice
@@ -183,14 +184,14 @@ class PositionStrategy(Strategy):
         if released := next((r for r in reads.partitions if r.lease.released), None):
             # A released hold's held rows go before anything else of its partition, and alone.
             self._chains.release([r.key for r in reads.partitions if r.leased_now and r is not released])
-            release = self._claim_release(released.lease, limit)
+            release = self._claim_release(released.lease, limit, reads.at)
             return release if release is not None or not again else self._claim(limit, again=False)
         publish: list[OutboxRecord] = []
         withheld: list[OutboxRecord] = []
         state: dict[Key, PartitionLease] = {}
         idle: list[Key] = []
         for read in reads.partitions:
-            split = self._split(read)
+            split = self._split(read, reads.at)
             if split is None:
                 if read.leased_now:
                     idle.append(read.key)
@@ -213,13 +214,14 @@ class PositionStrategy(Strategy):
             or any(len(r.records) >= reads.share for r in reads.partitions),
         )
 
-    def _split(self, read: PartitionRead) -> tuple[list[OutboxRecord], list[OutboxRecord]] | None:
-        """A partition's rows of this claim as (to publish, to withhold), its chain extended; None: nothing of it."""
+    def _split(self, read: PartitionRead, at: float) -> tuple[list[OutboxRecord], list[OutboxRecord]] | None:
+        """A partition's rows of this claim as (to publish, to withhold), its chain extended; None: nothing of it.
+        ``at``: when the claim's statement (which set the leases it took) began."""
         if not read.records:
             return None
         chain = self._chains.get(read.key)
         if read.leased_now or chain is None:
-            chain = self._chains[read.key] = Chain(read.lease, read.lease.xid, read.lease.last_id)
+            chain = self._chains[read.key] = Chain(read.lease, read.lease.xid, read.lease.last_id, renewed_at=at)
             chain.has_holds = read.lease.has_holds
         view = NO_HOLDS
         if chain.has_holds:
@@ -238,7 +240,7 @@ class PositionStrategy(Strategy):
             return records
         return sorted(records, key=self.order_key)
 
-    def _claim_release(self, lease: PartitionLease, limit: int) -> Claim | None:
+    def _claim_release(self, lease: PartitionLease, limit: int, at: float) -> Claim | None:
         """The held rows of the partition's released holds, before anything else of it; nothing is read
         ahead meanwhile. With none left, the holds end here (this worker owns the partition, nothing of it
         is in flight) and the partition is read as usual."""
@@ -247,7 +249,7 @@ class PositionStrategy(Strategy):
             self._quarantine.finish_releases(lease.topic, lease.partition)
             self._chains.release([(lease.topic, lease.partition)])
             return None
-        chain = Chain(lease, lease.xid, lease.last_id, in_flight=1, has_holds=True, draining=True)
+        chain = Chain(lease, lease.xid, lease.last_id, in_flight=1, has_holds=True, draining=True, renewed_at=at)
         self._chains[(lease.topic, lease.partition)] = chain
         return Claim(
             records,
@@ -267,22 +269,22 @@ class PositionStrategy(Strategy):
         return self._discovery.everything()
 
     def before_publish(self, claim: Claim) -> Claim | None:
-        """A batch read ahead is published only where the batch before it acked in full while owned: past a
-        failure or a lost lease the position cannot move, so publishing it would only add duplicates (the
-        README's bound is one batch); those partitions are given back, the rest goes. Nor if a hold began or
-        ended since it was read: it may hold a row that is held now."""
+        """A batch read ahead is published only where the batch before it acked in full while owned, and where
+        its lease is still this worker's (renewed if old: position_chains.py): past a failure or a lost lease the
+        position cannot move, so publishing it would only add duplicates (the README's bound is one batch); those
+        partitions are given back, the rest goes. Nor if a hold began or ended since it was read: it may hold a row
+        that is held now."""
         if claim.release:
             lease: PartitionLease = claim.state
-            chain = self._chains.get((lease.topic, lease.partition))
-            if chain is None or chain.broken or claim.holds_version != self._quarantine.version:
-                self.give_back(claim, "a hold began or ended")
+            if claim.holds_version != self._quarantine.version or self._chains.lost([(lease.topic, lease.partition)]):
+                self.give_back(claim, "a hold began or ended, or its lease was lost")
                 return None
             return claim
         if claim.holds_version != self._quarantine.version:
             self.give_back(claim, "a hold began or ended since it was read")
             return None
         state: dict[Key, PartitionLease] = claim.state
-        stale = [key for key in state if (c := self._chains.get(key)) is None or c.broken]
+        stale = self._chains.lost(state)
         if not stale:
             return claim
         self._chains.give_back(stale)
@@ -322,6 +324,7 @@ class PositionStrategy(Strategy):
             moves.append(Move(lease, done.advanced, done.attempts, error, keep))
         dead = [f for key in state for f in settled[key].dead or ()]
         to_hold = [r for key in state for r in settled[key].to_hold or ()]
+        acked_at = time.monotonic()  # a kept lease runs lease_s from the ack on
         if not dead and not to_hold:
             # The common case: the compare-and-sets alone, one statement in its own transaction.
             owned = offsets.advance_many(self.conn, self.config, self.name, moves)
@@ -345,6 +348,8 @@ class PositionStrategy(Strategy):
                 chain.broken = chain.broken or key not in owned
                 if chain.in_flight == 0:
                     del self._chains[key]
+                elif not chain.broken:
+                    chain.renewed_at = acked_at
             done = settled[key]
             if key in owned:
                 acked, retried = acked + done.acked, retried + done.retried
