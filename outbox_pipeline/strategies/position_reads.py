@@ -17,7 +17,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter
@@ -117,6 +117,13 @@ _NOT_SETTLED = """
     AND (o.topic, o.partition) NOT IN (
         SELECT s.topic, s.partition FROM jsonb_to_recordset(%(settle)s::jsonb) AS s(topic text, partition int))
 """
+# Never lease a partition this worker has a batch in flight for: should that lease have run out, leasing it again
+# would read it from its stored position, behind the batch in flight, beside the read past that batch (its rows
+# twice in one claim, and an ack from the wrong base moved the position back). Its ack renews or ends the lease.
+_NOT_IN_FLIGHT = """
+    AND (o.topic, o.partition) NOT IN (
+        SELECT f.topic, f.partition FROM jsonb_to_recordset(%(in_flight)s::jsonb) AS f(topic text, partition int))
+"""
 
 
 class Positional(NamedTuple):
@@ -159,7 +166,7 @@ def claim_sql(config: StrategyConfig, *, work: str, order: str, settling: str | 
         "work": sql.SQL(work),
         "order": sql.SQL(order),
     }
-    exclude = sql.SQL(_NOT_SETTLED) if settling else sql.SQL("")
+    exclude = sql.SQL(_NOT_IN_FLIGHT + (_NOT_SETTLED if settling else ""))
     return positional(
         sql.SQL(_CLAIM)
         .format(
@@ -228,13 +235,22 @@ def read_partitions(
     limit: int,
     dealt: Mapping[str, object],
     settle: Sequence[Settle] = (),
+    in_flight: Collection[tuple[str, int]] = (),
 ) -> Reads:
     """Lease up to ``max_new`` waiting partitions and read them with the ``ahead`` ones (positions to read past);
-    ``cursor``: base.stamped_cursor(raw=True). With ``settle`` (``query`` composed with ``settling``), first move
+    ``cursor``: base.stamped_cursor(raw=True). ``in_flight``: every partition with a batch in flight (those read
+    ahead among them), never leased again here. With ``settle`` (``query`` composed with ``settling``), first move
     each of those positions (the previous batch's ack). The positions go as one JSON document: dumping four arrays
     of them cost more CPU than the rest of the claim."""
     positions = json.dumps([{"topic": a.topic, "partition": a.partition, "xid": a.xid, "id": a.last_id} for a in ahead])
-    params = {"lease": config.lease_s, "worker": config.worker_id, "max_new": max_new, "ahead": positions}
+    busy = json.dumps([{"topic": topic, "partition": partition} for topic, partition in in_flight])
+    params = {
+        "lease": config.lease_s,
+        "worker": config.worker_id,
+        "max_new": max_new,
+        "ahead": positions,
+        "in_flight": busy,
+    }
     if settle:
         params["settle"] = json.dumps(
             [

@@ -174,6 +174,7 @@ class PositionStrategy(Strategy):
             limit=limit,
             dealt={**home.params(), "steal": self._may_steal},
             settle=settle,
+            in_flight=self._chains.keys(),
         )
         self._may_steal = not any(r.records and home.holds(*r.key) for r in reads.partitions)
         self._chains.saw(sum(r.leased_now and not r.kept for r in reads.partitions), max_new)

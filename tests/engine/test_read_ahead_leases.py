@@ -13,9 +13,9 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import Claim, PublishOutcome, StrategyConfig
+from outbox_pipeline.strategies.base import Claim, DeliveryFailure, PublishOutcome, StrategyConfig
 from outbox_pipeline.strategies.positions import PositionStrategy
-from tests.kit.probes import wait_until
+from tests.kit.probes import positions, wait_until
 
 ORDERED = ["partitioned", "serialized"]
 TOPIC = "ahead"
@@ -73,3 +73,49 @@ def test_a_partition_leased_by_a_read_ahead_claim_is_not_published_once_another_
 
     assert _partitions(ready) == {0}, "the read-ahead batch publishes a partition another worker holds now"
     assert ready is not None and not {r.id for r in ready.records} & {r.id for r in taken.records}
+
+
+def _read_ahead_after_the_lease_ran_out(
+    db: psycopg.Connection, table: OutboxTable, connect: Callable[[], psycopg.Connection], strategy: str
+) -> tuple[PositionStrategy, Claim, Claim]:
+    """Batch N of partition 0, then its lease runs out while N is in Kafka (nobody takes it), then N+1 is read."""
+    set_topic_partitions(db, table, TOPIC, 1)
+    _write(db, table, strategy, 0, 30)
+    worker = _worker(connect, table, strategy, worker_id="slow", lease_s=0.5)
+    first = worker.claim(10)
+    assert first is not None and len(first.records) == 10
+    wait_until("the lease to run out", lambda: _lease_ran_out(db, table, 0), 10)
+    ahead = worker.claim(10)
+    assert ahead is not None
+    return worker, first, ahead
+
+
+@pytest.mark.parametrize("strategy", ORDERED)
+def test_a_read_ahead_after_the_lease_ran_out_reads_no_row_of_the_batch_in_flight_again(
+    strategy: str, db: psycopg.Connection, table: OutboxTable, connect: Callable[[], psycopg.Connection]
+) -> None:
+    _, first, ahead = _read_ahead_after_the_lease_ran_out(db, table, connect, strategy)
+
+    again = {r.id for r in ahead.records} & {r.id for r in first.records}
+    assert not again, f"the read-ahead batch holds {len(again)} rows of the batch in flight"
+    assert min(r.id for r in ahead.records) > max(r.id for r in first.records)
+
+
+@pytest.mark.parametrize("strategy", ORDERED)
+def test_a_position_never_moves_back_when_a_batch_read_ahead_after_the_lease_ran_out_fails(
+    strategy: str, db: psycopg.Connection, table: OutboxTable, connect: Callable[[], psycopg.Connection]
+) -> None:
+    worker, first, ahead = _read_ahead_after_the_lease_ran_out(db, table, connect, strategy)
+    worker.ack(first, PublishOutcome(first.records, []))
+    after_first = positions(db, table)[(TOPIC, 0)].id
+    ready = worker.before_publish(ahead)
+    assert ready is not None
+    failed = ready.records[2]  # Kafka confirms the rows before it
+    worker.ack(
+        ready,
+        PublishOutcome(
+            [r for r in ready.records if r is not failed], [DeliveryFailure(failed, "broker unreachable", "transport")]
+        ),
+    )
+
+    assert positions(db, table)[(TOPIC, 0)].id >= after_first, "the position moved back over relayed rows"
