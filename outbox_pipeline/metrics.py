@@ -6,8 +6,8 @@ tests run them, do not share counters):
 - ``LagSampler``: pending rows and oldest age per partition, held rows and the xmin horizon's age, read by a
   thread once per ``interval_s`` and served from that snapshot, so a scrape costs no query however often
   Prometheus (or several of them) scrapes;
-- ``MetricsServer``: ``/metrics`` and ``/healthz`` (200 while the loop turns and its database session answers,
-  503 with the reason otherwise: a Kubernetes liveness probe).
+- ``MetricsServer``: ``/metrics`` and ``/healthz`` (200 while the loop turns, its database session answers and
+  Kafka takes what it publishes; 503 with the reason otherwise: a Kubernetes liveness probe).
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ class RelayMetrics:
         self._up.set_function(lambda: 1.0 if self.healthy()[0] else 0.0)
         self._loop_at = time.monotonic()
         self._database_at = time.monotonic()
+        # Since when every batch failed to reach Kafka (transport failures, nothing delivered); None: it reaches it.
+        self._kafka_failing_since: float | None = None
 
     # -- hooks called by the relay loop ----------------------------------------------------------
 
@@ -96,6 +98,10 @@ class RelayMetrics:
         self.retried.inc(result.retried)
         self.dead_lettered.inc(result.dead_lettered)
         self.lost_ownership.inc(result.lost_ownership)
+        if outcome.delivered:
+            self._kafka_failing_since = None
+        elif self._kafka_failing_since is None and any(f.kind == "transport" for f in outcome.failed):
+            self._kafka_failing_since = time.monotonic() - outcome.elapsed_s
 
     def error(self) -> None:
         self.errors.inc()
@@ -106,6 +112,10 @@ class RelayMetrics:
             return False, f"the relay loop has not turned for {now - self._loop_at:.0f} s"
         if now - self._database_at > self.stall_after_s:
             return False, f"no successful database round trip for {now - self._database_at:.0f} s"
+        # A worker cut off from Kafka turns its loop and answers its database, and its partitions wait: while it holds
+        # them (its session and heartbeat live), only a restart hands them to a worker that can publish.
+        if (since := self._kafka_failing_since) is not None and now - since > self.stall_after_s:
+            return False, f"nothing delivered to Kafka for {now - since:.0f} s (the broker is down or unreachable)"
         return True, "ok"
 
 

@@ -130,6 +130,29 @@ class KafkaPublisher:
             return outcome
         return self.finish(self.start(records))
 
+    def publish_transactions(
+        self, records: Sequence[OutboxRecord], transactional_ids: Mapping[tuple[str, int], str]
+    ) -> PublishOutcome:
+        """Each partition's rows in a Kafka transaction of its own (``transactional_ids``: the partition's id), one
+        after the other. Once one fails for the transport (the broker down or unreachable, the producer fenced),
+        the rest are not tried: each would wait as long, and the batch's leases would run out meanwhile."""
+        started = time.monotonic()
+        groups: dict[tuple[str, int], list[OutboxRecord]] = {}
+        for record in records:
+            groups.setdefault((record.topic, record.partition), []).append(record)
+        delivered: list[OutboxRecord] = []
+        failed: list[DeliveryFailure] = []
+        down = False
+        for key, group in groups.items():
+            if down:
+                failed += [DeliveryFailure(r, "not sent: the transaction before it failed", "transport") for r in group]
+                continue
+            outcome = self.publish(group, transactional_id=transactional_ids[key])
+            delivered += outcome.delivered
+            failed += outcome.failed
+            down = not outcome.delivered and any(f.kind == "transport" for f in outcome.failed)
+        return PublishOutcome(delivered, failed, time.monotonic() - started)
+
     def start(self, records: Sequence[OutboxRecord]) -> PendingBatch:
         """Hand a batch to the producer; returns at once. Call ``finish`` before the next ``start``.
 

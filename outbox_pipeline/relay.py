@@ -171,8 +171,8 @@ class Relay:
         try:
             if not claim.records:  # only rows of held keys (quarantine): nothing for Kafka, the ack moves them
                 batch.outcome = PublishOutcome([], [])
-            elif claim.transactional_id is not None:
-                batch.outcome = self.publisher.publish(claim.records, transactional_id=claim.transactional_id)
+            elif claim.transactional_ids is not None:
+                batch.outcome = self.publisher.publish_transactions(claim.records, claim.transactional_ids)
             else:
                 batch.pending = self.publisher.start(claim.records)
         except Exception as exc:

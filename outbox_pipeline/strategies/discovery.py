@@ -4,6 +4,15 @@ A partition is nobody's to lease until it has an offsets row: every pair is look
 rows written since the last look every RECENT_DISCOVERY_S while claims find work (a new topic's first rows must not
 wait for a busy partition to run dry), and whenever a claim finds nothing (every wake-up whose rows were already
 published ends so: a full look each time cost more than the rest of the cycle).
+
+"Written since the last look" is by id, and ids are drawn before commit: a transaction that drew its id before
+others and committed after them (a new partition's first row) was behind the highest id the last look saw, and
+waited for the full look (issue 40, case 22). A recent look therefore reads from a *floor*: the highest id below
+which every row that will ever commit was visible to a look that read it. Each look remembers the highest id it saw
+and its snapshot's xmax (every id up to it was drawn by a transaction below that xmax); once a later look's xmin has
+passed that xmax, that look saw all of them, and the floor rises to it. Under short transactions that is the look
+before the last: a recent look reads about two intervals of rows. A transaction open for more than ``LOOK_BACK``
+ids no longer holds the floor back: its rows are found by the full look.
 """
 
 from __future__ import annotations
@@ -18,6 +27,11 @@ from . import offsets
 
 DISCOVERY_INTERVAL_S = 5.0
 RECENT_DISCOVERY_S = 0.5
+# How far below the highest id seen the floor may stay for a transaction still open (half a recent look's rows).
+LOOK_BACK = offsets.RECENT_ROWS // 2
+# Looks remembered above the floor at most (dropping the oldest only keeps the floor lower: more rows read, never
+# fewer), so a transaction open for hours under a trickle of rows does not grow the list.
+MAX_LOOKS = 32
 
 
 class Discovery:
@@ -28,7 +42,9 @@ class Discovery:
         self.table = table
         self._found = found
         self._all_at = self._recent_at = float("-inf")
-        self._seen_id = 0  # the highest message id a look covered
+        self._floor = 0  # every row at or below this id that will ever commit was seen by a look
+        # (highest id seen, snapshot xmax) of the looks above the floor, oldest first
+        self._looks: list[tuple[int, int]] = []
 
     def when_due(self) -> None:
         """Before a claim: a full look, or one at the rows written since the last, when its time has come."""
@@ -46,11 +62,17 @@ class Discovery:
     def recent(self) -> int:
         """The same for rows written since the last look only; every pair when too many were."""
         self._recent_at = time.monotonic()
-        found = offsets.discover_recent(self.conn, self.table, self._seen_id)
+        found = offsets.discover_recent(self.conn, self.table, self._floor)
         return self._counted(found) if found.complete else self.everything()
 
     def _counted(self, found: offsets.Discovered) -> int:
-        self._seen_id = max(self._seen_id, found.seen_id)
+        looks = self._looks
+        if not looks or looks[-1][0] < found.seen_id:  # an earlier look that saw as far becomes due no later
+            looks = [*looks, (found.seen_id, found.xmax)]
+        # Looks whose every id this one saw (its xmin passed their xmax): nothing at or below them is still to come.
+        floor = max([self._floor, *(seen for seen, xmax in looks if xmax <= found.xmin)])
+        self._floor = max(floor, found.seen_id - LOOK_BACK)
+        self._looks = [(seen, xmax) for seen, xmax in looks if seen > self._floor and xmax > found.xmin][-MAX_LOOKS:]
         if found.created:
             self._found()
         return found.created

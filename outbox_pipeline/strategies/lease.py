@@ -61,6 +61,7 @@ from psycopg import IsolationLevel, sql
 
 from ..timestamps import created_at_bounds
 from .base import (
+    FRESH_LEASE_SHARE,
     RECORD_COLUMNS,
     AckResult,
     Claim,
@@ -77,11 +78,6 @@ from .rows import finish, oldest_share, one_priority_sql
 # A claim that lost every row it picked to concurrent claims picks again this many times in all
 # before reporting "nothing available": the rows it lost went to other workers, more may be left.
 _ROUNDS = 3
-
-# A batch read ahead whose leases all have more than this share of ``lease_s`` left goes to Kafka
-# without renewing them: the renewal wrote 5,000 new lease versions per batch (14 ms, 3 s of PostgreSQL
-# per 1M rows) to gain the few hundred milliseconds the batch waited for the one before it.
-_FRESH_SHARE = 0.9
 
 # Unsent, available, not under a live lease: the rows a claim may pick. This worker's own batch in
 # flight is under a live lease too, so the relay's ``avoid`` list adds nothing here and is not used:
@@ -186,7 +182,7 @@ class LeaseStrategy(Strategy):
         self._fresh = sql.SQL(
             "SELECT l.id FROM {leases} l WHERE l.id = ANY(%(ids)b::bigint[]) AND l.locked_by = %(worker)s "
             "AND l.expires_at > now() + make_interval(secs => %(lease)s * {share})"
-        ).format(leases=t.leases, share=sql.Literal(_FRESH_SHARE))
+        ).format(leases=t.leases, share=sql.Literal(FRESH_LEASE_SHARE))
         self._renew = sql.SQL(
             "UPDATE {leases} l SET expires_at = now() + make_interval(secs => %(lease)s) "
             "WHERE l.id = ANY(%(ids)b::bigint[]) AND l.locked_by = %(worker)s RETURNING l.id"
@@ -289,7 +285,7 @@ class LeaseStrategy(Strategy):
         if not records:
             self.give_back(Claim([], state=_Leased(sorted(kept))), "leases lost before publishing")
             return None
-        return Claim(records, claim.collisions, _Leased(sorted(kept)), claim.transactional_id)
+        return Claim(records, claim.collisions, _Leased(sorted(kept)), claim.transactional_ids)
 
     def ack(self, claim: Claim, outcome: PublishOutcome) -> AckResult:
         # The second short transaction. Message rows first, then our lease rows (see _lock_rows): a

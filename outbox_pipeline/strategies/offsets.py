@@ -70,18 +70,28 @@ class PartitionLease:
 
 @dataclass(frozen=True, slots=True)
 class Discovered:
-    """What a discovery did: offsets rows created, and the highest message id it had covered."""
+    """What a discovery did: offsets rows created, the highest message id it saw, and its snapshot's bounds: every
+    transaction below ``xmin`` had ended; the ids up to ``seen_id`` were drawn by transactions below ``xmax``, so a
+    look whose xmin has passed ``xmax`` sees every one of them that will ever commit."""
 
     created: int
     seen_id: int
+    xmin: int
+    xmax: int
     complete: bool = True  # False: more new rows than a recent look reads; look at every pair instead
+
+
+# The snapshot's bounds, as numbers (xid8 as text: psycopg loads xid8 as text only).
+_BOUNDS = """
+    pg_snapshot_xmin(pg_current_snapshot())::text, pg_snapshot_xmax(pg_current_snapshot())::text
+"""
 
 
 def discover(conn: psycopg.Connection, table: OutboxTable) -> Discovered:
     """Create offsets rows for (topic, partition) pairs that have rows but no position yet.
 
     A loose index scan (one index probe per distinct pair), not a DISTINCT over the whole table; with it, the
-    highest id now, from which ``discover_recent`` looks next.
+    highest id now and the snapshot's bounds, from which ``discover_recent`` looks next.
     """
     row = conn.execute(
         sql.SQL(
@@ -93,28 +103,28 @@ def discover(conn: psycopg.Connection, table: OutboxTable) -> Discovered:
                 ON CONFLICT (topic, partition) DO NOTHING
                 RETURNING 1
             )
-            SELECT (SELECT count(*) FROM created), coalesce((SELECT max(id) FROM {messages}), 0)
+            SELECT (SELECT count(*) FROM created), coalesce((SELECT max(id) FROM {messages}), 0), {bounds}
             """
-        ).format(pairs=partition_pairs(table), offsets=table.offsets, messages=table.messages)
+        ).format(pairs=partition_pairs(table), offsets=table.offsets, messages=table.messages, bounds=sql.SQL(_BOUNDS))
     ).fetchone()
     assert row is not None
-    return Discovered(int(row[0]), int(row[1]))
+    return Discovered(int(row[0]), int(row[1]), int(row[2]), int(row[3]))
 
 
 # How many rows written since the last look ``discover_recent`` reads; past it, a full discovery is cheaper.
 RECENT_ROWS = 10_000
 
 
-def discover_recent(conn: psycopg.Connection, table: OutboxTable, after_id: int) -> Discovered:
-    """Create offsets rows for the pairs of rows with ids above ``after_id`` that have none: what a lease that
-    found nothing asks (a new partition's first rows), reading only what was written since the last look. A row of
-    a new partition committed late with a lower id is found by the next full ``discover`` (DISCOVERY_INTERVAL_S)."""
+def discover_recent(conn: psycopg.Connection, table: OutboxTable, floor: int) -> Discovered:
+    """Create offsets rows for the pairs of rows with ids above ``floor`` that have none: what a lease that found
+    nothing asks (a new partition's first rows), reading only what was written since the earlier looks
+    (discovery.py keeps the floor below the ids that may still commit)."""
     row = conn.execute(
         sql.SQL(
             """
             WITH recent AS (
                 SELECT m.id, m.topic, m.partition FROM {messages} m
-                WHERE m.id > %(after)s ORDER BY m.id LIMIT %(cap)s
+                WHERE m.id > %(floor)s ORDER BY m.id LIMIT %(cap)s
             ),
             created AS (
                 INSERT INTO {offsets} (topic, partition)
@@ -123,14 +133,15 @@ def discover_recent(conn: psycopg.Connection, table: OutboxTable, after_id: int)
                 ON CONFLICT (topic, partition) DO NOTHING
                 RETURNING 1
             )
-            SELECT (SELECT count(*) FROM created), (SELECT max(id) FROM recent), (SELECT count(*) FROM recent)
+            SELECT (SELECT count(*) FROM created), (SELECT max(id) FROM recent), (SELECT count(*) FROM recent), {bounds}
             """
-        ).format(messages=table.messages, offsets=table.offsets),
-        {"after": after_id, "cap": RECENT_ROWS},
+        ).format(messages=table.messages, offsets=table.offsets, bounds=sql.SQL(_BOUNDS)),
+        {"floor": floor, "cap": RECENT_ROWS},
     ).fetchone()
     assert row is not None
     created, seen, rows = int(row[0]), row[1], int(row[2])
-    return Discovered(created, after_id if seen is None else int(seen), complete=rows < RECENT_ROWS)
+    seen_id = floor if seen is None else int(seen)
+    return Discovered(created, seen_id, int(row[3]), int(row[4]), complete=rows < RECENT_ROWS)
 
 
 # The talk's "longest unchecked partition first", restricted to partitions that have work (one
@@ -139,7 +150,8 @@ def discover_recent(conn: psycopg.Connection, table: OutboxTable, after_id: int)
 # relayed rows behind the positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
 # bitmap scan of every pending entry of the partition (25,000 in `outbox bench --retained`); in index order, with
 # LIMIT 1, it stops at the first. Home partitions first, then others whose oldest pending row waited STEAL_AFTER_S
-# (sharing.py). Free: not leased by anyone (this worker's own leases included).
+# (sharing.py), and any whose lease expired unreleased (``locked_by`` kept: its holder stopped renewing, it is hung or
+# cut off), even by a worker busy at home. Free: not leased by anyone (this worker's own leases included).
 _CANDIDATES = """
     SELECT o.topic, o.partition, o.available_after FROM {offsets} o
     LEFT JOIN LATERAL (
@@ -149,8 +161,9 @@ _CANDIDATES = """
     ) oldest ON true
     WHERE o.available_after <= now() {scope} {exclude}
       AND (oldest.created_at IS NOT NULL OR EXISTS ({released}))
-      AND ({home} OR (%(steal)s AND coalesce(oldest.created_at, '-infinity')
-                                  <= now() - make_interval(secs => %(steal_after)s)))
+      AND ({home} OR o.locked_by IS NOT NULL
+           OR (%(steal)s AND coalesce(oldest.created_at, '-infinity')
+                             <= now() - make_interval(secs => %(steal_after)s)))
 """
 
 _NO_CONDITION = sql.SQL("")
@@ -260,6 +273,30 @@ def release_many(conn: psycopg.Connection, config: StrategyConfig, pairs: Sequen
         {"topics": [t for t, _ in pairs], "partitions": [p for _, p in pairs], "worker": config.worker_id},
     )
     return cur.rowcount
+
+
+def renew_many(
+    conn: psycopg.Connection, config: StrategyConfig, pairs: Sequence[tuple[str, int]]
+) -> set[tuple[str, int]]:
+    """Renew this worker's leases of ``pairs`` for ``lease_s`` from now, expired or not; the pairs it still held
+    (an expired lease is still this worker's until another worker takes it)."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            UPDATE {offsets} o SET available_after = now() + make_interval(secs => %(lease)s), updated_at = now()
+            FROM unnest(%(topics)s::text[], %(partitions)s::int[]) AS p(topic, partition)
+            WHERE o.topic = p.topic AND o.partition = p.partition AND o.locked_by = %(worker)s
+            RETURNING o.topic, o.partition
+            """
+        ).format(offsets=config.table.offsets),
+        {
+            "topics": [t for t, _ in pairs],
+            "partitions": [p for _, p in pairs],
+            "worker": config.worker_id,
+            "lease": config.lease_s,
+        },
+    ).fetchall()
+    return {(topic, int(partition)) for topic, partition in rows}
 
 
 def reclaim_own(conn: psycopg.Connection, config: StrategyConfig) -> None:

@@ -4,6 +4,7 @@ transaction: one id per virtual partition, so a second worker on the same partit
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import psycopg
 
@@ -22,10 +23,14 @@ class TransactionalIds:
         self._checked_at = float("-inf")
         self._usable: frozenset[str] | None = None
 
-    def of(self, topic: str, partition: int) -> str | None:
-        """The partition's id; None without Kafka transactions."""
+    def of_partitions(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str] | None:
+        """Each partition's id (a batch publishes each partition's rows in a transaction of its own); None without
+        Kafka transactions."""
         if not self.config.kafka_transactions:
             return None
+        return {(topic, partition): self._id(topic, partition) for topic, partition in partitions}
+
+    def _id(self, topic: str, partition: int) -> str:
         return f"outbox.{self.config.table.schema}.{topic}.{partition}"
 
     def usable(self) -> frozenset[str] | None:
@@ -36,6 +41,6 @@ class TransactionalIds:
         if time.monotonic() - self._checked_at < DISCOVERY_INTERVAL_S:
             return self._usable
         rows = offsets.unleased_by_others(self.conn, self.config)
-        self._usable = frozenset(f"outbox.{self.config.table.schema}.{t}.{p}" for t, p in rows)
+        self._usable = frozenset(self._id(t, p) for t, p in rows)
         self._checked_at = time.monotonic()
         return self._usable

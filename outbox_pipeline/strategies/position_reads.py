@@ -7,8 +7,8 @@ partitions, 926 statements per 1,000 messages. One claim now leases every free p
 ``max_new``: home partitions first, the one that waited longest first, as the single lease did), reads each of those
 and each partition read ahead, its fair share of the batch (``limit`` split evenly), and one ack moves every position
 (offsets.advance_many). A partition that never runs dry cannot keep the others waiting: every claim serves all of
-them. ``partitioned``'s snapshot rule and every other read condition are the strategy's own (``work``). ``Chain``:
-how far a worker has read a partition it has batches in flight for (where the next read starts).
+them. ``partitioned``'s snapshot rule and every other read condition are the strategy's own (``work``). Which
+partitions a claim reads past and how many it leases: position_chains.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter
@@ -29,8 +30,6 @@ from .base import RECORD_COLUMNS, OutboxRecord, StrategyConfig
 from .offsets import PartitionLease, candidates, released_hold
 from .sharing import IS_HOME
 
-# At most this many partitions in one claim (their rows split the batch).
-MAX_PARTITIONS_PER_CLAIM = 32
 _PAYLOAD = OutboxRecord._fields.index("payload")
 _PARTITION = attrgetter("topic", "partition")
 
@@ -118,6 +117,13 @@ _NOT_SETTLED = """
     AND (o.topic, o.partition) NOT IN (
         SELECT s.topic, s.partition FROM jsonb_to_recordset(%(settle)s::jsonb) AS s(topic text, partition int))
 """
+# Never lease a partition this worker has a batch in flight for: should that lease have run out, leasing it again
+# would read it from its stored position, behind the batch in flight, beside the read past that batch (its rows
+# twice in one claim, and an ack from the wrong base moved the position back). Its ack renews or ends the lease.
+_NOT_IN_FLIGHT = """
+    AND (o.topic, o.partition) NOT IN (
+        SELECT f.topic, f.partition FROM jsonb_to_recordset(%(in_flight)s::jsonb) AS f(topic text, partition int))
+"""
 
 
 class Positional(NamedTuple):
@@ -160,7 +166,7 @@ def claim_sql(config: StrategyConfig, *, work: str, order: str, settling: str | 
         "work": sql.SQL(work),
         "order": sql.SQL(order),
     }
-    exclude = sql.SQL(_NOT_SETTLED) if settling else sql.SQL("")
+    exclude = sql.SQL(_NOT_IN_FLIGHT + (_NOT_SETTLED if settling else ""))
     return positional(
         sql.SQL(_CLAIM)
         .format(
@@ -211,6 +217,7 @@ class Reads:
     max_new: int  # how many partitions it could lease: leasing that many, it may have left others waiting
     # A claim that acked the previous batch (settle): the partitions whose position it moved (still this worker's).
     owned: frozenset[tuple[str, int]] = frozenset()
+    at: float = 0.0  # time.monotonic() before the statement: its leases run from no earlier than this
 
 
 def share_of(limit: int, partitions: int) -> int:
@@ -228,13 +235,22 @@ def read_partitions(
     limit: int,
     dealt: Mapping[str, object],
     settle: Sequence[Settle] = (),
+    in_flight: Collection[tuple[str, int]] = (),
 ) -> Reads:
     """Lease up to ``max_new`` waiting partitions and read them with the ``ahead`` ones (positions to read past);
-    ``cursor``: base.stamped_cursor(raw=True). With ``settle`` (``query`` composed with ``settling``), first move
+    ``cursor``: base.stamped_cursor(raw=True). ``in_flight``: every partition with a batch in flight (those read
+    ahead among them), never leased again here. With ``settle`` (``query`` composed with ``settling``), first move
     each of those positions (the previous batch's ack). The positions go as one JSON document: dumping four arrays
     of them cost more CPU than the rest of the claim."""
     positions = json.dumps([{"topic": a.topic, "partition": a.partition, "xid": a.xid, "id": a.last_id} for a in ahead])
-    params = {"lease": config.lease_s, "worker": config.worker_id, "max_new": max_new, "ahead": positions}
+    busy = json.dumps([{"topic": topic, "partition": partition} for topic, partition in in_flight])
+    params = {
+        "lease": config.lease_s,
+        "worker": config.worker_id,
+        "max_new": max_new,
+        "ahead": positions,
+        "in_flight": busy,
+    }
     if settle:
         params["settle"] = json.dumps(
             [
@@ -250,6 +266,7 @@ def read_partitions(
                 for s in settle
             ]
         )
+    at = time.monotonic()
     rows = cursor.execute(query.text, query.params({**params, "limit": limit, **dealt})).fetchall()
     # The partitions' row is the last (UNION ALL appends); looked for if not, since nothing promises it.
     at = len(rows) - 1 if rows and rows[-1][0] is None else next(i for i, row in enumerate(rows) if row[0] is None)
@@ -266,29 +283,4 @@ def read_partitions(
     for key, run in groupby(map(OutboxRecord._make, rows), _PARTITION):
         by_partition[key].records.extend(run)
     owned = frozenset((topic, partition) for topic, partition in document["owned"] or ())
-    return Reads(list(by_partition.values()), share_of(limit, len(by_partition)), max_new, owned)
-
-
-@dataclass
-class Chain:
-    """A leased partition with batches in flight, and how far this worker has read it."""
-
-    lease: PartitionLease
-    read_xid: str
-    read_id: int
-    in_flight: int = 0
-    broken: bool = False
-    # The partition has holds (quarantine.py): reads are split into rows to publish and rows to withhold.
-    has_holds: bool = False
-    # A hold was released: no more reading ahead; once the batches in flight ack, the partition is leased
-    # again and its held rows go first.
-    draining: bool = False
-
-    def extend(self, last: OutboxRecord) -> None:
-        self.read_xid, self.read_id = last.transaction_id, last.id
-        self.in_flight += 1
-
-    @property
-    def ahead(self) -> PartitionLease:
-        """Where the next batch is read from (and its compare-and-set base): past the batches in flight."""
-        return PartitionLease(self.lease.topic, self.lease.partition, self.read_xid, self.read_id, 0)
+    return Reads(list(by_partition.values()), share_of(limit, len(by_partition)), max_new, owned, at)

@@ -18,13 +18,15 @@ partitions move on. Rows after the failure that Kafka did confirm are published 
 duplicates bounded by one batch). A row that can never be delivered (too large, invalid topic) or that ran out of
 attempts is copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the
 default) its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
-are published without it. With Kafka transactions (one transactional id per partition) a claim is one partition.
+are published without it. With Kafka transactions each partition's rows of a batch are one Kafka transaction (its
+transactional id is the partition's), and a claim takes fewer partitions (position_chains.py).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from itertools import islice
 from typing import Any, ClassVar
@@ -44,8 +46,9 @@ from .base import (
 )
 from .discovery import Discovery
 from .offsets import Move, PartitionLease
+from .position_chains import MAX_PARTITIONS_PER_CLAIM, Chain, Chains
 from .position_ids import TransactionalIds
-from .position_reads import MAX_PARTITIONS_PER_CLAIM, Chain, PartitionRead, Reads, Settle, claim_sql, read_partitions
+from .position_reads import PartitionRead, Reads, Settle, claim_sql, read_partitions
 from .position_settle import count_by_partition, settle_all
 from .quarantine import NO_HOLDS, Quarantine
 from .sharing import Dealer, Home
@@ -67,7 +70,7 @@ class PositionStrategy(Strategy):
     def __init__(self, conn: psycopg.Connection, config: StrategyConfig) -> None:
         super().__init__(conn, config)
         conn.isolation_level = IsolationLevel.READ_COMMITTED
-        self._chains: dict[Key, Chain] = {}
+        self._chains = Chains(conn, config)
         self._tx_ids = TransactionalIds(conn, config)
         self._dealer = Dealer(conn, config.table, config.worker_id, config.lease_s)
         # A new partition is nobody's home until the next deal.
@@ -156,13 +159,12 @@ class PositionStrategy(Strategy):
 
     def _read(self, limit: int, settle: Sequence[Settle] = ()) -> Reads:
         home = self._dealer.current()
-        # Read ahead at home only: elsewhere (taken while it was home or its row waited) the lease ends with the
-        # batch in flight, and the partition goes back to its home worker. Reading ahead keeps a lease as long as
-        # the partition has work: the first worker of a backlog kept every partition and the others idled.
-        ahead = [c.ahead for key, c in self._chains.items() if not c.broken and not c.draining and home.holds(*key)]
-        max_new = MAX_PARTITIONS_PER_CLAIM - len(ahead) - len(settle)
-        if self.config.kafka_transactions:  # one partition per claim: one transactional id per partition
-            ahead, max_new = ahead[:1], 0 if ahead else 1
+        # Read ahead at home only, and in turns (position_chains.py): reading ahead keeps a lease as long as the
+        # partition has work, so the first worker of a backlog kept every partition and the others idled.
+        cap = self._chains.cap - len(settle)
+        ahead = self._chains.ahead(home, cap)
+        # At least one: a claim that could lease nothing would never learn that partitions wait.
+        max_new = max(1, cap - len(ahead))
         reads = read_partitions(
             self._cursor,
             self.config,
@@ -172,23 +174,25 @@ class PositionStrategy(Strategy):
             limit=limit,
             dealt={**home.params(), "steal": self._may_steal},
             settle=settle,
+            in_flight=self._chains.keys(),
         )
         self._may_steal = not any(r.records and home.holds(*r.key) for r in reads.partitions)
+        self._chains.saw(sum(r.leased_now and not r.kept for r in reads.partitions), max_new)
         return reads
 
     def _claim_from(self, reads: Reads, limit: int, *, again: bool = True) -> Claim | None:
         """The claim of what a read leased and read (its partitions' chains extended)."""
         if released := next((r for r in reads.partitions if r.lease.released), None):
             # A released hold's held rows go before anything else of its partition, and alone.
-            self._release([r.key for r in reads.partitions if r.leased_now and r is not released])
-            release = self._claim_release(released.lease, limit)
+            self._chains.release([r.key for r in reads.partitions if r.leased_now and r is not released])
+            release = self._claim_release(released.lease, limit, reads.at)
             return release if release is not None or not again else self._claim(limit, again=False)
         publish: list[OutboxRecord] = []
         withheld: list[OutboxRecord] = []
         state: dict[Key, PartitionLease] = {}
         idle: list[Key] = []
         for read in reads.partitions:
-            split = self._split(read)
+            split = self._split(read, reads.at)
             if split is None:
                 if read.leased_now:
                     idle.append(read.key)
@@ -197,14 +201,13 @@ class PositionStrategy(Strategy):
             publish += records
             withheld += held
             state[read.key] = read.lease
-        self._release(idle)
+        self._chains.release(idle)
         if not state:
             return None
-        only = next(iter(state.values())) if len(state) == 1 else None
         return Claim(
             publish,
             state=state,
-            transactional_id=self._transactional_id(only) if only is not None else None,
+            transactional_ids=self._tx_ids.of_partitions(state),
             withheld=withheld,
             holds_version=self._quarantine.version,
             # Claim again at once: more partitions may wait than one claim leases, or one gave its whole share.
@@ -212,13 +215,14 @@ class PositionStrategy(Strategy):
             or any(len(r.records) >= reads.share for r in reads.partitions),
         )
 
-    def _split(self, read: PartitionRead) -> tuple[list[OutboxRecord], list[OutboxRecord]] | None:
-        """A partition's rows of this claim as (to publish, to withhold), its chain extended; None: nothing of it."""
+    def _split(self, read: PartitionRead, at: float) -> tuple[list[OutboxRecord], list[OutboxRecord]] | None:
+        """A partition's rows of this claim as (to publish, to withhold), its chain extended; None: nothing of it.
+        ``at``: when the claim's statement (which set the leases it took) began."""
         if not read.records:
             return None
         chain = self._chains.get(read.key)
         if read.leased_now or chain is None:
-            chain = self._chains[read.key] = Chain(read.lease, read.lease.xid, read.lease.last_id)
+            chain = self._chains[read.key] = Chain(read.lease, read.lease.xid, read.lease.last_id, renewed_at=at)
             chain.has_holds = read.lease.has_holds
         view = NO_HOLDS
         if chain.has_holds:
@@ -237,21 +241,21 @@ class PositionStrategy(Strategy):
             return records
         return sorted(records, key=self.order_key)
 
-    def _claim_release(self, lease: PartitionLease, limit: int) -> Claim | None:
+    def _claim_release(self, lease: PartitionLease, limit: int, at: float) -> Claim | None:
         """The held rows of the partition's released holds, before anything else of it; nothing is read
         ahead meanwhile. With none left, the holds end here (this worker owns the partition, nothing of it
         is in flight) and the partition is read as usual."""
         records = self._quarantine.read_released(limit, lease.topic, lease.partition)
         if not records:
             self._quarantine.finish_releases(lease.topic, lease.partition)
-            self._release([(lease.topic, lease.partition)])
+            self._chains.release([(lease.topic, lease.partition)])
             return None
-        chain = Chain(lease, lease.xid, lease.last_id, in_flight=1, has_holds=True, draining=True)
+        chain = Chain(lease, lease.xid, lease.last_id, in_flight=1, has_holds=True, draining=True, renewed_at=at)
         self._chains[(lease.topic, lease.partition)] = chain
         return Claim(
             records,
             state=lease,
-            transactional_id=self._transactional_id(lease),
+            transactional_ids=self._tx_ids.of_partitions([(lease.topic, lease.partition)]),
             holds_version=self._quarantine.version,
             release=True,
         )
@@ -266,25 +270,25 @@ class PositionStrategy(Strategy):
         return self._discovery.everything()
 
     def before_publish(self, claim: Claim) -> Claim | None:
-        """A batch read ahead is published only where the batch before it acked in full while owned: past a
-        failure or a lost lease the position cannot move, so publishing it would only add duplicates (the
-        README's bound is one batch); those partitions are given back, the rest goes. Nor if a hold began or
-        ended since it was read: it may hold a row that is held now."""
+        """A batch read ahead is published only where the batch before it acked in full while owned, and where
+        its lease is still this worker's (renewed if old: position_chains.py): past a failure or a lost lease the
+        position cannot move, so publishing it would only add duplicates (the README's bound is one batch); those
+        partitions are given back, the rest goes. Nor if a hold began or ended since it was read: it may hold a row
+        that is held now."""
         if claim.release:
             lease: PartitionLease = claim.state
-            chain = self._chains.get((lease.topic, lease.partition))
-            if chain is None or chain.broken or claim.holds_version != self._quarantine.version:
-                self.give_back(claim, "a hold began or ended")
+            if claim.holds_version != self._quarantine.version or self._chains.lost([(lease.topic, lease.partition)]):
+                self.give_back(claim, "a hold began or ended, or its lease was lost")
                 return None
             return claim
         if claim.holds_version != self._quarantine.version:
             self.give_back(claim, "a hold began or ended since it was read")
             return None
         state: dict[Key, PartitionLease] = claim.state
-        stale = [key for key in state if (c := self._chains.get(key)) is None or c.broken]
+        stale = self._chains.lost(state)
         if not stale:
             return claim
-        self._give_back(stale)
+        self._chains.give_back(stale)
         kept = {key: lease for key, lease in state.items() if key not in stale}
         if not kept:
             return None
@@ -297,9 +301,6 @@ class PositionStrategy(Strategy):
 
     def transactional_ids(self) -> frozenset[str] | None:
         return self._tx_ids.usable()
-
-    def _transactional_id(self, lease: PartitionLease) -> str | None:
-        return self._tx_ids.of(lease.topic, lease.partition)
 
     def _reclaim_own_leases(self) -> None:
         offsets.reclaim_own(self.conn, self.config)
@@ -324,6 +325,7 @@ class PositionStrategy(Strategy):
             moves.append(Move(lease, done.advanced, done.attempts, error, keep))
         dead = [f for key in state for f in settled[key].dead or ()]
         to_hold = [r for key in state for r in settled[key].to_hold or ()]
+        acked_at = time.monotonic()  # a kept lease runs lease_s from the ack on
         if not dead and not to_hold:
             # The common case: the compare-and-sets alone, one statement in its own transaction.
             owned = offsets.advance_many(self.conn, self.config, self.name, moves)
@@ -347,6 +349,8 @@ class PositionStrategy(Strategy):
                 chain.broken = chain.broken or key not in owned
                 if chain.in_flight == 0:
                     del self._chains[key]
+                elif not chain.broken:
+                    chain.renewed_at = acked_at
             done = settled[key]
             if key in owned:
                 acked, retried = acked + done.acked, retried + done.retried
@@ -377,24 +381,6 @@ class PositionStrategy(Strategy):
     def give_back(self, claim: Claim, error: str) -> None:
         if claim.release:
             lease: PartitionLease = claim.state
-            self._give_back([(lease.topic, lease.partition)])
+            self._chains.give_back([(lease.topic, lease.partition)])
         else:
-            self._give_back(list(claim.state))
-
-    def _give_back(self, keys: Iterable[Key]) -> None:
-        """These partitions' batch was not published: nothing may be read past it; a partition with no other batch
-        in flight is released now (the earlier batch in flight acks, then releases it)."""
-        free: list[Key] = []
-        for key in keys:
-            chain = self._chains.get(key)
-            if chain is not None:
-                chain.in_flight -= 1
-                chain.broken = True
-                if chain.in_flight > 0:
-                    continue
-                del self._chains[key]
-            free.append(key)
-        self._release(free)
-
-    def _release(self, keys: Sequence[Key]) -> None:
-        offsets.release_many(self.conn, self.config, keys)
+            self._chains.give_back(list(claim.state))

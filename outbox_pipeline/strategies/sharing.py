@@ -9,6 +9,11 @@ looked at again every ``DEAL_INTERVAL_S``. A worker takes another's partition on
 waited ``STEAL_AFTER_S`` (its home worker is busy, hung, or dead and not yet reaped), so no partition waits long for
 its owner, and a backlog (every row old) is served by whoever is free, as before.
 
+A worker whose heartbeat is older than ``lease_s`` is out of the deal, even while its session (and so its liveness
+lock) lives: a frozen (SIGSTOP) or hung worker stops heartbeating, and its home is dealt to the live workers, who
+serve it as their own however busy they are (a worker busy at home never steals). Its leases expire meanwhile, and an
+expired lease is anyone's (offsets.candidates). It is dealt its home again at its next heartbeat.
+
 A worker that is not in the registry (a scoped run, or a strategy used without a relay loop) has no home:
 every partition is equally its own.
 """
@@ -36,8 +41,7 @@ _DEAL = """
     WITH live AS (
         SELECT worker_id, row_number() OVER (ORDER BY worker_id) - 1 AS i, count(*) OVER () AS n
         FROM {workers}
-        WHERE kind = %(kind)s
-          AND (liveness = 'session' OR heartbeat_at > now() - make_interval(secs => %(lease)s))
+        WHERE kind = %(kind)s AND heartbeat_at > now() - make_interval(secs => %(lease)s)
     ),
     dealt AS (
         SELECT topic, partition, row_number() OVER (ORDER BY topic, partition) - 1 AS j FROM {offsets}

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +19,11 @@ import pytest
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import free_port
 from outbox_pipeline.metrics import LagSampler, MetricsServer, RelayMetrics
+from outbox_pipeline.relay_settings import RelaySettings
+from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.workers import WorkerSpec, build_relay
 from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import wait_until
 
 COUNT = 500
 
@@ -138,3 +143,33 @@ def test_healthz_answers_503_with_the_reason_once_the_loop_stops_turning() -> No
     assert healthy == (200, "ok\n")
     assert stalled[0] == 503 and "the relay loop has not turned for" in stalled[1]
     assert up == 0.0
+
+
+def test_healthz_answers_503_with_the_reason_when_the_relay_cannot_reach_kafka(
+    dsn: str, db: psycopg.Connection, table: OutboxTable
+) -> None:
+    """A worker cut off from Kafka turns its loop and reaches its database, and relays nothing: its probe must fail
+    (so that it is restarted) once deliveries have failed for longer than the bound, not stay 200."""
+    enqueue_many(db, [Message("orders", {"n": n}, key=f"k{n}") for n in range(5)], table=table)
+    metrics = RelayMetrics("partitioned", stall_after_s=4.0)
+    stop = threading.Event()
+    nowhere = {"message.timeout.ms": 300, "socket.connection.setup.timeout.ms": 1000}
+    spec = WorkerSpec(
+        dsn,
+        "partitioned",
+        {"bootstrap.servers": f"127.0.0.1:{free_port()}", **nowhere},  # nothing listens there
+        RelaySettings(batch_size=10, listen=False, poll_interval_s=0.05, error_backoff_max_s=0.2),
+        StrategyConfig(table=table),
+    )
+    relay = build_relay(spec, stop, instruments=metrics)
+    worker = threading.Thread(target=relay.run)
+    worker.start()
+    try:
+        wait_until("the probe to fail", lambda: not metrics.healthy()[0], 20)
+        ok, why = metrics.healthy()
+    finally:
+        stop.set()
+        worker.join(60)
+
+    assert not ok and "Kafka" in why, why
+    assert relay.stats.published == 0 and relay.stats.batches > 0

@@ -89,3 +89,42 @@ def test_a_row_of_a_quiet_partition_is_published_within_a_batch_or_two_of_a_busy
     assert served is not None and waited <= BUSY_BATCHES_ALLOWED, (
         f"the quiet row went out after {waited} batches of the busy one"
     )
+
+
+@pytest.mark.parametrize("kafka_transactions", [False, True], ids=["plain", "kafka-transactions"])
+@pytest.mark.parametrize("strategy", ORDERED_POSITIONS)
+def test_every_partition_of_a_backlog_moves_before_half_of_it_is_relayed(
+    strategy: str,
+    kafka_transactions: bool,
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    """One worker, a backlog over more partitions than one claim leases (32; with Kafka transactions, a transaction
+    per partition, 4), each many batches deep. Partitions read ahead keep their lease while they have work: the others
+    must still get turns while they are busy, not wait for them to run dry (one at a time with Kafka transactions)."""
+    partitions, rows = (12, 100) if kafka_transactions else (40, 50)
+    topic = new_topic(partitions=4)
+    set_topic_partitions(db, table, topic, partitions)
+    backlog = [Message(topic, {"n": n}, key=f"k{n}", partition=n % partitions) for n in range(partitions * rows)]
+    enqueue_many(db, backlog, serialized=strategy == "serialized", table=table)
+    delivered = 0
+    before_first: dict[int, int] = {}  # partition -> rows delivered before its first row was
+
+    def observe(outcome: PublishOutcome) -> None:
+        nonlocal delivered
+        for partition in {r.partition for r in outcome.delivered}:
+            before_first.setdefault(partition, delivered)
+        delivered += len(outcome.delivered)
+
+    relay = make_relay(
+        dsn, table, kafka.bootstrap_servers, strategy, batch_size=20, kafka_transactions=kafka_transactions
+    )
+    relay.observer = observe
+    stats = relay.run()
+
+    assert stats.published >= len(backlog) and sorted(before_first) == list(range(partitions))
+    late = {p: n for p, n in before_first.items() if n >= len(backlog) / 2}
+    assert not late, f"partitions whose first row went out after half the backlog ({len(backlog)} rows): {late}"
