@@ -42,7 +42,8 @@ class BulkDrainConfig(dg.Config):
     )
     lease_s: float = Field(
         default=DEFAULT_LEASE_S,
-        description="lease on each drained partition, renewed while it is read; the online relay skips it meanwhile",
+        description="lease on each drained partition, renewed until the commit (by its task while it is read, then "
+        "by the driver); the online relay skips it meanwhile",
     )
     page_rows: int = Field(default=DEFAULT_FETCH_ROWS, description="rows per PostgreSQL fetch and Kafka batch")
 
