@@ -58,7 +58,7 @@ from .drain_values import (
     position_class,
     position_key,
 )
-from .lag import partition_lag
+from .lag import PartitionLag, partition_lag
 from .strategies.offsets import discover
 from .switch import other_orders
 
@@ -147,6 +147,13 @@ def plan_drain(
         if idle:  # only if an operator moved the position between the two statements
             _release(conn, table, owner, idle)
     return DrainPlan(owner, strategy, table.schema, lease_s, ranges)
+
+
+def drainable(lag: PartitionLag) -> bool:
+    """Whether a plan made now would take this partition, from its lag row (what plan_drain's lease leaves out:
+    leased by anyone, backing off, a key held). A partition whose holds were all released but not yet cleared reads
+    as drainable here and is still left to the relay by the plan."""
+    return lag.pending > 0 and not lag.leased_by and not lag.in_backoff and lag.held == 0
 
 
 def _refuse_other_orders(
