@@ -7,6 +7,8 @@ happens to it, so the sensor asks for one only when it can help, and never in a 
 - not while one is in flight;
 - not unless at least OUTBOX_BULK_DRAIN_THRESHOLD pending rows are in partitions a drain could lease now (relay
   workers working through a backlog lease theirs between batches; a drain planned then takes nothing);
+- not after one that was canceled (an operator terminated it from the UI) until an operator launches one: then
+  the sensor goes on as before;
 - not within OUTBOX_BULK_DRAIN_COOLDOWN_S of one that failed (what stopped it is the relay's to retry or
   dead-letter: a new one would stop at the same row and republish what it did deliver) or of one that took no
   partition (every partition was taken between the tick and its plan).
@@ -61,6 +63,11 @@ def bulk_drain_request(
 def _cooldown(record: dg.RunRecord, job: Job, cfg: OrchestrationSettings, now: float) -> str:
     """Why no drain may follow the last one yet ('' if one may)."""
     run = record.dagster_run
+    if run.status == dg.DagsterRunStatus.CANCELED:
+        return (
+            f"; the last {job.name} was canceled (run {run.run_id[:8]}): no other until an operator launches one "
+            "(Jobs -> bulk_drain_job -> Launchpad, or re-execute the canceled run)"
+        )
     if run.status == dg.DagsterRunStatus.FAILURE:
         what = "failed"
     elif run.status == dg.DagsterRunStatus.SUCCESS and run.tags.get(DRAINED_TAG) == "0":

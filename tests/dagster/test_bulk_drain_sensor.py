@@ -193,3 +193,28 @@ def test_after_a_bulk_drain_that_could_take_no_partition_the_sensor_asks_for_no_
 
     assert (_drains(first), [_drains(result) for result in later], _drains(past_the_cooldown)) == (1, [0, 0], 1)
     assert "took no partition" in skip_message(later[-1])
+
+
+def test_after_a_bulk_drain_was_canceled_the_sensor_requests_none_until_an_operator_launches_one(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    """Issue 40, case 20: an operator terminated the drain from the UI, and the next tick launched it again."""
+    write_rows(120)
+    _drain_run(instance, dagster_resources, dg.DagsterRunStatus.CANCELED)
+    # No cool-down ends it: only the operator.
+    sensor = build_outbox_lag_sensor(
+        relay_stream_job, settings=_no_lag_trigger(bulk_drain_cooldown_s=0.0), bulk_drain_job=bulk_drain_job
+    )
+
+    with live_worker(db, table, "cli-relay-1"):
+        after_the_cancel = [tick(sensor, instance, dagster_resources) for _ in range(2)]
+        _drain_run(instance, dagster_resources, dg.DagsterRunStatus.SUCCESS)  # one launched by hand, from the launchpad
+        after_the_operators_run = tick(sensor, instance, dagster_resources)
+
+    assert [_drains(result) for result in after_the_cancel] == [0, 0]
+    assert "was canceled" in skip_message(after_the_cancel[-1])
+    assert _drains(after_the_operators_run) == 1
