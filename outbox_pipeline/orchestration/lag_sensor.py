@@ -9,9 +9,10 @@ and the registry, registers partitions Dagster has not seen (dynamic partitions)
 - no live relay worker and no run starting: one run (the first, or after a crash);
 - the only owners are runs about to end their window: the successor, so the two overlap briefly;
 - partitions lag (OUTBOX_RELAY_TRIGGER_PENDING rows or OUTBOX_RELAY_TRIGGER_AGE_S) while every run is up
-  and fewer than OUTBOX_RELAY_RUNS_MAX are: one more run (more parallelism for a burst). A relay worker that
-  came up less than OUTBOX_RELAY_TRIGGER_AGE_S ago is still working through what it found (a run starting
-  against an outbox written before it), so lag is not yet a sign that the runs are too few.
+  and fewer than OUTBOX_RELAY_RUNS_MAX are: one more run (more parallelism for a burst). Only lag more runs can
+  shorten counts: not a partition backing off or leased by a bulk drain, not rows held behind a dead letter. A
+  relay worker that came up less than OUTBOX_RELAY_TRIGGER_AGE_S ago is still working through what it found (a
+  run starting against an outbox written before it), so lag is not yet a sign that the runs are too few.
 
 An outbox a run would refuse (its strategy's indexes missing, another strategy's positions) gets no run: the
 tick is skipped with the reason, naming the command that fixes it.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+from outbox_pipeline.drain_values import OWNER_PREFIX
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.lag import PartitionLag, partition_lag
 from outbox_pipeline.liveness import LiveWorker, live_workers
@@ -152,11 +154,7 @@ def build_outbox_lag_sensor(
             else (None, "")
         )
         cover = coverage(context.instance, relay_job.name, owners, cfg, time.time())
-        lagging = sorted(
-            key
-            for key, lag in by_key.items()
-            if cfg.is_lagging(lag.pending, lag.oldest_pending_age_s) and not lag.in_backoff
-        )
+        lagging = sorted(key for key, lag in by_key.items() if _more_runs_help(lag, cfg))
         if not cover.covered:
             why = "successor" if cover.ending else "uncovered"
         elif lagging and not cover.starting and not cover.warming and cover.runs < cfg.relay_runs_max:
@@ -196,6 +194,14 @@ def build_outbox_lag_sensor(
         return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=adds)
 
     return outbox_lag_sensor
+
+
+def _more_runs_help(lag: PartitionLag, cfg: OrchestrationSettings) -> bool:
+    """Whether a partition lags in a way more relay runs can shorten. Not while it backs off after a failure, not
+    while a bulk drain leases it (no relay may publish it until the drain commits), and rows held behind a dead letter
+    (quarantine) do not count: they wait for an operator, and the dead-letter alert says so."""
+    drained = (lag.leased_by or "").startswith(OWNER_PREFIX)
+    return not lag.in_backoff and not drained and cfg.is_lagging(lag.pending, lag.relayable_age_s)
 
 
 def _skip(reason: str, adds: list[dg.AddDynamicPartitionsRequest]) -> dg.SensorResult | dg.SkipReason:

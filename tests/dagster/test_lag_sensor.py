@@ -6,13 +6,18 @@ from collections.abc import Callable
 import dagster as dg
 import psycopg
 import pytest
+from psycopg import sql
 
 from outbox_pipeline import OutboxTable
+from outbox_pipeline.drain import plan_drain
+from outbox_pipeline.drain_values import drain_owner
+from outbox_pipeline.enqueue import enqueue
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
 from outbox_pipeline.orchestration.relay_stream import REGISTERED_TAG, relay_stream_job, stream_worker_id
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from tests.kit.kafka import KafkaProbe
+from tests.kit.quarantine import poisoned
 from tests.kit.relay import drain
 
 from .conftest import Written
@@ -49,7 +54,7 @@ def test_an_uncovered_outbox_gets_one_relay_stream_run_and_its_partitions_regist
     assert [r.run_key for r in requested(tick(sensor, instance, dagster_resources))] == [request.run_key]
 
 
-def test_a_live_external_relay_worker_covers_the_outbox_so_no_run_isrequested(
+def test_a_live_external_relay_worker_covers_the_outbox_so_no_run_is_requested(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
@@ -158,7 +163,56 @@ def test_lagging_partitions_get_one_more_run_up_to_the_maximum(
     assert requested(enough) == [] and "lagging:" in skip_message(enough)
 
 
-def test_a_run_that_registered_moments_ago_gets_time_to_work_through_the_lag_before_another_isadded(
+def test_partitions_a_bulk_drain_has_leased_get_no_more_relay_runs(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    """Issue 40, case 19: a drain's partitions lag until it commits, and no relay run can take them; the sensor added
+    runs up to the maximum for them."""
+    write_rows(200)
+    runs = [_stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True) for _ in range(2)]
+    sensor = build_outbox_lag_sensor(
+        relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, relay_runs_max=3)
+    )
+
+    with live_worker(db, table, stream_worker_id(runs[0])), live_worker(db, table, stream_worker_id(runs[1])):
+        _up_for(db, table, seconds=60)
+        plan_drain(db, table, strategy="partitioned", owner=drain_owner("a-drain-run"))
+        result = tick(sensor, instance, dagster_resources)
+
+    assert requested(result) == [] and "lagging" not in skip_message(result)
+
+
+def test_rows_held_behind_a_dead_letter_get_no_more_relay_runs(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    """Issue 40, case 19: a key held behind a dead letter waits for an operator (the dead-letter alert says so), not
+    for more runs; its old held rows made a partition with a few fresh rows look late, and the sensor added runs."""
+    topic = new_topic()
+    poisoned("partitioned", db, table, kafka, topic)  # key A held behind its dead letter
+    db.execute(sql.SQL("UPDATE {} SET created_at = now() - interval '1 hour'").format(table.held))
+    enqueue(db, topic, {"fresh": True}, key="B", table=table)  # the relay's to publish, and not late
+    run = _stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True)
+    sensor = build_outbox_lag_sensor(
+        relay_stream_job, settings=OrchestrationSettings(trigger_pending=1000, trigger_age_s=60.0, relay_runs_max=3)
+    )
+
+    with live_worker(db, table, stream_worker_id(run)):
+        _up_for(db, table, seconds=600)
+        result = tick(sensor, instance, dagster_resources)
+
+    assert requested(result) == [] and "lagging" not in skip_message(result)
+
+
+def test_a_run_that_registered_moments_ago_gets_time_to_work_through_the_lag_before_another_is_added(
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
