@@ -18,6 +18,8 @@ order holds. Its life cycle, and who runs each step:
 3. ``publish_range`` (the same task): every row to Kafka with an idempotent producer, every delivery
    confirmed. A page Kafka did not confirm in full stops the range: the task reports what the pages before it
    delivered, and the error.
+While the tasks run, ``leases_kept`` (driver) renews every lease of the drain, so a partition whose task finished
+early stays the drain's until the commit: left to ``lease_s``, a relay took it and published the range again.
 4. ``commit_drain`` (driver, once every task reported): compare-and-set each offsets row from (owner, start) to
    the last position its task confirmed, whole range or part, and release every lease of the drain. What stopped a
    range is left to the relay, whose attempts and dead letters deal with it. ``release_drain`` (driver, when the
@@ -33,13 +35,17 @@ per-partition order to preserve.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import psycopg
 from psycopg import sql
 
-from . import strategy_record
+from . import server, strategy_record
 from .config import OutboxTable
+from .drain_ranges import renew_leases
 from .drain_values import (
     DEFAULT_LEASE_S,
     OWNER_PREFIX,
@@ -52,7 +58,7 @@ from .drain_values import (
     position_class,
     position_key,
 )
-from .lag import partition_lag
+from .lag import PartitionLag, partition_lag
 from .strategies.offsets import discover
 from .switch import other_orders
 
@@ -146,6 +152,13 @@ def plan_drain(
     return DrainPlan(owner, strategy, table.schema, lease_s, ranges)
 
 
+def drainable(lag: PartitionLag) -> bool:
+    """Whether a plan made now would take this partition, from its lag row (what plan_drain's lease leaves out:
+    leased by anyone, backing off, a key held). A partition whose holds were all released but not yet cleared reads
+    as drainable here and is still left to the relay by the plan."""
+    return lag.pending > 0 and not lag.leased_by and not lag.in_backoff and lag.held == 0
+
+
 def _refuse_other_orders(
     conn: psycopg.Connection, table: OutboxTable, strategy: str, topics: Sequence[str] | None
 ) -> None:
@@ -157,6 +170,51 @@ def _refuse_other_orders(
             f"cannot drain as {strategy}: positions were advanced by another strategy ({named}) and are in its "
             "order; drain with the strategy the relay uses"
         )
+
+
+log = logging.getLogger(__name__)
+
+# -- leases kept while the tasks run (driver) -------------------------------------------------------
+
+
+@contextmanager
+def leases_kept(dsn: str, plan: DrainPlan) -> Iterator[None]:
+    """Renew every lease of ``plan`` every third of ``lease_s`` until the block ends (then commit or release).
+
+    A task renews its own partition's lease only while it reads; one that finished early would lose its partition
+    ``lease_s`` later, while a slower task still runs, and a relay would publish the delivered range again. A thread
+    on a connection of its own, so no task and no commit waits on it; it dies with the driver, and then the drain's
+    leases end as the driver's registration does.
+    """
+    if not plan.ranges:
+        yield
+        return
+    stop = threading.Event()
+    thread = threading.Thread(target=_keep_leases, args=(dsn, plan, stop), name=f"leases-{plan.owner}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _keep_leases(dsn: str, plan: DrainPlan, stop: threading.Event) -> None:
+    conn: psycopg.Connection | None = None
+    try:
+        while not stop.wait(plan.lease_s / 3):
+            try:
+                if conn is None:
+                    conn = server.connect(dsn, autocommit=True, application_name=f"outbox {plan.owner}"[:63])
+                renew_leases(conn, plan, plan.ranges, skip_locked=True)
+            except psycopg.Error as exc:  # a session that ended: a new one at the next round, well within the lease
+                log.warning("drain %s: renewing its leases failed (%s): trying again", plan.owner, exc)
+                if conn is not None:
+                    conn.close()
+                conn = None
+    finally:
+        if conn is not None:
+            conn.close()
 
 
 # -- commit or release (driver) --------------------------------------------------------------------

@@ -98,25 +98,43 @@ def fetch_range(
 
 
 def renew_lease(conn: psycopg.Connection, plan: DrainPlan, rng: DrainRange) -> None:
+    """A task's check that its drain still owns ``rng`` at its planned start, renewing the lease; LeaseLostError if
+    not."""
+    if renew_leases(conn, plan, [rng]) != 1:
+        raise LeaseLostError(f"{rng.label} is no longer leased to {plan.owner} at its planned start")
+
+
+_RENEW = """
+    UPDATE {offsets} o SET available_after = now() + make_interval(secs => %(lease)s), updated_at = now()
+    FROM (
+        SELECT x.topic, x.partition
+        FROM {offsets} x
+        JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(xids)s::xid8[], %(ids)s::bigint[])
+             AS r(topic, partition, xid, id) ON x.topic = r.topic AND x.partition = r.partition
+        WHERE x.locked_by = %(owner)s AND x.last_processed_transaction_id = r.xid AND x.last_processed_id = r.id
+        FOR UPDATE OF x {skip}
+    ) mine
+    WHERE o.topic = mine.topic AND o.partition = mine.partition
+"""
+
+
+def renew_leases(
+    conn: psycopg.Connection, plan: DrainPlan, ranges: Sequence[DrainRange], *, skip_locked: bool = False
+) -> int:
+    """Renew the drain's lease of each range still owned at its planned start; how many were. ``skip_locked``: leave
+    a row another session is updating this moment (a task renewing it) instead of waiting for it."""
     cur = conn.execute(
-        sql.SQL(
-            """
-            UPDATE {offsets} SET available_after = now() + make_interval(secs => %(lease)s), updated_at = now()
-            WHERE topic = %(topic)s AND partition = %(partition)s AND locked_by = %(owner)s
-              AND last_processed_transaction_id = %(xid)s::xid8 AND last_processed_id = %(id)s
-            """
-        ).format(offsets=plan.table.offsets),
+        sql.SQL(_RENEW).format(offsets=plan.table.offsets, skip=sql.SQL("SKIP LOCKED" if skip_locked else "")),
         {
             "lease": plan.lease_s,
-            "topic": rng.topic,
-            "partition": rng.partition,
             "owner": plan.owner,
-            "xid": rng.start_xid,
-            "id": rng.start_id,
+            "topics": [r.topic for r in ranges],
+            "partitions": [r.partition for r in ranges],
+            "xids": [r.start_xid for r in ranges],
+            "ids": [r.start_id for r in ranges],
         },
     )
-    if cur.rowcount != 1:
-        raise LeaseLostError(f"{rng.label} is no longer leased to {plan.owner} at its planned start")
+    return cur.rowcount
 
 
 def publish_range(

@@ -45,6 +45,9 @@ class PartitionLag:
     # Rows held behind dead letters (quarantine), waiting for an operator to retry or discard them. Released
     # holds' rows are about to be published and count in ``pending`` instead.
     held: int = 0
+    # The oldest row a relay can publish now (pending and released holds): ``oldest_pending_age_s`` without the rows
+    # held behind dead letters, which wait for an operator whatever the relays do.
+    relayable_age_s: float | None = None
 
     @property
     def lag(self) -> int:
@@ -107,11 +110,13 @@ def _with_held(lags: list[PartitionLag], held: Sequence[HeldKey], only: tuple[st
 
 def _add_held(lag: PartitionLag, keys: Sequence[HeldKey]) -> PartitionLag:
     ages = [a for a in (lag.oldest_pending_age_s, *(k.oldest_age_s for k in keys)) if a is not None]
+    relayable = [a for a in (lag.relayable_age_s, *(k.oldest_age_s for k in keys if k.released)) if a is not None]
     return replace(
         lag,
         pending=lag.pending + sum(k.rows for k in keys if k.released),
         held=lag.held + sum(k.rows for k in keys if not k.released),
         oldest_pending_age_s=max(ages) if ages else None,
+        relayable_age_s=max(relayable) if relayable else None,
     )
 
 
@@ -217,7 +222,19 @@ def partition_lag(
         )
         rows = conn.execute(query, params).fetchall()
         lags = [
-            PartitionLag(topic, part, int(n), _age(age), None, leased, int(attempts), error, bool(backoff), until)
+            PartitionLag(
+                topic,
+                part,
+                int(n),
+                _age(age),
+                None,
+                leased,
+                int(attempts),
+                error,
+                bool(backoff),
+                until,
+                relayable_age_s=_age(age),
+            )
             for topic, part, n, age, _, leased, attempts, error, backoff, until in rows
         ]
         return _with_held(lags, held_keys(conn, table) if _has_holds(conn, table) else [], only)
@@ -242,6 +259,7 @@ def partition_lag(
             error,
             bool(backoff),
             until,
+            relayable_age_s=_age(age),
         )
         for topic, part, n, age, xid, last_id, leased, attempts, error, backoff, until in rows
     ]

@@ -179,16 +179,18 @@ RELAY_RUNS_MAX = Setting(
 BULK_DRAIN_THRESHOLD = Setting(
     "OUTBOX_BULK_DRAIN_THRESHOLD",
     1_000_000,
-    "total pending rows from which the lag sensor also asks for the Spark bulk drain (partitioned and serialized "
-    "only; relay runs keep covering the outbox meanwhile)",
+    "pending rows in partitions a drain could take (not leased by a relay worker, not backing off, no key held) from "
+    "which the lag sensor also asks for the Spark bulk drain (partitioned and serialized only; relay runs keep "
+    "covering the outbox meanwhile)",
     _integer,
     "dagster",
 )
 BULK_DRAIN_COOLDOWN_S = Setting(
     "OUTBOX_BULK_DRAIN_COOLDOWN_S",
     900.0,
-    "after a bulk drain that failed, the lag sensor asks for no other this long: what stopped it (a message "
-    "Kafka refuses, a topic missing) is the relay's to retry or dead-letter",
+    "after a bulk drain that failed or took no partition, the lag sensor asks for no other this long: what stopped "
+    "it (a message Kafka refuses, a topic missing) is the relay's to retry or dead-letter, and relay workers held "
+    "what it could not take",
     _number,
     "dagster",
 )

@@ -22,7 +22,9 @@ from outbox_pipeline.drain_values import (
     drain_owner,
 )
 from outbox_pipeline.errors import OutboxError
+from outbox_pipeline.lag import explain_pending
 from outbox_pipeline.liveness import liveness_from_env
+from outbox_pipeline.orchestration.drain_requests import DRAINED_TAG
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.presence import present
 from resources.kafka import KafkaResource
@@ -43,7 +45,8 @@ class BulkDrainConfig(dg.Config):
     )
     lease_s: float = Field(
         default=DEFAULT_LEASE_S,
-        description="lease on each drained partition, renewed while it is read; the online relay skips it meanwhile",
+        description="lease on each drained partition, renewed until the commit (by its task while it is read, then "
+        "by the driver); the online relay skips it meanwhile",
     )
     page_rows: int = Field(default=DEFAULT_FETCH_ROWS, description="rows per PostgreSQL fetch and Kafka batch")
 
@@ -93,9 +96,10 @@ def bulk_drain(
                 topics=config.topics or None,
                 max_partitions=config.max_partitions,
             )
-        if not plan.ranges:
-            context.log.info("no partition with pending rows is free to drain")
-            return dg.MaterializeResult(metadata={"rows": 0, "partitions": 0})
+            # The lag sensor reads it: after a drain that took no partition it requests no other for the cooldown.
+            context.instance.add_run_tags(context.run_id, {DRAINED_TAG: str(len(plan.ranges))})
+            if not plan.ranges:
+                return _nothing_free(context, conn, table, strategy)
         context.log.info("draining %d partitions as %s", len(plan.ranges), owner)
         started = time.monotonic()
         try:
@@ -142,6 +146,17 @@ def bulk_drain(
         )
     context.log.info("drained %d rows from %d partitions in %.1f s", rows, len(outcome.committed), elapsed)
     return dg.MaterializeResult(metadata=metadata)
+
+
+def _nothing_free(
+    context: dg.AssetExecutionContext, conn: psycopg.Connection, table: OutboxTable, strategy: str
+) -> dg.MaterializeResult:
+    """No partition was free: say who holds the pending ones (relay workers working through them, backoffs, held
+    keys). Not a failure: the relay publishes them."""
+    held = explain_pending(conn, table, strategy)
+    reason = "no partition with pending rows was free to drain" + (f": {'; '.join(held)}" if held else "")
+    context.log.info("%s; the lag sensor requests no other bulk drain for the cooldown", reason)
+    return dg.MaterializeResult(metadata={"rows": 0, "partitions": 0, "skipped": reason})
 
 
 def _release_finished_drains(context: dg.AssetExecutionContext, conn: psycopg.Connection, table: OutboxTable) -> None:

@@ -2,8 +2,9 @@
 
 Each task reads its frozen range from PostgreSQL and publishes it to Kafka in the same Python worker
 (``outbox_pipeline.drain_ranges``), confirming every delivery before it reports what it delivered: its whole range,
-or the part before a message Kafka did not confirm, with the error. Once every task reported, the driver commits
-what was confirmed and releases the leases; the relay deals with what stopped a range. A job that failed outright
+or the part before a message Kafka did not confirm, with the error. Meanwhile the driver renews every lease of the
+drain (a partition whose task finished early stays the drain's). Once every task reported, the driver commits what
+was confirmed and releases the leases; the relay deals with what stopped a range. A job that failed outright
 (a task crashed) commits what the tasks that finished delivered, and releases the rest.
 
 Why not a Python data source read into a DataFrame and written back out (this module's predecessor): every
@@ -21,7 +22,7 @@ from pyspark.accumulators import AccumulatorParam
 from pyspark.sql import SparkSession
 
 from outbox_pipeline import server
-from outbox_pipeline.drain import commit_drain
+from outbox_pipeline.drain import commit_drain, leases_kept
 from outbox_pipeline.drain_ranges import fetch_range, publish_range
 from outbox_pipeline.drain_values import (
     DEFAULT_FETCH_ROWS,
@@ -87,8 +88,10 @@ def run_drain(
         yield report.to_json()
 
     try:
-        tasks = context.parallelize(range(len(ranges)), max(1, len(ranges))).mapPartitionsWithIndex(drain_range)
-        lines = tasks.collect() if ranges else []
+        # Until the commit, the driver keeps the leases of partitions whose task finished early.
+        with leases_kept(dsn, plan):
+            tasks = context.parallelize(range(len(ranges)), max(1, len(ranges))).mapPartitionsWithIndex(drain_range)
+            lines = tasks.collect() if ranges else []
     except Exception as exc:
         with server.connect(dsn, autocommit=True) as conn:
             outcome = commit_drain(conn, plan, [RangeReport.from_json(line) for line in finished.value])

@@ -32,8 +32,8 @@ from outbox_pipeline.lag_slo import LagVerdict, Severity
 from resources.alerts import Alert, AlertResource
 from resources.postgres import PostgresResource
 
-from .lag_sensor import PARTITION_TAG, WILL_RETRY_TAG, Job
 from .partitions import partition_key
+from .runs import PARTITION_TAG, WILL_RETRY_TAG, Job
 from .settings import OrchestrationSettings
 
 

@@ -16,7 +16,20 @@ if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export 
 
 from assets.relay import relayed_outbox
 
+from .partitions import outbox_partitions
+
 RELAY_JOB_NAME = "relay_partition"
+# The partition of a relay run, on relay runs only: dagster.yaml limits in-flight runs to one per value of this tag.
+# Not on `dagster/partition`, which the operator jobs of a partition carry too: release_lease and replay_partition
+# then queued behind the hung relay run they are meant to rescue.
+RELAY_PARTITION_TAG = "outbox/relay_partition"
+# Runs launched for a partition of the job (launchpad, Partitions tab, re-execution) carry RELAY_PARTITION_TAG; no
+# run config comes with the partition (the run's key is its partition).
+RELAY_PARTITION_CONFIG = dg.PartitionedConfig(
+    partitions_def=outbox_partitions,
+    run_config_for_partition_key_fn=lambda _key: {},
+    tags_for_partition_key_fn=lambda key: {RELAY_PARTITION_TAG: key},
+)
 RELAY_MAX_RUNTIME_S = 900
 
 # About 2 s, 4 s, 8 s (+-50 % jitter) between attempts: long enough for a broker blip or a leader
@@ -32,6 +45,7 @@ def build_relay_partition_job(
     return dg.define_asset_job(
         name,
         selection=[relayed_outbox],
+        config=RELAY_PARTITION_CONFIG,
         executor_def=dg.in_process_executor,
         op_retry_policy=retry_policy,
         # Run monitoring fails a relay run that hangs far past its time budget, freeing its partition.

@@ -9,34 +9,27 @@ and the registry, registers partitions Dagster has not seen (dynamic partitions)
 - no live relay worker and no run starting: one run (the first, or after a crash);
 - the only owners are runs about to end their window: the successor, so the two overlap briefly;
 - partitions lag (OUTBOX_RELAY_TRIGGER_PENDING rows or OUTBOX_RELAY_TRIGGER_AGE_S) while every run is up
-  and fewer than OUTBOX_RELAY_RUNS_MAX are: one more run (more parallelism for a burst). A relay worker that
-  came up less than OUTBOX_RELAY_TRIGGER_AGE_S ago is still working through what it found (a run starting
-  against an outbox written before it), so lag is not yet a sign that the runs are too few.
+  and fewer than OUTBOX_RELAY_RUNS_MAX are: one more run (more parallelism for a burst). Only lag more runs can
+  shorten counts: not a partition backing off or leased by a bulk drain, not rows held behind a dead letter. A
+  relay worker that came up less than OUTBOX_RELAY_TRIGGER_AGE_S ago is still working through what it found (a
+  run starting against an outbox written before it), so lag is not yet a sign that the runs are too few.
 
 An outbox a run would refuse (its strategy's indexes missing, another strategy's positions) gets no run: the
 tick is skipped with the reason, naming the command that fixes it.
 
 A run launched but not yet registered counts as an owner for START_GRACE_S, so no tick queues a second run
 for covered partitions; a run whose registered worker died covers nothing at once. The run key is the
-reason plus the latest run it follows, so a tick never requests the same run twice. When the whole backlog
-passes OUTBOX_BULK_DRAIN_THRESHOLD and a bulk drain job is wired in, the sensor requests a drain too, for the relay's
-own strategy (a drain serves partitioned and serialized only), while relay runs keep covering the outbox; after a
-drain that failed, none other for OUTBOX_BULK_DRAIN_COOLDOWN_S.
+reason plus the latest run it follows, so a tick never requests the same run twice. With a bulk drain job wired in, the
+sensor may request a drain too (drain_requests.py says when), while relay runs keep covering the outbox.
 """
 
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
 
 import dagster as dg
 
-if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export its name, nothing imports it at run time
-    from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
-
-# What define_asset_job returns; not re-exported by dagster, but it is the type sensors accept as a job.
-
-from outbox_pipeline.drain_values import DRAIN_STRATEGIES
+from outbox_pipeline.drain_values import OWNER_PREFIX
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.lag import PartitionLag, partition_lag
 from outbox_pipeline.liveness import LiveWorker, live_workers
@@ -44,44 +37,18 @@ from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
 from outbox_pipeline.switch import require_relayable
 from resources.postgres import PostgresResource
 
+from .drain_requests import bulk_drain_request
 from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, outbox_partitions, partition_key
 from .relay_stream import WINDOW_TAG, RelayStreamConfig, registered, stream_worker_id
+from .runs import IN_FLIGHT_STATUSES, WILL_RETRY_TAG, Job
 from .settings import OrchestrationSettings
 
-PARTITION_TAG = "dagster/partition"
-WILL_RETRY_TAG = "dagster/will_retry"
-# Runs that hold (or are about to hold) their partitions.
-IN_FLIGHT_STATUSES = [
-    dg.DagsterRunStatus.QUEUED,
-    dg.DagsterRunStatus.NOT_STARTED,
-    dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED,
-    dg.DagsterRunStatus.CANCELING,
-]
 # A run launched this recently whose worker has not registered yet is still starting (queued, loading the
 # code location): it counts as an owner. Past it, or once its worker registered and is no longer alive
 # (killed: the code server marks the run failed a little later), it covers nothing.
 START_GRACE_S = 120.0
 # Workers whose heartbeat is this fresh count as alive when their liveness is expiry (behind PgBouncer).
 EXPIRY_LIVENESS_S = 60.0
-
-Job: TypeAlias = "dg.JobDefinition | UnresolvedAssetJobDefinition"
-
-
-def _runs(
-    instance: dg.DagsterInstance,
-    job_name: str,
-    *,
-    in_flight: bool = False,
-    partition: str | None = None,
-    limit: int | None = None,
-) -> Sequence[dg.DagsterRun]:
-    filters = dg.RunsFilter(
-        job_name=job_name,
-        statuses=IN_FLIGHT_STATUSES if in_flight else [],
-        tags={PARTITION_TAG: partition} if partition is not None else {},
-    )
-    return instance.get_runs(filters=filters, limit=limit)
 
 
 @dataclass(frozen=True)
@@ -183,16 +150,12 @@ def build_outbox_lag_sensor(
         total = sum(lag.pending for lag in lags)
 
         drain, drain_note = (
-            _bulk_drain_request(context.instance, bulk_drain_job, cfg, strategy, total, time.time())
+            bulk_drain_request(context.instance, bulk_drain_job, cfg, strategy, lags, time.time())
             if bulk_drain_job is not None
             else (None, "")
         )
         cover = coverage(context.instance, relay_job.name, owners, cfg, time.time())
-        lagging = sorted(
-            key
-            for key, lag in by_key.items()
-            if cfg.is_lagging(lag.pending, lag.oldest_pending_age_s) and not lag.in_backoff
-        )
+        lagging = sorted(key for key, lag in by_key.items() if _more_runs_help(lag, cfg))
         if not cover.covered:
             why = "successor" if cover.ending else "uncovered"
         elif lagging and not cover.starting and not cover.warming and cover.runs < cfg.relay_runs_max:
@@ -207,7 +170,7 @@ def build_outbox_lag_sensor(
                 context.log.info("%s", reason)
                 return dg.SensorResult(run_requests=[drain], dynamic_partitions_requests=adds)
             return _skip(reason, adds)
-        previous = _runs(context.instance, relay_job.name, limit=1)
+        previous = context.instance.get_runs(dg.RunsFilter(job_name=relay_job.name), limit=1)
         request = dg.RunRequest(
             job_name=relay_job.name,
             run_key=f"relay-stream/{why}/after:{previous[0].run_id if previous else 'none'}",
@@ -234,34 +197,12 @@ def build_outbox_lag_sensor(
     return outbox_lag_sensor
 
 
-def _bulk_drain_request(
-    instance: dg.DagsterInstance, job: Job, cfg: OrchestrationSettings, strategy: str, total: int, now: float
-) -> tuple[dg.RunRequest | None, str]:
-    """A bulk drain run, for the relay's own strategy, when the backlog passes the threshold; not while one runs,
-    not for a strategy a drain cannot serve, and not within the cooldown after one failed (what stopped it is the
-    relay's to retry or dead-letter: a new drain would stop at the same row and republish what it did deliver).
-    Returns the request (or None) and a note for the tick's log."""
-    if total < cfg.bulk_drain_threshold:
-        return None, ""
-    if strategy not in DRAIN_STRATEGIES:
-        return None, f"; no bulk drain: it serves {' and '.join(DRAIN_STRATEGIES)}, not {strategy}"
-    if _runs(instance, job.name, in_flight=True):
-        return None, f"; {job.name} is draining"
-    previous = instance.get_run_records(dg.RunsFilter(job_name=job.name), limit=1)
-    if previous and previous[0].dagster_run.status == dg.DagsterRunStatus.FAILURE:
-        ended = previous[0].end_time or previous[0].update_timestamp.timestamp()
-        if now - ended < cfg.bulk_drain_cooldown_s:
-            return None, (
-                f"; the last {job.name} failed {now - ended:.0f} s ago: none other for "
-                f"{cfg.bulk_drain_cooldown_s:g} s (the relay deals with what stopped it)"
-            )
-    request = dg.RunRequest(
-        job_name=job.name,
-        run_key=f"bulk-drain/after:{previous[0].dagster_run.run_id if previous else 'none'}",
-        run_config={"ops": {"bulk_drain": {"config": {"strategy": strategy}}}},
-        tags={"outbox/pending": str(total), "outbox/strategy": strategy},
-    )
-    return request, f"; bulk drain requested ({total} pending)"
+def _more_runs_help(lag: PartitionLag, cfg: OrchestrationSettings) -> bool:
+    """Whether a partition lags in a way more relay runs can shorten. Not while it backs off after a failure, not
+    while a bulk drain leases it (no relay may publish it until the drain commits), and rows held behind a dead letter
+    (quarantine) do not count: they wait for an operator, and the dead-letter alert says so."""
+    drained = (lag.leased_by or "").startswith(OWNER_PREFIX)
+    return not lag.in_backoff and not drained and cfg.is_lagging(lag.pending, lag.relayable_age_s)
 
 
 def _skip(reason: str, adds: list[dg.AddDynamicPartitionsRequest]) -> dg.SensorResult | dg.SkipReason:

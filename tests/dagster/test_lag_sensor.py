@@ -1,61 +1,30 @@
 """`outbox_lag_sensor` against real lag and a real worker registry in PostgreSQL: which partitions it
 registers, and when it asks for a long-lived `relay_stream` run (one live owner covers every partition)."""
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import dagster as dg
 import psycopg
 import pytest
+from psycopg import sql
 
-from assets.spark import bulk_drain, bulk_drain_job
 from outbox_pipeline import OutboxTable
+from outbox_pipeline.drain import plan_drain
+from outbox_pipeline.drain_values import drain_owner
+from outbox_pipeline.enqueue import enqueue
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
 from outbox_pipeline.orchestration.relay_stream import REGISTERED_TAG, relay_stream_job, stream_worker_id
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.presence import present
-from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
-from resources.spark import SparkResource
 from tests.kit.kafka import KafkaProbe
+from tests.kit.quarantine import poisoned
 from tests.kit.relay import drain
 
 from .conftest import Written
+from .lag_ticks import added, live_worker, requested, skip_message, tick
 
 # Every partition with a pending row lags (no batching of trickles in these tests).
 EAGER = OrchestrationSettings(trigger_pending=1, trigger_age_s=0.0)
-
-
-def _tick(
-    sensor: dg.SensorDefinition, instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource]
-) -> dg.SensorResult | dg.SkipReason:
-    with dg.build_sensor_context(instance=instance, resources=resources) as context:
-        result = sensor(context)
-    assert isinstance(result, dg.SensorResult | dg.SkipReason), result
-    return result
-
-
-def _added(result: dg.SensorResult | dg.SkipReason) -> list[str]:
-    if isinstance(result, dg.SkipReason):
-        return []
-    return sorted(key for request in result.dynamic_partitions_requests or [] for key in request.partition_keys or [])
-
-
-def _requested(result: dg.SensorResult | dg.SkipReason) -> list[dg.RunRequest]:
-    return [] if isinstance(result, dg.SkipReason) else list(result.run_requests or [])
-
-
-def _skip_message(result: dg.SensorResult | dg.SkipReason) -> str:
-    if isinstance(result, dg.SkipReason):
-        return result.skip_message or ""
-    return result.skip_reason.skip_message if result.skip_reason else ""
-
-
-@contextmanager
-def _live_worker(db: psycopg.Connection, table: OutboxTable, worker_id: str) -> Iterator[None]:
-    """A registered relay worker alive by its session, as an `outbox relay` process or a run holds it."""
-    with present(db.info.dsn, table, worker_id, kind=UNSCOPED_KIND, liveness="session"):
-        yield
 
 
 def _stream_run(
@@ -76,13 +45,13 @@ def test_an_uncovered_outbox_gets_one_relay_stream_run_and_its_partitions_regist
     written = write_rows(200)
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=EAGER)
 
-    result = _tick(sensor, instance, dagster_resources)
+    result = tick(sensor, instance, dagster_resources)
 
-    assert _added(result) == written.keys
-    [request] = _requested(result)
+    assert added(result) == written.keys
+    [request] = requested(result)
     assert request.job_name == "relay_stream" and request.tags["outbox/reason"] == "uncovered"
     # The same state asks for the same run key: the daemon launches it once.
-    assert [r.run_key for r in _requested(_tick(sensor, instance, dagster_resources))] == [request.run_key]
+    assert [r.run_key for r in requested(tick(sensor, instance, dagster_resources))] == [request.run_key]
 
 
 def test_a_live_external_relay_worker_covers_the_outbox_so_no_run_is_requested(
@@ -95,12 +64,12 @@ def test_a_live_external_relay_worker_covers_the_outbox_so_no_run_is_requested(
     write_rows(40)
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
 
-    with _live_worker(db, table, "cli-relay-1"):
-        covered = _tick(sensor, instance, dagster_resources)
-    uncovered = _tick(sensor, instance, dagster_resources)
+    with live_worker(db, table, "cli-relay-1"):
+        covered = tick(sensor, instance, dagster_resources)
+    uncovered = tick(sensor, instance, dagster_resources)
 
-    assert _requested(covered) == [] and "1 live relay worker" in _skip_message(covered)
-    assert [r.tags["outbox/reason"] for r in _requested(uncovered)] == ["uncovered"]
+    assert requested(covered) == [] and "1 live relay worker" in skip_message(covered)
+    assert [r.tags["outbox/reason"] for r in requested(uncovered)] == ["uncovered"]
 
 
 def test_a_run_still_starting_covers_the_outbox_so_no_second_run_is_queued(
@@ -112,9 +81,9 @@ def test_a_run_still_starting_covers_the_outbox_so_no_second_run_is_queued(
     _stream_run(instance, dg.DagsterRunStatus.STARTING)  # launched, loading the code location
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=EAGER)
 
-    result = _tick(sensor, instance, dagster_resources)
+    result = tick(sensor, instance, dagster_resources)
 
-    assert _requested(result) == [] and "1 run(s) starting" in _skip_message(result)
+    assert requested(result) == [] and "1 run(s) starting" in skip_message(result)
 
 
 def test_a_run_whose_registered_worker_died_covers_nothing_and_gets_a_successor(
@@ -127,9 +96,9 @@ def test_a_run_whose_registered_worker_died_covers_nothing_and_gets_a_successor(
     _stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True)
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
 
-    result = _tick(sensor, instance, dagster_resources)
+    result = tick(sensor, instance, dagster_resources)
 
-    assert [r.tags["outbox/reason"] for r in _requested(result)] == ["uncovered"]
+    assert [r.tags["outbox/reason"] for r in requested(result)] == ["uncovered"]
 
 
 def test_a_killed_run_the_instance_is_about_to_retry_gets_no_second_run_from_the_sensor(
@@ -141,9 +110,9 @@ def test_a_killed_run_the_instance_is_about_to_retry_gets_no_second_run_from_the
     _stream_run(instance, dg.DagsterRunStatus.FAILURE, registered=True, **{"dagster/will_retry": "true"})
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
 
-    result = _tick(sensor, instance, dagster_resources)
+    result = tick(sensor, instance, dagster_resources)
 
-    assert _requested(result) == [] and "1 run(s) starting" in _skip_message(result)
+    assert requested(result) == [] and "1 run(s) starting" in skip_message(result)
 
 
 def test_a_run_near_the_end_of_its_window_gets_its_successor_before_it_ends(
@@ -160,13 +129,13 @@ def test_a_run_near_the_end_of_its_window_gets_its_successor_before_it_ends(
     long = _stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True, **{"outbox/window_s": "600"})
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=settings)
 
-    with _live_worker(db, table, stream_worker_id(ending)):
-        alone = _tick(sensor, instance, dagster_resources)
-        with _live_worker(db, table, stream_worker_id(long)):
-            with_other = _tick(sensor, instance, dagster_resources)
+    with live_worker(db, table, stream_worker_id(ending)):
+        alone = tick(sensor, instance, dagster_resources)
+        with live_worker(db, table, stream_worker_id(long)):
+            with_other = tick(sensor, instance, dagster_resources)
 
-    assert [r.tags["outbox/reason"] for r in _requested(alone)] == ["successor"]
-    assert _requested(with_other) == []
+    assert [r.tags["outbox/reason"] for r in requested(alone)] == ["successor"]
+    assert requested(with_other) == []
 
 
 def test_lagging_partitions_get_one_more_run_up_to_the_maximum(
@@ -185,13 +154,62 @@ def test_lagging_partitions_get_one_more_run_up_to_the_maximum(
         relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, relay_runs_max=2)
     )
 
-    with _live_worker(db, table, stream_worker_id(runs[0])), _live_worker(db, table, stream_worker_id(runs[1])):
+    with live_worker(db, table, stream_worker_id(runs[0])), live_worker(db, table, stream_worker_id(runs[1])):
         _up_for(db, table, seconds=60)
-        more = _tick(below, instance, dagster_resources)
-        enough = _tick(at_max, instance, dagster_resources)
+        more = tick(below, instance, dagster_resources)
+        enough = tick(at_max, instance, dagster_resources)
 
-    assert [r.tags["outbox/reason"] for r in _requested(more)] == ["lagging"]
-    assert _requested(enough) == [] and "lagging:" in _skip_message(enough)
+    assert [r.tags["outbox/reason"] for r in requested(more)] == ["lagging"]
+    assert requested(enough) == [] and "lagging:" in skip_message(enough)
+
+
+def test_partitions_a_bulk_drain_has_leased_get_no_more_relay_runs(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    write_rows: Callable[..., Written],
+    db: psycopg.Connection,
+    table: OutboxTable,
+) -> None:
+    """Issue 40, case 19: a drain's partitions lag until it commits, and no relay run can take them; the sensor added
+    runs up to the maximum for them."""
+    write_rows(200)
+    runs = [_stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True) for _ in range(2)]
+    sensor = build_outbox_lag_sensor(
+        relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, relay_runs_max=3)
+    )
+
+    with live_worker(db, table, stream_worker_id(runs[0])), live_worker(db, table, stream_worker_id(runs[1])):
+        _up_for(db, table, seconds=60)
+        plan_drain(db, table, strategy="partitioned", owner=drain_owner("a-drain-run"))
+        result = tick(sensor, instance, dagster_resources)
+
+    assert requested(result) == [] and "lagging" not in skip_message(result)
+
+
+def test_rows_held_behind_a_dead_letter_get_no_more_relay_runs(
+    instance: dg.DagsterInstance,
+    dagster_resources: dict[str, dg.ConfigurableResource],
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+) -> None:
+    """Issue 40, case 19: a key held behind a dead letter waits for an operator (the dead-letter alert says so), not
+    for more runs; its old held rows made a partition with a few fresh rows look late, and the sensor added runs."""
+    topic = new_topic()
+    poisoned("partitioned", db, table, kafka, topic)  # key A held behind its dead letter
+    db.execute(sql.SQL("UPDATE {} SET created_at = now() - interval '1 hour'").format(table.held))
+    enqueue(db, topic, {"fresh": True}, key="B", table=table)  # the relay's to publish, and not late
+    run = _stream_run(instance, dg.DagsterRunStatus.STARTED, registered=True)
+    sensor = build_outbox_lag_sensor(
+        relay_stream_job, settings=OrchestrationSettings(trigger_pending=1000, trigger_age_s=60.0, relay_runs_max=3)
+    )
+
+    with live_worker(db, table, stream_worker_id(run)):
+        _up_for(db, table, seconds=600)
+        result = tick(sensor, instance, dagster_resources)
+
+    assert requested(result) == [] and "lagging" not in skip_message(result)
 
 
 def test_a_run_that_registered_moments_ago_gets_time_to_work_through_the_lag_before_another_is_added(
@@ -209,13 +227,13 @@ def test_a_run_that_registered_moments_ago_gets_time_to_work_through_the_lag_bef
         relay_stream_job, settings=OrchestrationSettings(trigger_pending=1, trigger_age_s=10.0, relay_runs_max=3)
     )
 
-    with _live_worker(db, table, stream_worker_id(run)):
-        just_up = _tick(sensor, instance, dagster_resources)
+    with live_worker(db, table, stream_worker_id(run)):
+        just_up = tick(sensor, instance, dagster_resources)
         _up_for(db, table, seconds=10)
-        up_a_while = _tick(sensor, instance, dagster_resources)
+        up_a_while = tick(sensor, instance, dagster_resources)
 
-    assert _requested(just_up) == [] and "came up" in _skip_message(just_up)
-    assert [r.tags["outbox/reason"] for r in _requested(up_a_while)] == ["lagging"]
+    assert requested(just_up) == [] and "came up" in skip_message(just_up)
+    assert [r.tags["outbox/reason"] for r in requested(up_a_while)] == ["lagging"]
 
 
 def _up_for(db: psycopg.Connection, table: OutboxTable, seconds: float) -> None:
@@ -239,97 +257,11 @@ def test_an_idle_outbox_is_a_skip_with_a_reason(
     instance.add_dynamic_partitions(OUTBOX_PARTITIONS_NAME, written.keys)
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=EAGER)
 
-    with _live_worker(db, table, "cli-relay-1"):
-        result = _tick(sensor, instance, dagster_resources)
+    with live_worker(db, table, "cli-relay-1"):
+        result = tick(sensor, instance, dagster_resources)
 
     assert isinstance(result, dg.SkipReason)
     assert "0 pending rows" in (result.skip_message or "")
-
-
-def _drain_settings(strategy: str = "partitioned") -> OrchestrationSettings:
-    return OrchestrationSettings(trigger_pending=1, trigger_age_s=0.0, bulk_drain_threshold=100, strategy=strategy)
-
-
-def _drain_run(
-    instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource], status: dg.DagsterRunStatus
-) -> dg.DagsterRun:
-    """A bulk drain run in the instance's history (its status set, nothing executed)."""
-    defs = dg.Definitions(assets=[bulk_drain], jobs=[bulk_drain_job], resources={**resources, "spark": SparkResource()})
-    return instance.create_run_for_job(defs.resolve_job_def(bulk_drain_job.name), status=status)
-
-
-@pytest.mark.parametrize("strategy", ["partitioned", "serialized"])
-def test_a_backlog_above_the_bulk_threshold_asks_for_a_bulk_drain_in_the_relays_order_and_a_relay_run(
-    strategy: str,
-    instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
-    write_rows: Callable[..., Written],
-) -> None:
-    """The drain must read in the order the relay's positions are in: a partitioned drain over serialized positions
-    skipped rows. And the relay keeps covering the outbox: rows after the drain's ranges, and anything it leaves."""
-    write_rows(120)
-    sensor = build_outbox_lag_sensor(
-        relay_stream_job, settings=_drain_settings(strategy), bulk_drain_job=bulk_drain_job
-    )
-
-    result = _tick(sensor, instance, dagster_resources)
-
-    drain, relay = _requested(result)
-    assert (drain.job_name, drain.run_config) == (
-        "bulk_drain_job",
-        {"ops": {"bulk_drain": {"config": {"strategy": strategy}}}},
-    )
-    assert relay.job_name == "relay_stream" and relay.tags["outbox/reason"] == "uncovered"
-
-
-def test_no_bulk_drain_is_asked_for_an_outbox_a_row_strategy_relays(
-    instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
-    write_rows: Callable[..., Written],
-) -> None:
-    write_rows(120)
-    sensor = build_outbox_lag_sensor(relay_stream_job, settings=_drain_settings("lease"), bulk_drain_job=bulk_drain_job)
-
-    result = _tick(sensor, instance, dagster_resources)
-
-    assert [r.job_name for r in _requested(result)] == ["relay_stream"]
-
-
-def test_while_a_bulk_drain_runs_the_relay_still_gets_its_runs(
-    instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
-    write_rows: Callable[..., Written],
-) -> None:
-    write_rows(120)
-    _drain_run(instance, dagster_resources, dg.DagsterRunStatus.STARTED)
-    sensor = build_outbox_lag_sensor(relay_stream_job, settings=_drain_settings(), bulk_drain_job=bulk_drain_job)
-
-    result = _tick(sensor, instance, dagster_resources)
-
-    assert [(r.job_name, r.tags["outbox/reason"]) for r in _requested(result)] == [("relay_stream", "uncovered")]
-
-
-def test_after_a_bulk_drain_failed_the_sensor_asks_for_no_other_within_the_cooldown_and_keeps_the_relay_going(
-    instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
-    write_rows: Callable[..., Written],
-) -> None:
-    """A drain that stopped at a message Kafka refuses would stop there again on every tick, republishing what it
-    did deliver; the relay's attempts and dead letters are what deals with that message."""
-    write_rows(120)
-    _drain_run(instance, dagster_resources, dg.DagsterRunStatus.FAILURE)
-    sensor = build_outbox_lag_sensor(relay_stream_job, settings=_drain_settings(), bulk_drain_job=bulk_drain_job)
-    after_cooldown = build_outbox_lag_sensor(
-        relay_stream_job,
-        settings=_drain_settings().model_copy(update={"bulk_drain_cooldown_s": 0.0}),
-        bulk_drain_job=bulk_drain_job,
-    )
-
-    within = _tick(sensor, instance, dagster_resources)
-    later = _tick(after_cooldown, instance, dagster_resources)
-
-    assert [r.job_name for r in _requested(within)] == ["relay_stream"]
-    assert [r.job_name for r in _requested(later)] == ["bulk_drain_job", "relay_stream"]
 
 
 def test_an_outbox_the_relay_would_refuse_gets_no_run_but_a_skip_naming_the_command(
@@ -344,10 +276,10 @@ def test_an_outbox_the_relay_would_refuse_gets_no_run_but_a_skip_naming_the_comm
     db.execute(psycopg.sql.SQL("DROP INDEX {}").format(table.ident("outbox_messages_position")))
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings(strategy="partitioned"))
 
-    result = _tick(sensor, instance, dagster_resources)
+    result = tick(sensor, instance, dagster_resources)
 
-    assert _requested(result) == []
-    assert "outbox indexes --strategy partitioned" in _skip_message(result)
+    assert requested(result) == []
+    assert "outbox indexes --strategy partitioned" in skip_message(result)
 
 
 @pytest.mark.parametrize("parent_wrote", ["its own run id", "true (the release before)"])
@@ -367,6 +299,6 @@ def test_a_re_executed_run_not_registered_yet_counts_as_starting_though_it_inher
     _stream_run(instance, dg.DagsterRunStatus.STARTED, **inherited)
     sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
 
-    result = _tick(sensor, instance, dagster_resources)
+    result = tick(sensor, instance, dagster_resources)
 
-    assert _requested(result) == [] and "1 run(s) starting" in _skip_message(result)
+    assert requested(result) == [] and "1 run(s) starting" in skip_message(result)

@@ -1,11 +1,21 @@
 """Operator jobs launched with config, as from the UI's launchpad: replay a partition, release a stuck lease,
 retry dead letters. Each changes the real outbox the way the engine operation it calls promises."""
 
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from importlib import resources
+from pathlib import Path
 
 import dagster as dg
 import psycopg
 import pytest
+import yaml
+from dagster._core.definitions.selector import RepositorySelector
+from dagster._core.remote_representation.external_data import PartitionTagsSnap
+from dagster._core.test_utils import in_process_test_workspace
+from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+from dagster._core.workspace.context import WorkspaceRequestContext
+from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
@@ -20,6 +30,8 @@ from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 
 from .conftest import Written
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _job(name: str, resources: dict[str, dg.ConfigurableResource]) -> dg.JobDefinition:
@@ -141,3 +153,65 @@ def test_building_a_strategys_indexes_from_the_launchpad_makes_its_relay_start_a
     require_indexes(db, table, "serialized")  # a serialized relay would start
     with pytest.raises(SchemaError, match="outbox_messages_position"):
         require_indexes(db, table, "partitioned")
+
+
+class _Launchpad:
+    """Runs launched as from the UI's launchpad, against the deployment's code location loaded in process: each run has
+    the job's origin, the job's run tags and the tags the launchpad reads for the chosen partition."""
+
+    def __init__(self, instance: dg.DagsterInstance, workspace: WorkspaceRequestContext) -> None:
+        self.instance = instance
+        self.workspace = workspace
+        [self.location] = workspace.code_location_names
+        [self.repository] = workspace.get_code_location(self.location).get_repositories().values()
+
+    def launch(self, job_name: str, key: str, *, running: bool = False) -> dg.DagsterRun:
+        """Submitted to the instance's run coordinator (queued, for the daemon to dequeue); ``running``: dequeued
+        before and running now."""
+        job = self.repository.get_full_job(job_name)
+        selector = RepositorySelector(location_name=self.location, repository_name=self.repository.name)
+        partition = self.workspace.get_partition_tags(selector, job_name, key, self.instance, None)
+        assert isinstance(partition, PartitionTagsSnap), partition
+        run = self.instance.add_run(
+            dg.DagsterRun(
+                job_name=job_name,
+                run_id=str(uuid.uuid4()),
+                tags={**job.run_tags, **partition.tags},
+                status=dg.DagsterRunStatus.STARTED if running else dg.DagsterRunStatus.NOT_STARTED,
+                remote_job_origin=job.get_remote_origin(),
+                job_code_origin=job.get_python_origin(),
+            )
+        )
+        return run if running else self.instance.submit_run(run.run_id, self.workspace)
+
+
+@pytest.fixture
+def launchpad() -> Iterator[_Launchpad]:
+    """The local stack's instance (its dagster.yaml's run queue) and the deployment's code location."""
+    template = resources.files("outbox_pipeline.localstack").joinpath("dagster.yaml").read_text()
+    with dg.instance_for_test(overrides={"concurrency": yaml.safe_load(template)["concurrency"]}) as instance:
+        origin = LoadableTargetOrigin(module_name="outbox_pipeline.definitions", working_directory=str(ROOT))
+        with in_process_test_workspace(instance, origin) as workspace:
+            yield _Launchpad(instance, workspace)
+
+
+def _dequeued(instance: dg.DagsterInstance) -> list[dg.DagsterRun]:
+    """The queued runs the daemon launches at its next iteration: its own choice, with the queue's limits."""
+    daemon = QueuedRunCoordinatorDaemon(interval_seconds=1)
+    return daemon._get_runs_to_dequeue(instance, instance.get_concurrency_config(), fixed_iteration_time=None)
+
+
+def test_operator_jobs_of_a_partition_start_at_once_while_a_relay_run_of_it_hangs(launchpad: _Launchpad) -> None:
+    """Issue 40, case 21: release_lease and replay_partition, which rescue a partition from a hung relay_partition run,
+    queued behind that very run (the one-run-per-partition limit was on ``dagster/partition``, which they carry too)."""
+    launchpad.launch("relay_partition", "orders:3", running=True)  # hung
+    queued = {
+        launchpad.launch(job, "orders:3").run_id: f"{job} orders:3"
+        for job in ("release_lease", "replay_partition", "relay_partition")
+    }
+    queued[launchpad.launch("relay_partition", "orders:4").run_id] = "relay_partition orders:4"
+
+    starting = sorted(queued[run.run_id] for run in _dequeued(launchpad.instance))
+
+    # Only the second relay run of the hung partition waits.
+    assert starting == ["relay_partition orders:4", "release_lease orders:3", "replay_partition orders:3"]

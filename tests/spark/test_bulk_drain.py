@@ -10,18 +10,21 @@ from typing import Any
 import dagster as dg
 import psycopg
 import pytest
+from psycopg import sql
 
 from assets.spark import bulk_drain
+from outbox_pipeline import Message, enqueue_many
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.demo import load
+from outbox_pipeline.drain_values import OWNER_PREFIX
 from outbox_pipeline.enqueue import enqueue
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.schema import set_topic_partitions
 from resources.kafka import KafkaResource
 from tests.kit.kafka import KafkaProbe, Record
-from tests.kit.probes import positions, row_positions
-from tests.kit.relay import committed_message_ids, drain, message_ids, order_by_key
+from tests.kit.probes import positions, row_positions, wait_until
+from tests.kit.relay import committed_message_ids, drain, make_relay, message_ids, order_by_key
 from tests.kit.writer import Writer, enqueued_behind_the_serialized_position
 
 pytestmark = pytest.mark.spark
@@ -184,3 +187,68 @@ def test_a_drain_refuses_an_outbox_a_row_strategy_relays_and_says_why(
     failure = result.failure_data_for_node("bulk_drain")
     assert failure is not None and failure.error is not None
     assert "relayed with 'lease', whose delivery state is on every row" in failure.error.message
+
+
+def test_a_drained_partition_keeps_its_lease_until_the_commit_while_another_task_still_runs(
+    dsn: str,
+    db: psycopg.Connection,
+    table: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
+    spark_resources: dict[str, object],
+    connect: Callable[[], psycopg.Connection],
+) -> None:
+    """Issue 40, case 12: a task that finished renewed its lease no more, so after ``lease_s`` the relay took the
+    partition while the driver still waited for a slower task, published the drained range a second time, and the
+    commit of that partition failed (lease lost)."""
+    fast, slow = new_topic("fast"), new_topic("slow")
+    for topic in (fast, slow):
+        set_topic_partitions(db, table, topic, 1)
+    enqueue_many(db, [Message(fast, {"n": n}, key="k") for n in range(5)], table=table)
+    enqueue_many(db, [Message(slow, {"n": n}, key="k") for n in range(2000)], table=table)
+    lease_s = 3.0
+    drained = threading.Event()
+    problems: list[BaseException] = []
+
+    def hold_the_slow_task_past_the_lease() -> None:
+        """The slow partition's task waits on its next lease check (a row lock on its offsets row) until the fast
+        partition's lease has run out and a relay has had its chance at it."""
+        holder = connect()
+        try:
+            wait_until("the drain's plan", lambda: _leased_to_a_drain(db, table, slow), 120)
+            with holder.transaction():
+                holder.execute(sql.SQL("SELECT 1 FROM {} WHERE topic = %s FOR UPDATE").format(table.offsets), (slow,))
+                assert len(kafka.consume(fast, expect=5)) == 5  # the fast task is done
+                finished = _now(db)
+                wait_until("the fast partition's lease to run out", lambda: _now(db) > finished + lease_s + 1, 30)
+                assert not drained.is_set(), "the slow partition's task finished before it could be held"
+                make_relay(dsn, table, kafka.bootstrap_servers, "partitioned", until_empty=False, max_seconds=3).run()
+        except BaseException as exc:
+            problems.append(exc)
+        finally:
+            holder.close()
+
+    helper = threading.Thread(target=hold_the_slow_task_past_the_lease)
+    helper.start()
+    try:
+        result = _materialize(spark_resources, lease_s=lease_s, page_rows=1)
+    finally:
+        drained.set()
+        helper.join()
+    assert problems == []
+
+    assert result.success
+    assert len(message_ids(kafka.consume(fast, idle_s=2.0))) == 5  # once each: the relay did not take it back
+    assert len(set(message_ids(kafka.consume(slow, expect=2000)))) == 2000
+    assert all(p.locked_by is None and p.id > 0 for p in positions(db, table).values())
+
+
+def _leased_to_a_drain(db: psycopg.Connection, table: OutboxTable, topic: str) -> bool:
+    row = db.execute(sql.SQL("SELECT locked_by FROM {} WHERE topic = %s").format(table.offsets), (topic,)).fetchone()
+    return bool(row and row[0] and row[0].startswith(OWNER_PREFIX))
+
+
+def _now(db: psycopg.Connection) -> float:
+    row = db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+    assert row is not None
+    return float(row[0])
