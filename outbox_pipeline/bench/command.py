@@ -125,8 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--server-jit",
         type=lambda text: [v for v in text.split(",") if v],
         metavar="on,off",
-        help="every line once per value of the server's own jit (ALTER SYSTEM, a superuser's), interleaved: a server "
-        "with JIT against itself without (the embedded server has no JIT)",
+        help="every line (the latency bench: every relay) once per value of the server's own jit (ALTER SYSTEM, a "
+        "superuser's), interleaved: a server with JIT against itself without (the embedded server has no JIT)",
     )
     parser.add_argument(
         "--retained",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from .handwritten import HAND_WRITTEN
 from .runner import RunResult, RunSpec, Servers, run_once
-from .server_jit import set_server_jit
+from .server_jit import JIT_SUFFIX, set_server_jit
 
 
 @dataclass
@@ -42,7 +42,6 @@ HEADLINE = "talk v1"  # the talk's variant 1 on the talk's own table: what a use
 OURS = "ours"
 PRODUCE_ONLY = "produce-only"
 READ_ONLY = "read-only"
-JIT_SUFFIX = " @ jit "
 
 
 def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = None) -> dict[str, RunSpec]:

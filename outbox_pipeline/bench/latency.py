@@ -14,6 +14,7 @@ file keeps every number.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -35,6 +36,7 @@ from .orchestrated import DagsterRelay
 from .relays import CliRelay, RelayUnderTest
 from .runner import Servers
 from .scenarios import IdleResult, Scenario, ScenarioResult
+from .server_jit import JIT_SUFFIX, set_server_jit
 from .steady import Session, run_idle, run_scenario
 
 
@@ -58,6 +60,8 @@ class LatencyOptions:
     relay_checkouts: tuple[str, ...] = ()
     # Every writer transaction in a span of its own (an SDK in the writers): the rows carry a traceparent.
     traced: bool = False
+    # Each relay once per value of the server's own jit (ALTER SYSTEM), interleaved: a server with JIT against itself.
+    server_jit: tuple[str, ...] = ()
 
     def scenarios(self) -> list[Scenario]:
         curve = [Scenario("curve", rate, rows) for rows in self.rows for rate in self.rates]
@@ -130,14 +134,19 @@ def run(
     with tempfile.TemporaryDirectory(prefix="bench-latency-") as scratch:
         for n in range(options.runs):
             for strategy in options.strategies:
-                for relay in _relays(options, strategy, budget_s, Path(scratch)):
-                    progress(f"\n== round {n + 1}/{options.runs}: {strategy}, {relay.name} relay")
+                for relay, jit in itertools.product(
+                    _relays(options, strategy, budget_s, Path(scratch)), options.server_jit or (None,)
+                ):
+                    label = f"{JIT_SUFFIX}{jit}" if jit is not None else ""
+                    if jit is not None:
+                        set_server_jit(servers.dsn, jit)
+                    progress(f"\n== round {n + 1}/{options.runs}: {strategy}, {relay.name}{label} relay")
                     table = OutboxTable(schema=f"bench_latency_{uuid.uuid4().hex[:8]}")
                     with psycopg.connect(servers.dsn, autocommit=True) as conn:
                         init_db(conn, table, strategies=[strategy])  # as `init-db --strategy` makes it
                     session = Session(
                         servers, relay, table, strategy, n + 1, Path(scratch), options.seconds, options.observe,
-                        options.fetch_wait_ms, why, options.traced,
+                        options.fetch_wait_ms, why, options.traced, label,
                     )  # fmt: skip
                     try:
                         relay.start(dataclasses.replace(servers, dsn=dsn), table)
@@ -151,6 +160,8 @@ def run(
                         relay.stop()
                         with psycopg.connect(servers.dsn, autocommit=True) as conn:
                             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+    if options.server_jit:
+        set_server_jit(servers.dsn, None)  # back to the server's own configuration
     return bench
 
 

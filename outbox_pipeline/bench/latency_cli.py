@@ -102,6 +102,7 @@ def run(found: Servers, args: argparse.Namespace) -> int:
         dagster=args.dagster,
         relay_checkouts=tuple(args.relay_checkout),
         traced=args.trace_headers is not None,
+        server_jit=tuple(args.server_jit or ()),
     )
     command = shlex.join(["outbox", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "outbox bench (from Python)"
     bench = latency.run(found, options, command)

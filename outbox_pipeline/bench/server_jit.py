@@ -1,5 +1,6 @@
-"""Engine room (benchmarks): the server's own ``jit`` for a line of a comparison (``outbox bench --server-jit on,off``),
-so that a server with JIT and the same server without it are measured in one invocation, interleaved.
+"""Engine room (benchmarks): the server's own ``jit`` for a line of a comparison or a latency bench's relay (``outbox
+bench --server-jit on,off``), so that a server with JIT and the same server without it are measured in one invocation,
+interleaved.
 
 Set with ALTER SYSTEM and a reload (a superuser's, as a DBA would), and waited for: sessions opened after the reload
 see it. The relay's sessions set ``jit = off`` for themselves (outbox_pipeline/server.py); what the server's value
@@ -14,6 +15,7 @@ import psycopg
 from psycopg import sql
 
 _SETTLE_DEADLINE_S = 10.0
+JIT_SUFFIX = " @ jit "  # after a line's or a relay's name: the server's jit it was measured at
 
 
 def set_server_jit(dsn: str, value: str | None) -> None:

@@ -48,6 +48,7 @@ class Session:
     fetch_wait_ms: int
     statements_why: str = ""
     traced: bool = False  # the writers' transactions in spans: their rows carry a traceparent
+    label: str = ""  # after the relay's name in the results (the server's jit of the run: `` @ jit on``)
 
 
 def _topic(session: Session, partitions: int, label: str) -> str:
@@ -178,7 +179,7 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
     return ScenarioResult(
         round=session.round,
         strategy=session.strategy,
-        relay=relay.name,
+        relay=relay.name + session.label,
         scenario=scenario.name,
         kind=scenario.kind,
         rate=scenario.rate,
@@ -233,7 +234,7 @@ def run_idle(session: Session, seconds: float) -> IdleResult:
     return IdleResult(
         round=session.round,
         strategy=session.strategy,
-        relay=session.relay.name,
+        relay=session.relay.name + session.label,
         seconds=seconds,
         relay_cores=sum(cores[name] for name in session.relay.cpu_s()),
         cores=cores,

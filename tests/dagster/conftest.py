@@ -17,6 +17,7 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.schema import set_topic_partitions
+from outbox_pipeline.strategy_record import BY_INIT_DB, claim
 from resources import AlertResource, KafkaResource, PostgresResource
 from tests.kit.kafka import KafkaProbe
 
@@ -28,6 +29,20 @@ FAST_FAILING_KAFKA = {"message.timeout.ms": "2000", "request.timeout.ms": "1000"
 def instance() -> Iterator[dg.DagsterInstance]:
     with dg.instance_for_test() as inst:
         yield inst
+
+
+@pytest.fixture(autouse=True)
+def recorded_strategy(request: pytest.FixtureRequest) -> str | None:
+    """The test's outbox records its strategy as `outbox init-db --strategy` (what `make dev` runs) leaves it, and
+    the deployment's OUTBOX_RELAY_STRATEGY stays empty: ``partitioned``, or the test's ``strategy`` parameter."""
+    if "table" not in request.fixturenames:
+        return None
+    params = getattr(request.node, "callspec", None)
+    strategy = str(params.params.get("strategy", "partitioned")) if params else "partitioned"
+    table: OutboxTable = request.getfixturevalue("table")
+    with psycopg.connect(request.getfixturevalue("dsn"), autocommit=True) as conn:
+        claim(conn, table, strategy, by=BY_INIT_DB)
+    return strategy
 
 
 @pytest.fixture

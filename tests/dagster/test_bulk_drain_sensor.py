@@ -56,13 +56,17 @@ def test_a_backlog_above_the_bulk_threshold_asks_for_a_bulk_drain_in_the_relays_
     assert relay.job_name == "relay_stream" and relay.tags["outbox/reason"] == "uncovered"
 
 
+@pytest.mark.parametrize("strategy", ["lease"])
 def test_no_bulk_drain_is_asked_for_an_outbox_a_row_strategy_relays(
+    strategy: str,
     instance: dg.DagsterInstance,
     dagster_resources: dict[str, dg.ConfigurableResource],
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(120)
-    sensor = build_outbox_lag_sensor(relay_stream_job, settings=_drain_settings("lease"), bulk_drain_job=bulk_drain_job)
+    sensor = build_outbox_lag_sensor(
+        relay_stream_job, settings=_drain_settings(strategy), bulk_drain_job=bulk_drain_job
+    )
 
     result = tick(sensor, instance, dagster_resources)
 

@@ -197,6 +197,22 @@ def test_bench_latency_without_the_observer_counts_arrivals_by_the_relays_own_co
     assert _bench_schemas(bench_servers) == []
 
 
+def test_bench_latency_server_jit_runs_the_relay_at_each_server_jit_in_one_invocation_and_leaves_the_servers_own(
+    bench_servers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "latency.json"
+    code = main(["bench", "--latency", "100", "--seconds", "3", "--idle-seconds", "0", "--server-jit", "on,off",
+                 "--json", str(out_json)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    results = json.loads(out_json.read_text())["scenarios"]
+    assert sorted(r["relay"] for r in results) == ["cli @ jit off", "cli @ jit on"]
+    assert all(r["missing"] == 0 for r in results)
+    with psycopg.connect(bench_servers) as conn:
+        overridden = conn.execute("SELECT count(*) FROM pg_file_settings WHERE name = 'jit' AND applied").fetchone()
+        assert overridden == (0,)
+
+
 def test_bench_latency_on_serialized_writes_as_its_writers_must_so_concurrent_writers_lose_nothing(
     bench_servers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
