@@ -292,6 +292,13 @@ def _m012_sendable_headers(conn: psycopg.Connection, t: OutboxTable) -> None:
     replace_sql_enqueue(conn, t, topic_pattern=TOPIC_CHECK_PATTERN, binary_payloads=True)
 
 
+def _m013_writers_and_snapshots(conn: psycopg.Connection, t: OutboxTable) -> None:
+    # Functions only: nothing here locks or reads the message table.
+    create_partition_count_guard(
+        conn, t, default_row=DEFAULT_TOPIC_ROW, with_holds=True, announce=True, read_committed_only=True
+    )
+
+
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
     Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
@@ -320,6 +327,11 @@ MIGRATIONS: Sequence[Migration] = (
     Migration(11, "payloads as bytes as well as JSON (payload_bytes), no table rewrite", _m011_binary_payloads),
     Migration(
         12, "headers the relay can send: base64 checked; the table refuses others in new rows", _m012_sendable_headers
+    ),
+    Migration(
+        13,
+        "a partition-count change runs in READ COMMITTED, whose snapshot shows the rows of the writers it waited for",
+        _m013_writers_and_snapshots,
     ),
 )
 LATEST_VERSION = MIGRATIONS[-1].version

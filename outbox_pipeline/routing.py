@@ -198,7 +198,7 @@ _GUARD = """
         new_n := CASE TG_OP WHEN 'DELETE' THEN default_n ELSE NEW.partitions END;
         IF old_n IS NOT DISTINCT FROM new_n THEN
             RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
-        END IF;
+        END IF;{read_committed_only}
         LOCK TABLE {messages} IN SHARE MODE;
         SELECT count(*), min(m.topic) INTO pending, example
         FROM {messages} m
@@ -220,6 +220,20 @@ _GUARD = """
     END
     $fn$
 """
+
+# From migration 13 on, a change runs in READ COMMITTED only. The count of pending rows runs after the SHARE lock has
+# waited for the writers in flight, in the statement's snapshot: in READ COMMITTED one taken after the wait (a trigger's
+# statements take their own), in REPEATABLE READ and SERIALIZABLE the transaction's, taken at its first statement at
+# the latest, before the wait. Rows committed since (the writers waited for among them) were not counted, and the
+# count changed under them. No check inside that snapshot can see them, so such a change is refused.
+_READ_COMMITTED_ONLY = """
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            RAISE EXCEPTION 'outbox: cannot change the partition count of topic % from % to % in a % transaction: its '
+                'snapshot does not show the rows written since it was taken, so pending rows could not be counted',
+                the_topic, old_n, new_n, upper(current_setting('transaction_isolation'))
+                USING ERRCODE = 'object_not_in_prerequisite_state',
+                      HINT = 'run it in a READ COMMITTED transaction: SET TRANSACTION ISOLATION LEVEL READ COMMITTED';
+        END IF;"""
 
 # From migration 9 on, a change of any partition count also updates the default row: writers whose snapshot is
 # older than the change lock that row FOR SHARE (see _STATEMENT_CHECKS), which then fails them with a serialization
@@ -329,10 +343,16 @@ def replace_sql_enqueue(
 
 
 def create_partition_count_guard(
-    conn: psycopg.Connection, t: OutboxTable, *, default_row: str, with_holds: bool, announce: bool = False
+    conn: psycopg.Connection,
+    t: OutboxTable,
+    *,
+    default_row: str,
+    with_holds: bool,
+    announce: bool = False,
+    read_committed_only: bool = False,
 ) -> None:
     """The guard's function (migration 7; migration 8 replaces it ``with_holds``, once the hold tables exist;
-    migration 9 makes it ``announce`` every change on the default row)."""
+    migration 9 makes it ``announce`` every change on the default row; migration 13 ``read_committed_only``)."""
     held: sql.Composable = sql.SQL("0")
     if with_holds:
         held = sql.SQL(
@@ -359,5 +379,6 @@ def create_partition_count_guard(
             announce=sql.SQL(_ANNOUNCE).format(topics=t.topics, default_row=sql.Literal(default_row))
             if announce
             else sql.SQL(""),
+            read_committed_only=sql.SQL(_READ_COMMITTED_ONLY if read_committed_only else ""),
         )
     )
