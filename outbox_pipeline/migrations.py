@@ -15,13 +15,8 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .header_rules import refuse_unsendable_headers
-from .routing import (
-    check_snapshot_writers,
-    create_partition_count_guard,
-    create_routing_functions,
-    create_sql_writers,
-    replace_sql_enqueue,
-)
+from .partition_counts import check_snapshot_writers, create_partition_count_guard, lock_counts_as_owner
+from .routing import create_routing_functions, create_sql_writers, replace_sql_enqueue
 from .strategies.base import MESSAGE_BODY_COLUMNS
 from .strategies.quarantine import create_quarantine_tables
 
@@ -297,6 +292,9 @@ def _m013_writers_and_snapshots(conn: psycopg.Connection, t: OutboxTable) -> Non
     create_partition_count_guard(
         conn, t, default_row=DEFAULT_TOPIC_ROW, with_holds=True, announce=True, read_committed_only=True
     )
+    lock_counts_as_owner(
+        conn, t, default_row=DEFAULT_TOPIC_ROW, notify_setting=NOTIFY_SETTING, channel=notify_channel(t)
+    )
 
 
 MIGRATIONS: Sequence[Migration] = (
@@ -330,7 +328,7 @@ MIGRATIONS: Sequence[Migration] = (
     ),
     Migration(
         13,
-        "a partition-count change runs in READ COMMITTED, whose snapshot shows the rows of the writers it waited for",
+        "partition-count changes in READ COMMITTED only; writers with a snapshot need no UPDATE on outbox_topics",
         _m013_writers_and_snapshots,
     ),
 )

@@ -6,17 +6,26 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.schema import set_topic_partitions
 
 SNAPSHOT_ISOLATIONS = ["REPEATABLE READ", "SERIALIZABLE"]
 WAIT_S = 30.0
+# A writer's grants, as docs/operations.md (Writer roles) gives them.
+WRITER_GRANTS = (
+    "GRANT USAGE ON SCHEMA {schema} TO {role}",
+    "GRANT INSERT, SELECT (id, message_id) ON {messages} TO {role}",
+    "GRANT USAGE ON SEQUENCE {sequence} TO {role}",
+    "GRANT SELECT ON {topics} TO {role}",
+)
 
 
 def _partition_count(db: psycopg.Connection, table: OutboxTable, topic: str) -> int | None:
@@ -103,3 +112,79 @@ def test_set_topic_partitions_changes_a_drained_topic_on_a_connection_whose_tran
         set_topic_partitions(conn, table, "orders", 16)
         conn.commit()
         assert _partition_count(conn, table, "orders") == 16
+
+
+@pytest.fixture
+def writer_dsn(db: psycopg.Connection, table: OutboxTable) -> Iterator[str]:
+    """A DSN of a role that is no superuser and has a writer's grants on the outbox only."""
+    role = sql.Identifier(f"writer_{uuid.uuid4().hex[:8]}")
+    db.execute(sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER").format(role))
+    names = {
+        "schema": table.schema_ident,
+        "messages": table.messages,
+        "sequence": table.ident("outbox_messages_id_seq"),
+        "topics": table.topics,
+        "role": role,
+    }
+    for grant in WRITER_GRANTS:
+        db.execute(sql.SQL(grant).format(**names))
+    yield make_conninfo(db.info.dsn, user=role.as_string(db).strip('"'))
+    db.execute(sql.SQL("DROP OWNED BY {}").format(role))
+    db.execute(sql.SQL("DROP ROLE {}").format(role))
+
+
+def _python_enqueue(conn: psycopg.Connection, table: OutboxTable, key: str) -> None:
+    enqueue(conn, "orders", {"n": 1}, key=key, table=table)
+
+
+def _sql_enqueue(conn: psycopg.Connection, table: OutboxTable, key: str) -> None:
+    conn.execute(
+        sql.SQL("SELECT id FROM {}(topic => 'orders', payload => '{{}}', key => %s)").format(table.ident("enqueue")),
+        (key,),
+    )
+
+
+def _plain_insert(conn: psycopg.Connection, table: OutboxTable, key: str) -> None:
+    conn.execute(
+        sql.SQL("INSERT INTO {} (topic, key, payload) VALUES ('orders', %s, '{{}}')").format(table.messages), (key,)
+    )
+
+
+# How each kind of writer inserts one row into "orders".
+WRITERS = {"python enqueue": _python_enqueue, "sql enqueue": _sql_enqueue, "plain insert": _plain_insert}
+
+
+def _keys(db: psycopg.Connection, table: OutboxTable) -> list[str]:
+    return [r[0] for r in db.execute(sql.SQL("SELECT key FROM {} ORDER BY id").format(table.messages)).fetchall()]
+
+
+@pytest.mark.parametrize("isolation", ["READ COMMITTED", *SNAPSHOT_ISOLATIONS])
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_role_with_a_writers_grants_writes_in_a_transaction_with_a_snapshot(
+    writer: str, isolation: str, writer_dsn: str, db: psycopg.Connection, table: OutboxTable
+) -> None:
+    """Since migration 9 such a writer's insert locks the default topic row FOR SHARE, which takes UPDATE on
+    outbox_topics: "permission denied for table outbox_topics" for a role that only writes."""
+    with psycopg.connect(writer_dsn, autocommit=True) as conn:
+        conn.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+        WRITERS[writer](conn, table, "customer-1")
+        conn.execute("COMMIT")
+
+    assert _keys(db, table) == ["customer-1"]
+
+
+@pytest.mark.parametrize("isolation", SNAPSHOT_ISOLATIONS)
+def test_a_writer_roles_snapshot_older_than_a_partition_count_change_still_fails_its_insert(
+    isolation: str, writer_dsn: str, db: psycopg.Connection, table: OutboxTable
+) -> None:
+    """The lock that detects a stale snapshot works the same for a role without UPDATE on outbox_topics."""
+    with psycopg.connect(writer_dsn, autocommit=True) as conn:
+        conn.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+        conn.execute("SELECT 1")  # its snapshot is taken
+        set_topic_partitions(db, table, "orders", 16)
+
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            _plain_insert(conn, table, "customer-1")
+        conn.execute("ROLLBACK")
+
+    assert _keys(db, table) == []
