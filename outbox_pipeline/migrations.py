@@ -16,6 +16,7 @@ from psycopg import sql
 from .config import OutboxTable
 from .header_rules import refuse_unsendable_headers
 from .partition_counts import check_snapshot_writers, create_partition_count_guard, lock_counts_as_owner
+from .record_size import create_record_bytes, sql_enqueue_size_check
 from .routing import create_routing_functions, create_sql_writers, replace_sql_enqueue
 from .strategies.base import MESSAGE_BODY_COLUMNS
 from .strategies.quarantine import create_quarantine_tables
@@ -295,6 +296,10 @@ def _m013_writers_and_snapshots(conn: psycopg.Connection, t: OutboxTable) -> Non
     lock_counts_as_owner(
         conn, t, default_row=DEFAULT_TOPIC_ROW, notify_setting=NOTIFY_SETTING, channel=notify_channel(t)
     )
+    create_record_bytes(conn, t)
+    replace_sql_enqueue(
+        conn, t, topic_pattern=TOPIC_CHECK_PATTERN, binary_payloads=True, size_check=sql_enqueue_size_check(t)
+    )
 
 
 MIGRATIONS: Sequence[Migration] = (
@@ -328,7 +333,8 @@ MIGRATIONS: Sequence[Migration] = (
     ),
     Migration(
         13,
-        "partition-count changes in READ COMMITTED only; writers with a snapshot need no UPDATE on outbox_topics",
+        "partition-count changes in READ COMMITTED only; snapshot writers need no UPDATE on outbox_topics; SQL "
+        "enqueue refuses a message over the relay's record size",
         _m013_writers_and_snapshots,
     ),
 )

@@ -113,8 +113,8 @@ _ROUTE = """
     $fn$
 """
 
-# The SQL twin of enqueue.py's enqueue(): the same checks (except the size limit, which is the relay's
-# setting and is enforced when publishing: an oversize row is dead-lettered), the same routing, the same
+# The SQL twin of enqueue.py's enqueue(): the same checks (the size limit from migration 13 on: record_size.py; before,
+# only the relay's producer refused an oversize row, which was dead-lettered), the same routing, the same
 # serialized writers' lock. OUT parameters, so ``SELECT id, message_id FROM <schema>.enqueue(...)``. From migration 11
 # on the payload is JSON or bytes: ``enqueue('t', '{{"a": 1}}')`` or ``enqueue('t', payload_bytes => '\\x0102')``
 # (a second function of the same name taking bytea would make every untyped literal payload ambiguous).
@@ -126,7 +126,7 @@ _ENQUEUE = """
     LANGUAGE plpgsql VOLATILE AS $fn$
     #variable_conflict use_variable
     DECLARE
-        bad text;
+        bad text;{size_variables}
     BEGIN
         {payload_check}
         IF topic IS NULL OR topic !~ {topic_pattern} OR length(topic) > 249 OR topic IN ('.', '..') THEN
@@ -148,7 +148,7 @@ _ENQUEUE = """
         IF bad IS NOT NULL THEN
             RAISE EXCEPTION 'outbox enqueue: header "%" must be a string, or {{"base64": "..."}} for bytes (padded '
                 'base64, no whitespace), under a non-empty name', bad USING ERRCODE = 'invalid_parameter_value';
-        END IF;
+        END IF;{size_check}
         IF priority IS NULL OR priority NOT BETWEEN -32768 AND 32767 THEN
             RAISE EXCEPTION 'outbox enqueue: priority must be in -32768..32767, got %', priority
                 USING ERRCODE = 'invalid_parameter_value';
@@ -207,11 +207,19 @@ _ONE_PAYLOAD_CHECK = """IF num_nonnulls(payload, payload_bytes) <> 1 THEN
 
 
 def replace_sql_enqueue(
-    conn: psycopg.Connection, t: OutboxTable, *, topic_pattern: str, binary_payloads: bool = False
+    conn: psycopg.Connection,
+    t: OutboxTable,
+    *,
+    topic_pattern: str,
+    binary_payloads: bool = False,
+    size_check: sql.Composable | None = None,
 ) -> None:
-    """``<schema>.enqueue``, created or replaced (migrations 7 and 10; 11 with ``binary_payloads``)."""
+    """``<schema>.enqueue``, created or replaced (migrations 7 and 10; 11 with ``binary_payloads``; 13 with the
+    ``size_check`` of record_size.py, which uses the variables ``size`` and ``max_bytes``)."""
     conn.execute(
         sql.SQL(_ENQUEUE).format(
+            size_variables=sql.SQL("\n        size bigint;\n        max_bytes bigint;" if size_check else ""),
+            size_check=size_check or sql.SQL(""),
             payload_default=sql.SQL(" DEFAULT NULL" if binary_payloads else ""),
             bytes_param=sql.SQL(", payload_bytes bytea DEFAULT NULL" if binary_payloads else ""),
             payload_check=sql.SQL(_ONE_PAYLOAD_CHECK if binary_payloads else _JSON_PAYLOAD_CHECK),
