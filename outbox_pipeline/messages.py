@@ -93,7 +93,7 @@ def validate(m: Message, limit: RecordLimit, index: int, topics: set[str]) -> Ro
     size = RELAY_BASE + len(key_bytes) + payload_size + headers_size
     if type_size is not None:
         size += header_bytes(4, type_size)  # "type"
-    if limit.cloud_source is not None:
+    if limit.cloud_events is not None:
         added, dropped = limit.cloud_events_bytes(topic, type_size, own, payload_bytes is not None)
         size += added - dropped
     if size > limit.max_bytes:

@@ -23,13 +23,16 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
 from . import settings
 from .config import OutboxTable
+
+if TYPE_CHECKING:  # record_headers imports messages, which imports this module
+    from .record_headers import CloudEvents
 
 RECORD_OVERHEAD = 36  # librdkafka's RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD
 UUID_TEXT = 36
@@ -69,28 +72,18 @@ RELAY_BASE = (
 
 @dataclass(frozen=True)
 class RecordLimit:
-    """The largest record enqueue accepts, and the CloudEvents attributes the relay adds (None: off; a topic set, or
-    None for every topic, and the ``ce_source``)."""
+    """The largest record enqueue accepts, and the CloudEvents attributes the relay adds (record_headers.py; None:
+    off), as the writer's settings say (enqueue.py reads them as the relay does)."""
 
     max_bytes: int
-    cloud_topics: frozenset[str] | None = None
-    cloud_source: str | None = None
-
-    @classmethod
-    def from_settings(cls, max_bytes: int) -> RecordLimit:
-        """With the CloudEvents settings of this process (OUTBOX_CLOUDEVENTS, OUTBOX_CLOUDEVENTS_SOURCE)."""
-        wanted = settings.CLOUDEVENTS.read()
-        if wanted == "off":
-            return cls(max_bytes)
-        topics = None if wanted == "all" else frozenset(t.strip() for t in wanted.split(",") if t.strip())
-        return cls(max_bytes, topics, settings.CLOUDEVENTS_SOURCE.read())
+    cloud_events: CloudEvents | None = None
 
     def cloud_events_bytes(
         self, topic: str, type_bytes: int | None, own: Mapping[str, int], binary: bool
     ) -> tuple[int, int]:
         """(the CloudEvents attributes' bytes, the bytes of the row's own headers the relay leaves out) for a row of
         ``topic``; ``own``: the row's own header names and their values' lengths."""
-        if self.cloud_source is None or (self.cloud_topics is not None and topic not in self.cloud_topics):
+        if self.cloud_events is None or not self.cloud_events.covers(topic):
             return 0, 0
         dropped = sum(header_bytes(len(n.encode()), 0) for n, size in own.items() if size == 0 and n.startswith("ce_"))
         given = {n for n, size in own.items() if size or not n.startswith("ce_")}
@@ -98,7 +91,7 @@ class RecordLimit:
             "ce_specversion": CE_SPECVERSION_TEXT,
             "ce_id": UUID_TEXT,
             "ce_type": type_bytes or len(topic.encode()),
-            "ce_source": len(self.cloud_source.encode()),
+            "ce_source": len(self.cloud_events.source.encode()),
             "ce_time": CREATED_AT_TEXT,
             "content-type": len(BYTES_CONTENT_TYPE if binary else JSON_CONTENT_TYPE),
         }

@@ -194,8 +194,9 @@ def test_python_enqueue_sql_enqueue_and_the_relay_count_a_record_alike(
     """Python's count, SQL's ``record_bytes`` of the stored row, and librdkafka's count of the record the relay builds
     from that row (with a 19-digit ``outbox_id``) are one number, CloudEvents on or off."""
     conn, table = sized_outbox
+    cloud = None if source is None else CloudEvents(None, source)
     try:
-        python = validate(message, RecordLimit(10**9, None, source), 0, set()).size
+        python = validate(message, RecordLimit(10**9, cloud), 0, set()).size
     except InvalidMessageError:
         assume(False)
     [stored] = enqueue_many(conn, [message], table=table)
@@ -209,7 +210,6 @@ def test_python_enqueue_sql_enqueue_and_the_relay_count_a_record_alike(
     ).fetchone()
     query = sql.SQL(f"SELECT {RECORD_COLUMNS} FROM {{}} m WHERE m.id = %(id)s").format(table.messages)
     [r] = fetch_records(conn, query, {"id": stored.id})
-    cloud = None if source is None else CloudEvents(None, source)
     headers = RecordHeaders(cloud).of(
         r.topic, r.message_id, b"9" * WIDEST_ID, r.created_at, r.type, r.headers, r.binary
     )
