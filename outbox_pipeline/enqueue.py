@@ -24,6 +24,8 @@ from .config import OutboxTable
 from .errors import InvalidMessageError
 from .messages import NO_HEADERS, Message, Row, validate
 from .migrations import DEFAULT_TOPIC_ROW, NOTIFY_SETTING
+from .record_headers import cloud_events_from_env
+from .record_size import RecordLimit
 from .routing import SERIALIZED_LOCK_CLASS
 from .tracing import TRACEPARENT, current_trace_headers
 
@@ -89,7 +91,8 @@ def enqueue_many(
         # The writer's trace, for the consumer to continue (tracing.py); a message's own traceparent wins.
         messages = [m if m.headers and TRACEPARENT in m.headers else _traced(m, trace) for m in messages]
     topics: set[str] = set()
-    rows = [validate(m, table.max_message_bytes, i, topics) for i, m in enumerate(messages)]
+    limit = RecordLimit(table.max_message_bytes, cloud_events_from_env())  # the relay's CloudEvents attributes count
+    rows = [validate(m, limit, i, topics) for i, m in enumerate(messages)]
     if not rows:
         return []
     if len(rows) * table.max_message_bytes > MAX_CALL_BYTES:  # each row is within the message limit: mostly no sum

@@ -13,12 +13,14 @@ import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from .errors import InvalidMessageError
 from .header_rules import BASE64_PATTERN
 from .migrations import TOPIC_PATTERN
 from .partitioning import key_hash
+from .record_size import RELAY_BASE, RecordLimit, header_bytes, jsonb_text_bytes
 from .routing import RESERVED_HEADERS
 
 # Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
@@ -28,8 +30,10 @@ _TOPIC_RE = re.compile(TOPIC_PATTERN)
 _SMALLINT = range(-32768, 32768)
 _INT4 = range(0, 2**31)
 # json.dumps with any argument makes an encoder per call (a microsecond a row); this one is made once. Like the
-# encoder json.dumps keeps for its defaults, it holds only its settings.
-_to_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+# encoder json.dumps keeps for its defaults, it holds only its settings. The separators are those of PostgreSQL's text
+# of a jsonb, which the relay publishes: the text's size is then the published size (but for a few numbers, see
+# record_size.jsonb_text_bytes), at the cost of a byte per separator on the way to the server.
+_to_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(", ", ": ")).encode
 # jsonb cannot store U+0000; json.dumps writes it as \u0000 preceded by an even number of backslashes.
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
@@ -64,30 +68,39 @@ class Row:
     priority: int
     partition: int | None
     hash: int
+    size: int  # of the relay's record of it (record_size.py)
 
 
-def validate(m: Message, max_bytes: int, index: int, topics: set[str]) -> Row:
-    """``topics``: the call's topics already checked (a topic's check is a regular expression)."""
+def validate(m: Message, limit: RecordLimit, index: int, topics: set[str]) -> Row:
+    """``topics``: the call's topics already checked (a topic's check is a regular expression). The size checked is
+    the relay's record of the message (record_size.py)."""
     where = f"message {index}"
     topic = m.topic
     if not isinstance(topic, str) or topic not in topics:
         topics.add(_check_topic(topic, where))
     key = m.key
     key_bytes = _text_bytes(key, "key", where) if key is not None else b""
-    type_ = _check_text(m.type, "type", where)
+    type_ = m.type
+    type_size = None if type_ is None else len(_text_bytes(type_, "type", where))
     payload, payload_bytes, payload_size = _encode_payload(m.payload, where)
-    headers, headers_size = _encode_headers(m.headers, where)
+    headers, headers_size, own = _encode_headers(m.headers, where)
     if isinstance(m.priority, bool) or not isinstance(m.priority, int) or m.priority not in _SMALLINT:
         raise InvalidMessageError(f"{where}: priority must be an integer in -32768..32767, got {m.priority!r}")
     if m.partition is not None and (
         isinstance(m.partition, bool) or not isinstance(m.partition, int) or m.partition not in _INT4
     ):
         raise InvalidMessageError(f"{where}: partition must be an integer in 0..2^31-1, got {m.partition!r}")
-    size = payload_size + len(key_bytes) + headers_size
-    if size > max_bytes:
+    size = RELAY_BASE + len(key_bytes) + payload_size + headers_size
+    if type_size is not None:
+        size += header_bytes(4, type_size)  # "type"
+    if limit.cloud_events is not None:
+        added, dropped = limit.cloud_events_bytes(topic, type_size, own, payload_bytes is not None)
+        size += added - dropped
+    if size > limit.max_bytes:
         raise InvalidMessageError(
-            f"{where} to topic {topic!r} is {size} bytes, over the maximum of {max_bytes} bytes "
-            "(OUTBOX_MAX_MESSAGE_BYTES)"
+            f"{where} to topic {topic!r} is {size} bytes, over the maximum of {limit.max_bytes} bytes "
+            "(OUTBOX_MAX_MESSAGE_BYTES; counted as the relay sends it: the key, the payload as published, every "
+            "header, the record's overhead)"
         )
     return Row(
         topic=topic,
@@ -101,6 +114,7 @@ def validate(m: Message, max_bytes: int, index: int, topics: set[str]) -> Row:
         partition=m.partition,
         # No key: spread evenly over the topic's partitions.
         hash=key_hash(key_bytes) if key is not None else random.getrandbits(31),
+        size=size,
     )
 
 
@@ -120,14 +134,6 @@ def is_valid_topic(topic: str) -> bool:
     return bool(_TOPIC_RE.fullmatch(topic)) and topic not in (".", "..")
 
 
-def _check_text(value: object, field: str, where: str) -> str | None:
-    if value is None:
-        return None
-    _text_bytes(value, field, where)
-    assert isinstance(value, str)  # _text_bytes raised otherwise
-    return value
-
-
 def _text_bytes(value: object, field: str, where: str) -> bytes:
     """A text column's value as UTF-8, checked: a str, no NUL (PostgreSQL's text cannot hold it), encodable."""
     if not isinstance(value, str):
@@ -141,8 +147,8 @@ def _text_bytes(value: object, field: str, where: str) -> bytes:
 
 
 def _encode_payload(payload: Any, where: str) -> tuple[str | None, bytes | None, int]:
-    """(JSON text, None, its size in UTF-8) for a JSON payload; (None, the bytes, their size) for bytes, stored and
-    published as given."""
+    """(JSON text, None, the size of PostgreSQL's text of it in UTF-8, which the relay publishes) for a JSON payload;
+    (None, the bytes, their size) for bytes, stored and published as given."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
         raw = bytes(payload)
         return None, raw, len(raw)
@@ -154,37 +160,43 @@ def _encode_payload(payload: Any, where: str) -> tuple[str | None, bytes | None,
         raise InvalidMessageError(f"{where}: payload is nested too deeply to serialise") from None
     if "\\u0000" in text and _JSON_NUL.search(text):
         raise InvalidMessageError(f"{where}: payload contains a NUL character, which jsonb cannot store")
-    if text.isascii():
-        return text, None, len(text)
     try:
-        return text, None, len(text.encode("utf-8"))
+        return text, None, jsonb_text_bytes(text)
     except UnicodeEncodeError as exc:
         raise InvalidMessageError(f"{where}: payload is not valid Unicode text: {exc.reason}") from None
+    except RecursionError:
+        raise InvalidMessageError(f"{where}: payload is nested too deeply to serialise") from None
 
 
-def _encode_headers(headers: Mapping[str, str | bytes] | None, where: str) -> tuple[str, int]:
+_NO_OWN: Mapping[str, int] = MappingProxyType({})
+
+
+def _encode_headers(headers: Mapping[str, str | bytes] | None, where: str) -> tuple[str, int, Mapping[str, int]]:
+    """(the headers column's JSON, the headers' bytes in the record, each one's value length by name)."""
     if headers is None:
-        return NO_HEADERS, 0
+        return NO_HEADERS, 0, _NO_OWN
     if not isinstance(headers, Mapping):
         raise InvalidMessageError(f"{where}: headers must be a mapping of str to str or bytes")
     stored: dict[str, object] = {}
+    lengths: dict[str, int] = {}
     size = 0
     for name, value in headers.items():
         if not isinstance(name, str) or not name:
             raise InvalidMessageError(f"{where}: header names must be non-empty strings, got {name!r}")
         if name in RESERVED_HEADERS:
             raise InvalidMessageError(f"{where}: header {name!r} is reserved: the relay sets it")
-        _check_text(name, f"header name {name!r}", where)
+        name_size = len(_text_bytes(name, f"header name {name!r}", where))
         if isinstance(value, str):
-            _check_text(value, f"header {name!r}", where)
+            value_size = len(_text_bytes(value, f"header {name!r}", where))
             stored[name] = value
-            size += len(name.encode("utf-8")) + len(value.encode("utf-8"))
         elif isinstance(value, (bytes, bytearray)):
             stored[name] = {BYTES_HEADER_FIELD: base64.b64encode(value).decode("ascii")}
-            size += len(name.encode("utf-8")) + len(value)
+            value_size = len(value)
         else:
             raise InvalidMessageError(f"{where}: header {name!r} must be str or bytes, got {type(value).__name__}")
-    return _to_json(stored), size
+        lengths[name] = value_size
+        size += header_bytes(name_size, value_size)
+    return _to_json(stored), size, lengths
 
 
 _BASE64 = re.compile(BASE64_PATTERN)  # header_rules.py

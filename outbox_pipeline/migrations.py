@@ -15,13 +15,9 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .header_rules import refuse_unsendable_headers
-from .routing import (
-    check_snapshot_writers,
-    create_partition_count_guard,
-    create_routing_functions,
-    create_sql_writers,
-    replace_sql_enqueue,
-)
+from .partition_counts import check_snapshot_writers, create_partition_count_guard, lock_counts_as_owner
+from .record_size import create_record_bytes, sql_enqueue_size_check
+from .routing import create_routing_functions, create_sql_writers, replace_sql_enqueue
 from .strategies.base import MESSAGE_BODY_COLUMNS
 from .strategies.quarantine import create_quarantine_tables
 from .strategy_record import create_table as create_strategy_record
@@ -293,6 +289,20 @@ def _m012_sendable_headers(conn: psycopg.Connection, t: OutboxTable) -> None:
     replace_sql_enqueue(conn, t, topic_pattern=TOPIC_CHECK_PATTERN, binary_payloads=True)
 
 
+def _m013_writers_and_snapshots(conn: psycopg.Connection, t: OutboxTable) -> None:
+    # Functions only: nothing here locks or reads the message table.
+    create_partition_count_guard(
+        conn, t, default_row=DEFAULT_TOPIC_ROW, with_holds=True, announce=True, read_committed_only=True
+    )
+    lock_counts_as_owner(
+        conn, t, default_row=DEFAULT_TOPIC_ROW, notify_setting=NOTIFY_SETTING, channel=notify_channel(t)
+    )
+    create_record_bytes(conn, t)
+    replace_sql_enqueue(
+        conn, t, topic_pattern=TOPIC_CHECK_PATTERN, binary_payloads=True, size_check=sql_enqueue_size_check(t)
+    )
+
+
 MIGRATIONS: Sequence[Migration] = (
     Migration(1, "base tables and indexes", _m001_base),
     Migration(2, "NOTIFY on insert; index of the oldest unsent rows", _m002_wakeups_and_fairness),
@@ -322,6 +332,12 @@ MIGRATIONS: Sequence[Migration] = (
     Migration(
         12, "headers the relay can send: base64 checked; the table refuses others in new rows", _m012_sendable_headers
     ),
-    Migration(13, "the outbox records the strategy that relays it", create_strategy_record),
+    Migration(
+        13,
+        "partition-count changes in READ COMMITTED only; snapshot writers need no UPDATE on outbox_topics; SQL "
+        "enqueue refuses a message over the relay's record size",
+        _m013_writers_and_snapshots,
+    ),
+    Migration(14, "the outbox records the strategy that relays it", create_strategy_record),
 )
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -25,6 +25,7 @@ from .errors import ConfigurationError
 from .kafka_errors import PRODUCER_RESET_ERRORS, failure_kind
 from .messages import UnencodableHeaders, is_valid_topic
 from .record_headers import CloudEvents, Headers, RecordHeaders, cloud_events_from_env
+from .record_size import record_bytes
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .topic_limits import TopicLimits
 from .tracing import BatchSpan, start_batch_span
@@ -198,7 +199,13 @@ class KafkaPublisher:
                     self.producer.poll(0.05)  # local queue full: serve reports, which frees space
                 except KafkaException as exc:
                     error = exc.args[0]
-                    pending.errors[oid] = (str(error.str()), failure_kind(error))
+                    reason = str(error.str())
+                    if error.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                        reason += (
+                            f" (a record of {record_bytes(key, payload, headers)} bytes as librdkafka counts it, over "
+                            f"message.max.bytes {self.limits.producer_max})"
+                        )
+                    pending.errors[oid] = (reason, failure_kind(error))
                     if key is not None:
                         refused.add((topic, key))
                     break

@@ -19,7 +19,7 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .header_rules import sendable_header
-from .strategies.offsets import BEHIND_POSITION
+from .partition_counts import create_partition_count_guard
 
 # Class id for the transaction-scoped lock that serialized writers take: (class, hashtext(schema)).
 SERIALIZED_LOCK_CLASS = 0x4F53  # "OS"
@@ -113,8 +113,8 @@ _ROUTE = """
     $fn$
 """
 
-# The SQL twin of enqueue.py's enqueue(): the same checks (except the size limit, which is the relay's
-# setting and is enforced when publishing: an oversize row is dead-lettered), the same routing, the same
+# The SQL twin of enqueue.py's enqueue(): the same checks (the size limit from migration 13 on: record_size.py; before,
+# only the relay's producer refused an oversize row, which was dead-lettered), the same routing, the same
 # serialized writers' lock. OUT parameters, so ``SELECT id, message_id FROM <schema>.enqueue(...)``. From migration 11
 # on the payload is JSON or bytes: ``enqueue('t', '{{"a": 1}}')`` or ``enqueue('t', payload_bytes => '\\x0102')``
 # (a second function of the same name taking bytea would make every untyped literal payload ambiguous).
@@ -126,7 +126,7 @@ _ENQUEUE = """
     LANGUAGE plpgsql VOLATILE AS $fn$
     #variable_conflict use_variable
     DECLARE
-        bad text;
+        bad text;{size_variables}
     BEGIN
         {payload_check}
         IF topic IS NULL OR topic !~ {topic_pattern} OR length(topic) > 249 OR topic IN ('.', '..') THEN
@@ -148,7 +148,7 @@ _ENQUEUE = """
         IF bad IS NOT NULL THEN
             RAISE EXCEPTION 'outbox enqueue: header "%" must be a string, or {{"base64": "..."}} for bytes (padded '
                 'base64, no whitespace), under a non-empty name', bad USING ERRCODE = 'invalid_parameter_value';
-        END IF;
+        END IF;{size_check}
         IF priority IS NULL OR priority NOT BETWEEN -32768 AND 32767 THEN
             RAISE EXCEPTION 'outbox enqueue: priority must be in -32768..32767, got %', priority
                 USING ERRCODE = 'invalid_parameter_value';
@@ -164,106 +164,6 @@ _ENQUEUE = """
     END
     $fn$
 """
-
-# Refuses a change of a topic's effective partition count (its own row, or the default row for the topics
-# without one) while any of its rows is pending: the key's old rows and new rows would sit in two partitions
-# relayed independently. The SHARE lock waits for writer transactions in flight (they hold ROW EXCLUSIVE
-# from their insert to their commit), so a row routed with the old count but not yet committed is seen; it
-# blocks new inserts only until this transaction ends. Pending: not deleted, not marked sent, and not behind
-# its partition's position (in the order of the strategy that last advanced it: ``read_by``; with none
-# recorded, behind in both orders). From migration 8 on, keys held behind dead letters (quarantine) count too:
-# their held rows and the dead letter they wait for would go out in the old partition.
-_GUARD = """
-    CREATE OR REPLACE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $fn$
-    DECLARE
-        the_topic text := CASE TG_OP WHEN 'DELETE' THEN OLD.topic ELSE NEW.topic END;
-        default_n integer := (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row});
-        old_n integer;
-        new_n integer;
-        pending bigint;
-        example text;
-    BEGIN
-        IF TG_OP = 'UPDATE' AND NEW.topic <> OLD.topic THEN
-            RAISE EXCEPTION 'outbox: a topic row cannot be renamed; insert the new topic instead'
-                USING ERRCODE = 'object_not_in_prerequisite_state';
-        END IF;
-        IF TG_OP = 'DELETE' AND OLD.topic = {default_row} THEN
-            RAISE EXCEPTION 'outbox: the % row holds the default partition count and cannot be deleted', OLD.topic
-                USING ERRCODE = 'object_not_in_prerequisite_state';
-        END IF;
-        -- An upsert fires the INSERT trigger first: compare with the row it would update, if any.
-        old_n := CASE TG_OP WHEN 'INSERT' THEN coalesce(
-                     (SELECT t.partitions FROM {topics} t WHERE t.topic = NEW.topic), default_n)
-                 ELSE OLD.partitions END;
-        new_n := CASE TG_OP WHEN 'DELETE' THEN default_n ELSE NEW.partitions END;
-        IF old_n IS NOT DISTINCT FROM new_n THEN
-            RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
-        END IF;
-        LOCK TABLE {messages} IN SHARE MODE;
-        SELECT count(*), min(m.topic) INTO pending, example
-        FROM {messages} m
-        LEFT JOIN {offsets} o ON o.topic = m.topic AND o.partition = m.partition
-        WHERE m.sent_at IS NULL
-          AND CASE WHEN the_topic = {default_row}
-                   THEN NOT EXISTS (SELECT 1 FROM {topics} t WHERE t.topic = m.topic)
-                   ELSE m.topic = the_topic END
-          AND NOT {behind};
-        pending := pending + {held};
-        IF pending > 0 THEN
-            RAISE EXCEPTION 'outbox: cannot change the partition count of topic % from % to %: % pending '
-                'row(s) would stay in partitions routed with the old count',
-                coalesce(example, the_topic), old_n, new_n, pending
-                USING ERRCODE = 'object_not_in_prerequisite_state',
-                      HINT = 'drain the topic (stop its writers, run the relay until it is empty), then change it';
-        END IF;{announce}
-        RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
-    END
-    $fn$
-"""
-
-# From migration 9 on, a change of any partition count also updates the default row: writers whose snapshot is
-# older than the change lock that row FOR SHARE (see _STATEMENT_CHECKS), which then fails them with a serialization
-# failure instead of letting them route with the old count.
-_ANNOUNCE = """
-        IF the_topic <> {default_row} THEN
-            UPDATE {topics} SET updated_at = now() WHERE topic = {default_row};
-        END IF;"""
-
-
-# Once per inserting statement (the notify trigger's function, AFTER INSERT FOR EACH STATEMENT): the wake-up, and
-# for a writer whose snapshot is its transaction's (REPEATABLE READ, SERIALIZABLE) a FOR SHARE lock of the default
-# topic row. The rows were routed with the partition counts of that snapshot; the partition-count guard updates the
-# default row whenever a count changes, so a snapshot older than a change fails here (serialization failure: the
-# writer retries and routes with the new count) instead of committing one key into two partitions. A READ
-# COMMITTED statement sees every change committed before its table lock, which the guard's SHARE lock orders.
-_STATEMENT_CHECKS = """
-    CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        IF current_setting('transaction_isolation') <> 'read committed' THEN
-            PERFORM 1 FROM {topics} WHERE topic = {default_row} FOR SHARE;
-        END IF;
-        IF coalesce(current_setting({setting}, true), '') <> 'off' THEN
-            PERFORM pg_notify({channel}, '');
-        END IF;
-        RETURN NULL;
-    END $$
-"""
-
-
-def check_snapshot_writers(
-    conn: psycopg.Connection, t: OutboxTable, *, default_row: str, notify_setting: str, channel: str
-) -> None:
-    """Migration 9: writers with a transaction snapshot fail instead of routing with a stale partition count."""
-    conn.execute(
-        sql.SQL(_STATEMENT_CHECKS).format(
-            function=t.ident("outbox_notify"),
-            topics=t.topics,
-            default_row=sql.Literal(default_row),
-            setting=sql.Literal(notify_setting),
-            channel=sql.Literal(channel),
-        )
-    )
-    create_partition_count_guard(conn, t, default_row=default_row, with_holds=True, announce=True)
 
 
 def create_sql_writers(conn: psycopg.Connection, t: OutboxTable, *, default_row: str, topic_pattern: str) -> None:
@@ -307,11 +207,19 @@ _ONE_PAYLOAD_CHECK = """IF num_nonnulls(payload, payload_bytes) <> 1 THEN
 
 
 def replace_sql_enqueue(
-    conn: psycopg.Connection, t: OutboxTable, *, topic_pattern: str, binary_payloads: bool = False
+    conn: psycopg.Connection,
+    t: OutboxTable,
+    *,
+    topic_pattern: str,
+    binary_payloads: bool = False,
+    size_check: sql.Composable | None = None,
 ) -> None:
-    """``<schema>.enqueue``, created or replaced (migrations 7 and 10; 11 with ``binary_payloads``)."""
+    """``<schema>.enqueue``, created or replaced (migrations 7 and 10; 11 with ``binary_payloads``; 13 with the
+    ``size_check`` of record_size.py, which uses the variables ``size`` and ``max_bytes``)."""
     conn.execute(
         sql.SQL(_ENQUEUE).format(
+            size_variables=sql.SQL("\n        size bigint;\n        max_bytes bigint;" if size_check else ""),
+            size_check=size_check or sql.SQL(""),
             payload_default=sql.SQL(" DEFAULT NULL" if binary_payloads else ""),
             bytes_param=sql.SQL(", payload_bytes bytea DEFAULT NULL" if binary_payloads else ""),
             payload_check=sql.SQL(_ONE_PAYLOAD_CHECK if binary_payloads else _JSON_PAYLOAD_CHECK),
@@ -324,40 +232,5 @@ def replace_sql_enqueue(
             reserved=sql.Literal(sorted(RESERVED_HEADERS)),
             lock_class=sql.Literal(SERIALIZED_LOCK_CLASS),
             schema=sql.Literal(t.schema),
-        )
-    )
-
-
-def create_partition_count_guard(
-    conn: psycopg.Connection, t: OutboxTable, *, default_row: str, with_holds: bool, announce: bool = False
-) -> None:
-    """The guard's function (migration 7; migration 8 replaces it ``with_holds``, once the hold tables exist;
-    migration 9 makes it ``announce`` every change on the default row)."""
-    held: sql.Composable = sql.SQL("0")
-    if with_holds:
-        held = sql.SQL(
-            """
-            (SELECT count(*) FROM {holds} h
-             WHERE CASE WHEN the_topic = {default_row}
-                        THEN NOT EXISTS (SELECT 1 FROM {topics} t WHERE t.topic = h.topic)
-                        ELSE h.topic = the_topic END)
-            + (SELECT count(*) FROM {held_rows} x
-               WHERE CASE WHEN the_topic = {default_row}
-                          THEN NOT EXISTS (SELECT 1 FROM {topics} t WHERE t.topic = x.topic)
-                          ELSE x.topic = the_topic END)
-            """
-        ).format(holds=t.holds, held_rows=t.held, topics=t.topics, default_row=sql.Literal(default_row))
-    conn.execute(
-        sql.SQL(_GUARD).format(
-            guard=t.ident("outbox_topics_guard"),
-            messages=t.messages,
-            offsets=t.offsets,
-            topics=t.topics,
-            default_row=sql.Literal(default_row),
-            held=held,
-            behind=sql.SQL(BEHIND_POSITION),
-            announce=sql.SQL(_ANNOUNCE).format(topics=t.topics, default_row=sql.Literal(default_row))
-            if announce
-            else sql.SQL(""),
         )
     )

@@ -276,8 +276,11 @@ def set_topic_partitions(
     old count, and a key would live in two partitions relayed independently. Drain first. The check waits
     for writer transactions in flight, up to ``lock_timeout``.
     """
+    fresh = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     try:
         with conn.transaction():
+            if fresh:  # the guard refuses a change in a transaction with its own snapshot (routing.py)
+                conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
             conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
             conn.execute(
                 sql.SQL(

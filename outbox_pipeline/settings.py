@@ -76,9 +76,13 @@ def _one_of(*choices: str) -> Callable[[str], str]:
 
 PG_DSN = Setting("OUTBOX_PG_DSN", "", "libpq DSN or URI of the outbox database (required)", _text, secret=True)
 SCHEMA = Setting("OUTBOX_SCHEMA", "outbox", "schema holding the outbox tables", _text)
-# Kafka's default limit is 1,048,588 bytes for a whole record batch: room is left for key, headers, overhead.
+# librdkafka's default message.max.bytes (KAFKA_MESSAGE_MAX_BYTES), below Kafka's 1,048,588 for a record batch.
 MAX_MESSAGE_BYTES = Setting(
-    "OUTBOX_MAX_MESSAGE_BYTES", 1_000_000, "largest message enqueue accepts (key + payload + headers)", _integer
+    "OUTBOX_MAX_MESSAGE_BYTES",
+    1_000_000,
+    "largest Kafka record enqueue accepts, counted as the relay sends it (key, payload as published, every header, "
+    "overhead: docs/payloads.md); at most the relay's KAFKA_MESSAGE_MAX_BYTES",
+    _integer,
 )
 LIVENESS = Setting(
     "OUTBOX_LIVENESS",

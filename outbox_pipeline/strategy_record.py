@@ -46,7 +46,7 @@ class Recorded:
 
 
 def create_table(conn: psycopg.Connection, table: OutboxTable) -> None:
-    """The record: at most one row (migration 13)."""
+    """The record: at most one row (migration 14)."""
     conn.execute(
         sql.SQL(
             """

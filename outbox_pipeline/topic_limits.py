@@ -48,7 +48,7 @@ class TopicLimits:
         self._config: dict[str, str | int | float | bool] = {
             key: value for key, value in producer_config.items() if isinstance(value, str | int | float | bool)
         }
-        self._producer_max = int(str(producer_config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES)))
+        self.producer_max = int(str(producer_config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES)))
         self._seen: set[str] = set()
         self._admin: AdminClient | None = None
         self._answering = True
@@ -59,7 +59,7 @@ class TopicLimits:
             return
         self._seen.add(topic)
         topic_max = self._topic_max(topic)
-        warning = None if topic_max is None else topic_limit_warning(topic, topic_max, self._producer_max)
+        warning = None if topic_max is None else topic_limit_warning(topic, topic_max, self.producer_max)
         if warning is not None:
             self.warnings.append(warning)
             log.warning("%s", warning)

@@ -168,7 +168,7 @@ def test_an_outbox_relayed_before_the_record_existed_takes_the_strategy_of_its_p
     table = OutboxTable(schema=f"upgrade_{uuid.uuid4().hex[:8]}")
     with psycopg.connect(dsn, autocommit=True) as conn:
         try:
-            monkeypatch.setattr(schema, "MIGRATIONS", MIGRATIONS[:12])
+            monkeypatch.setattr(schema, "MIGRATIONS", MIGRATIONS[:13])
             init_db(conn, table)
             conn.execute(  # a serialized relay of the release before left its position
                 sql.SQL(
