@@ -128,7 +128,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, pg_server: LocalPostgres, br
     topic = f"dgdev-{uuid.uuid4().hex[:10]}"
     broker.create_topics([topic], partitions=3)
     with psycopg.connect(pg_server.dsn, autocommit=True) as db:
-        init_db(db, table)
+        init_db(db, table, strategies=["partitioned"])  # as `make dev` makes it: the strategy recorded
         set_topic_partitions(db, table, topic, 3)
         written = write_outbox_rows(db, table, topic, 90)
     home = tmp_path_factory.mktemp("dagster_dev") / "dagster_home"

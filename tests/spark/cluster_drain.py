@@ -38,7 +38,7 @@ def main(dsn: str, schema: str, bootstrap: str, master: str, app_name: str) -> i
                 "postgres": PostgresResource(dsn=dsn, schema_name=schema),
                 "kafka": KafkaResource(bootstrap_servers=bootstrap),
                 "spark": spark,
-                "orchestration": OrchestrationSettings(),
+                "orchestration": OrchestrationSettings(strategy="partitioned"),
             },
             raise_on_error=False,
         )

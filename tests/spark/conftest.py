@@ -39,5 +39,6 @@ def spark_resources(dsn: str, table: OutboxTable, kafka: KafkaProbe, spark: Spar
         "postgres": PostgresResource(dsn=dsn, schema_name=table.schema),
         "kafka": KafkaResource(bootstrap_servers=kafka.bootstrap_servers, properties={"message.timeout.ms": "10000"}),
         "spark": SparkResource(master="local[2]", spark_conf=LOCAL_SPARK),
-        "orchestration": OrchestrationSettings(),
+        # A deployment that names its strategy: an outbox that records none takes it (a relay's first run would).
+        "orchestration": OrchestrationSettings(strategy="partitioned"),
     }

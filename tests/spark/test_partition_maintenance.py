@@ -299,6 +299,7 @@ def test_a_day_with_a_row_the_serialized_relay_has_not_published_is_kept_whateve
     unnamed = _maintain({**spark_resources, "orchestration": OrchestrationSettings(strategy="serialized")}, tmp_path)
 
     assert _exists(db, table, name)
-    for result in (named, unnamed):
-        assert "1 of 2 rows past it" in _metadata(result)["skipped"][name], _metadata(result)["skipped"]
+    # The outbox records serialized (its relay's): another strategy named is refused, and no day is looked at as it.
+    assert "is relayed by serialized" in _metadata(named)["skipped"]["expired days"], _metadata(named)["skipped"]
+    assert "1 of 2 rows past it" in _metadata(unnamed)["skipped"][name], _metadata(unnamed)["skipped"]
     assert late is not None
