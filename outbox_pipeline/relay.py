@@ -285,6 +285,9 @@ class Relay:
                         self._turn += 1
                         continue
                     self._ack_settled()  # no claim now: the batch kept for one is acked before the relay waits
+                    # Asks the database too: a restart or a terminated session here is one more reconnect, not a crash.
+                    if self.settings.until_idle or (self.settings.until_empty and not pending_in_scope(*self._scope())):
+                        break
                 except psycopg.OperationalError as exc:
                     # Batches in flight are abandoned: their rows or partitions go back when the
                     # transaction dies or the lease ends (at-least-once: published again).
@@ -298,10 +301,6 @@ class Relay:
                     self._sessions.disconnect()
                     self.stop.wait(self.settings.error_backoff_s(failures))
                     continue
-                if self.settings.until_idle:
-                    break
-                if self.settings.until_empty and not pending_in_scope(*self._scope()):
-                    break
                 self.stats.idle_waits += 1
                 self._may_have_work = True  # woken by a commit, or time to look again (a poll)
                 if strategy.standing_by:
@@ -313,10 +312,18 @@ class Relay:
             if in_flight is not None:
                 self._ack(in_flight, self._finish(in_flight))  # stopping: confirm what is out there
             if self.settings.until_empty and not self.stop.is_set():
-                self.stats.remaining = explain_pending(*self._scope())
+                self.stats.remaining = self._explain_remaining()
         finally:
             self.close()
         return self.stats
+
+    def _explain_remaining(self) -> list[str]:
+        """Why rows are still pending when ``--max-seconds`` ended an ``--until-empty`` run: asked of the database,
+        which may be the reason it could not finish."""
+        try:
+            return explain_pending(*self._scope())
+        except psycopg.OperationalError as exc:
+            return [f"unknown: the database did not answer ({str(exc).strip().splitlines()[0]})"]
 
     def _ready_to_claim(self, in_flight: _InFlight | None) -> bool:
         """Whether to claim now. Paced (the last claim took everything there was), a batch in Kafka is finished and
