@@ -15,6 +15,8 @@ from psycopg import sql
 from .config import OutboxTable
 
 BASE64_PATTERN = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+# Headers the relay sets on every record: a row's own of the same name would make a second one.
+RESERVED_HEADERS = frozenset({"message_id", "type", "outbox_id", "created_at"})
 
 # One header ``h`` (a row of jsonb_each) the relay can send: the table's check and SQL enqueue both use it.
 _HEADER_OK = """(h.key <> '' AND (
@@ -28,6 +30,17 @@ _SENDABLE = """
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$
         SELECT jsonb_typeof(headers) = 'object' AND NOT EXISTS (
             SELECT 1 FROM jsonb_each(headers) AS h WHERE NOT {header_ok})
+    $fn$
+"""
+
+
+# From migration 15 the table's function also refuses the relay's own header names (SQL enqueue refuses them first,
+# with its own message; Python's enqueue too).
+_SENDABLE_OWN_NAMES_APART = """
+    CREATE OR REPLACE FUNCTION {sendable}(headers jsonb) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$
+        SELECT jsonb_typeof(headers) = 'object' AND NOT EXISTS (
+            SELECT 1 FROM jsonb_each(headers) AS h WHERE NOT {header_ok} OR h.key = ANY({reserved}))
     $fn$
 """
 
@@ -46,4 +59,16 @@ def refuse_unsendable_headers(conn: psycopg.Connection, t: OutboxTable) -> None:
             "ALTER TABLE {messages} ADD CONSTRAINT outbox_messages_headers_sendable "
             "CHECK (headers = '{{}}'::jsonb OR {sendable}(headers)) NOT VALID"
         ).format(messages=t.messages, sendable=sendable)
+    )
+
+
+def refuse_reserved_headers(conn: psycopg.Connection, t: OutboxTable) -> None:
+    """Migration 15: the table's check refuses a header named as one the relay sets (the same CHECK, its function
+    replaced: no lock on the table, no row read)."""
+    conn.execute(
+        sql.SQL(_SENDABLE_OWN_NAMES_APART).format(
+            sendable=t.ident("headers_sendable"),
+            header_ok=sendable_header(),
+            reserved=sql.Literal(sorted(RESERVED_HEADERS)),
+        )
     )

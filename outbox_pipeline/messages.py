@@ -17,11 +17,10 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import InvalidMessageError
-from .header_rules import BASE64_PATTERN
+from .header_rules import BASE64_PATTERN, RESERVED_HEADERS
 from .migrations import TOPIC_PATTERN
 from .partitioning import key_hash
 from .record_size import RELAY_BASE, RecordLimit, header_bytes, jsonb_text_bytes
-from .routing import RESERVED_HEADERS
 
 # Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
 BYTES_HEADER_FIELD = "base64"
@@ -213,6 +212,10 @@ def decode_headers(stored: object) -> list[tuple[str, bytes]]:
         raise UnencodableHeaders(f"headers must be a JSON object, got {type(stored).__name__}")
     pairs: list[tuple[str, bytes]] = []
     for name, value in stored.items():
+        if name in RESERVED_HEADERS:
+            raise UnencodableHeaders(
+                f'header "{name}" is the relay\'s own: it sets {", ".join(sorted(RESERVED_HEADERS))}'
+            )
         if isinstance(value, str):
             pairs.append((name, value.encode("utf-8")))
         elif (

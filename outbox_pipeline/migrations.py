@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .header_rules import refuse_unsendable_headers
+from .header_rules import refuse_reserved_headers, refuse_unsendable_headers
 from .partition_counts import check_snapshot_writers, create_partition_count_guard, lock_counts_as_owner
 from .record_size import create_record_bytes, sql_enqueue_size_check
 from .routing import create_routing_functions, create_sql_writers, replace_sql_enqueue
@@ -339,5 +339,10 @@ MIGRATIONS: Sequence[Migration] = (
         _m013_writers_and_snapshots,
     ),
     Migration(14, "the outbox records the strategy that relays it", create_strategy_record),
+    Migration(
+        15,
+        "the table refuses headers named as the relay's own (message_id, type, outbox_id, created_at)",
+        refuse_reserved_headers,
+    ),
 )
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -18,13 +18,12 @@ import psycopg
 from psycopg import sql
 
 from .config import OutboxTable
-from .header_rules import sendable_header
+from .header_rules import RESERVED_HEADERS, sendable_header
 from .partition_counts import create_partition_count_guard
 
 # Class id for the transaction-scoped lock that serialized writers take: (class, hashtext(schema)).
 SERIALIZED_LOCK_CLASS = 0x4F53  # "OS"
 # Headers the relay sets on every Kafka record; a user header of the same name would be ambiguous.
-RESERVED_HEADERS = frozenset({"message_id", "type", "outbox_id", "created_at"})
 
 _MURMUR2 = """
     CREATE OR REPLACE FUNCTION {murmur2}(data bytea) RETURNS bigint

@@ -27,6 +27,7 @@ UNSENDABLE = [
     {"n": 1},  # not a string
     {"": "x"},  # no name
     ["a", "b"],  # not an object
+    {"message_id": "forged"},  # the relay's own: a second message_id header (found by the harness, seed 66)
 ]
 
 
@@ -68,8 +69,15 @@ def test_valid_headers_pass_every_check_and_decode_to_their_bytes(db: psycopg.Co
         decode_headers({"sig": {"base64": "abc"}})
 
 
+@pytest.mark.parametrize(
+    ("stored", "reason"),
+    [({"sig": {"base64": "abc"}}, "not base64"), ({"outbox_id": "1"}, 'header "outbox_id" is the relay')],
+    ids=["bad-base64", "reserved-name"],
+)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_row_stored_with_unsendable_headers_before_the_check_is_dead_lettered_and_the_others_are_relayed(
+    stored: dict[str, object],
+    reason: str,
     strategy: str,
     dsn: str,
     db: psycopg.Connection,
@@ -87,7 +95,7 @@ def test_a_row_stored_with_unsendable_headers_before_the_check_is_dead_lettered_
         sql.SQL(
             "INSERT INTO {} (topic, key, payload, headers) VALUES (%s, 'bad', '{{}}', %s) RETURNING message_id::text"
         ).format(table.messages),
-        (topic, Jsonb({"sig": {"base64": "abc"}})),
+        (topic, Jsonb(stored)),
     ).fetchone()
     assert bad is not None
     after = [
@@ -100,4 +108,4 @@ def test_a_row_stored_with_unsendable_headers_before_the_check_is_dead_lettered_
     assert message_ids(kafka.consume(topic, expect=6)) == before + after  # each once, in order
     [(dead_id, (_, error))] = dead_letters(db, table).items()
     assert dead_id == bad[0]
-    assert "headers cannot be sent" in error and "not base64" in error
+    assert "headers cannot be sent" in error and reason in error

@@ -26,11 +26,11 @@ from psycopg.types.json import Jsonb
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.errors import InvalidMessageError
+from outbox_pipeline.header_rules import RESERVED_HEADERS
 from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.messages import validate
 from outbox_pipeline.record_headers import CloudEvents, RecordHeaders
 from outbox_pipeline.record_size import WIDEST_ID, RecordLimit, record_bytes
-from outbox_pipeline.routing import RESERVED_HEADERS
 from outbox_pipeline.schema import init_db
 from outbox_pipeline.strategies.base import RECORD_COLUMNS, fetch_records
 from tests.kit.kafka import KafkaProbe

@@ -219,6 +219,6 @@ def test_a_migration_that_cannot_get_its_lock_gives_up_applies_nothing_and_succe
                 assert current_version(conn, table) == locking - 1
             finally:
                 reader.execute("COMMIT")
-            assert [m.version for m in init_db(conn, table)] == list(range(locking, LATEST_VERSION + 1))
+            assert [m.version for m in init_db(conn, table)] == [locking]
         finally:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(table.schema_ident))
