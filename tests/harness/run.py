@@ -18,11 +18,12 @@ from tests.kit.probes import pending, wait_until
 
 from .cluster import Outbox, Servers, admin
 from .context import Context
-from .ledger import DeadRow, Evidence, Verdict, check, clock
+from .ledger import DeadRow, Evidence, Verdict, check
 from .nemesis import FAULTS, Nemesis
 from .operators import OPERATIONS
 from .relays import WorkerPool
 from .schedule import Registered, Schedule, make_schedule
+from .silences import clock
 from .writers import start_writers
 
 ACTIONS: dict[str, Registered] = {**FAULTS.actions, **OPERATIONS.actions}
