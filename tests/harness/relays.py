@@ -112,6 +112,12 @@ class WorkerPool:
         with self.lock:
             return [*self.retired, *self.slots]
 
+    def kill_all(self) -> None:
+        for worker in self.all():
+            if worker.alive():
+                worker.thaw()
+                worker.kill()
+
     def stop(self) -> dict[str, int]:
         """SIGTERM every live worker (thawed first); returns the exit codes of those that were live."""
         live = [w for w in self.slots if w.alive()]

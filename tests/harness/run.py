@@ -24,7 +24,7 @@ from .operators import OPERATIONS
 from .relays import WorkerPool
 from .schedule import Registered, Schedule, make_schedule
 from .silences import clock
-from .writers import start_writers
+from .writers import Writer, start_writers
 
 ACTIONS: dict[str, Registered] = {**FAULTS.actions, **OPERATIONS.actions}
 SETTLE_S = 90.0  # the relays' time to finish once the faults end
@@ -64,27 +64,10 @@ def run(servers: Servers, schedule: Schedule, directory: Path) -> Result:
     pool = WorkerPool(outbox, setup, directory)
     ctx = Context(servers, outbox, setup, pool, threading.Event())
     problems: list[str] = []
-    pool.start()
-    stop_writing = threading.Event()
-    writers = start_writers(outbox, setup, schedule.seed, stop_writing)
-    nemesis = Nemesis(ctx, schedule, ACTIONS)
     try:
-        nemesis.start()
-        ctx.stop.wait(setup.seconds)
+        writers = _play(ctx, schedule, problems)
     finally:
-        nemesis.stop()
-        stop_writing.set()
-        for writer in writers:
-            writer.join(60)
-    problems += [f"nemesis action failed: {e}" for e in nemesis.errors]
-    problems += [f"writer {w.name} crashed: {w.crash!r}" for w in writers if w.crash is not None]
-    problems += _revive(pool)
-
-    problems += _settle(outbox, setup.strategy, "after the faults")
-    problems += _holds(outbox)
-    problems += _last_operator_step(ctx, {w.message_id for wr in writers for w in wr.written if w.good})
-    codes = pool.stop()
-    problems += [f"worker {name} exited with {code} when stopped" for name, code in codes.items() if code != 0]
+        pool.kill_all()  # whatever is left after an error: no worker outlives its run
 
     written = [w for writer in writers for w in writer.written]
     expected = [w.message_id for w in written if w.outcome == "committed" and w.good and w.message_id]
@@ -118,6 +101,34 @@ def _keep(directory: Path, result: Result, ctx: Context, secret: str) -> None:
     (directory / "timeline.txt").write_text("".join(f"{clock(s.start)} {s}\n" for s in spans))
     commands = "".join(f"$ {c}\n{c.output}\n" for c in ctx.commands)
     (directory / "commands.txt").write_text(commands.replace(secret, "<PASSWORD>"))
+
+
+def _play(ctx: Context, schedule: Schedule, problems: list[str]) -> list[Writer]:
+    """Workers, writers and the nemesis for the schedule's length; then everything brought to rest: relays finished,
+    holds checked, the last dead letters retried or discarded, the workers stopped. Returns the writers."""
+    setup, outbox, pool = schedule.setup, ctx.outbox, ctx.pool
+    pool.start()
+    stop_writing = threading.Event()
+    writers = start_writers(outbox, setup, schedule.seed, stop_writing)
+    nemesis = Nemesis(ctx, schedule, ACTIONS)
+    try:
+        nemesis.start()
+        ctx.stop.wait(setup.seconds)
+    finally:
+        nemesis.stop()
+        stop_writing.set()
+        for writer in writers:
+            writer.join(60)
+    problems += [f"nemesis action failed: {e}" for e in nemesis.errors]
+    problems += [f"writer {w.name} crashed: {w.crash!r}" for w in writers if w.crash is not None]
+    problems += _revive(pool)
+
+    problems += _settle(outbox, setup.strategy, "after the faults")
+    problems += _holds(outbox)
+    problems += _last_operator_step(ctx, {w.message_id for wr in writers for w in wr.written if w.good})
+    codes = pool.stop()
+    problems += [f"worker {name} exited with {code} when stopped" for name, code in codes.items() if code != 0]
+    return writers
 
 
 def _revive(pool: WorkerPool) -> list[str]:

@@ -69,3 +69,12 @@ def test_first_arrivals_of_a_key_out_of_the_strategy_order_are_a_finding() -> No
     verdict = check(_evidence(written, records, order={"a": (7, 1), "b": (7, 2)}))
 
     assert len(verdict.findings) == 1 and verdict.findings[0].startswith("out of order")
+
+
+def test_a_finding_of_a_defect_already_reported_is_listed_as_known_and_fails_nothing() -> None:
+    bad = _row("r", 0.0)
+    bad.writer, bad.bad = "insert", "reserved-header"
+
+    verdict = check(_evidence([bad], [_copy("r", 0.1, 0)]))
+
+    assert verdict.ok and len(verdict.known) == 1 and "reserved-header by insert" in verdict.known[0]

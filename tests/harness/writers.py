@@ -8,7 +8,8 @@ Now and then a transaction carries one bad row instead (alone, so a refusal roll
 - ``missing-topic``: a topic that does not exist: stored, dead-lettered after ``max_attempts``;
 - ``bad-headers``: a header that is neither a string nor ``{"base64": ...}`` (bad padding): refused at enqueue;
 - ``nul``: a JSON payload with U+0000, which jsonb cannot store: refused;
-- ``unencodable-key``: a key the database's encoding lacks (LATIN1): refused.
+- ``unencodable-key``: a key the database's encoding lacks (LATIN1): refused;
+- ``reserved-header``: a header named as one the relay sets (``outbox_id``): refused.
 Each writer records every row it meant to write and what came of it: committed (when, by the wall clock), refused
 (the error), failed (the connection went before the commit) or in doubt (it went during the commit).
 """
@@ -39,6 +40,7 @@ BAD_ROWS: dict[str, str | None] = {
     "missing-topic": r"(?i)does not exist|unknown topic",
     "bad-headers": None,  # refused by every writer form (migration 12)
     "nul": None,
+    "reserved-header": None,  # a header the relay sets itself (outbox_id): refused by enqueue, Python or SQL
     "unencodable-key": None,
 }
 # A missing topic's row costs every batch it is in message.timeout.ms per try: rarer than the others.
@@ -145,6 +147,8 @@ class Writer(threading.Thread):
             row.headers = {"sig": {"base64": "abc"}}  # type: ignore[dict-item]  # what no writer may store
         elif bad == "nul":
             row.payload = {"s": "a\u0000b"}
+        elif bad == "reserved-header":
+            row.headers = {"outbox_id": "0"}
         elif bad == "unencodable-key":
             row.key = "東京"
             if self.utf8:
