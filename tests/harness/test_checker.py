@@ -78,3 +78,14 @@ def test_a_finding_of_a_defect_already_reported_is_listed_as_known_and_fails_not
     verdict = check(_evidence([bad], [_copy("r", 0.1, 0)]))
 
     assert verdict.ok and len(verdict.known) == 1 and "reserved-header by insert" in verdict.known[0]
+
+
+def test_order_is_the_logs_a_copy_stamped_earlier_but_appended_later_does_not_count_first() -> None:
+    written = [_row("a", 0.0), _row("b", 0.0)]
+    # a's first try timed out in a frozen broker and was appended after the retry of a and b: a late copy
+    records = [_copy("a", 0.5, 0), _copy("b", 0.6, 1), _copy("a", 0.1, 2)]
+    freeze = Span("broker-freeze", None, 0.0, 0.4)
+
+    verdict = check(_evidence(written, records, spans=[freeze], order={"a": (7, 1), "b": (7, 2)}))
+
+    assert verdict.ok, verdict.findings
