@@ -1,0 +1,77 @@
+"""The harness (tests/harness/, docs/faults.md "The harness") in CI: a short seeded schedule of faults and operator
+actions per strategy against the real PostgreSQL and broker, with fixed seeds, and one more run with a seed drawn
+from today's date (printed, so that a red one can be replayed with ``python -m tests.harness``). Each run checks
+every promise of the ledger (tests/harness/ledger.py): nothing lost or invented, per-key order, duplicates in their
+bound, bad rows refused or dead-lettered, holds with their dead letters, no partition silent past ``lease_s`` plus a
+steal while a worker could serve it, no password in any output. Timing: the silence bound is a measured time."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness.cluster import Servers
+from tests.harness.run import Result, run, schedule_for
+from tests.harness.schedule import STRATEGIES
+
+from .helpers import report
+
+pytestmark = [pytest.mark.faults, pytest.mark.timing]
+
+SECONDS = 20.0
+FIXED_SEEDS = {"locking": 159, "advisory": 538, "lease": 337, "partitioned": 286, "serialized": 176}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """One PostgreSQL and one broker for the module's runs (each run has a database and topics of its own)."""
+    with Servers(tmp_path_factory.mktemp("harness")) as started:
+        yield started
+
+
+def _figures(result: Result) -> None:
+    f = result.verdict.figures
+    report(
+        "harness",
+        result.schedule.setup.strategy,
+        messages=int(str(f["committed"])),
+        lost=int(str(f["lost"])),
+        phantom=int(str(f["phantom"])),
+        dupes=int(str(f["dupes"])),
+        seconds=result.seconds,
+        seed=result.schedule.seed,
+        events=len(result.schedule.events),
+        bound=f["dupe_bound"],
+        longest_silence=f["longest_silence"],
+        dead_letters=f["dead_letters"],
+    )
+
+
+def test_a_seed_replays_the_same_schedule() -> None:
+    for strategy in STRATEGIES:
+        assert schedule_for(1234, strategy, 600) == schedule_for(1234, strategy, 600)
+    assert schedule_for(1234, "partitioned", 600) != schedule_for(1235, "partitioned", 600)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_short_seeded_schedule_of_faults_and_operator_actions_breaks_no_promise(
+    strategy: str, servers: Servers, tmp_path: Path
+) -> None:
+    result = run(servers, schedule_for(FIXED_SEEDS[strategy], strategy, SECONDS), tmp_path)
+    _figures(result)
+    assert result.verdict.ok, result.report()
+
+
+def test_todays_seed_breaks_no_promise(servers: Servers, tmp_path: Path) -> None:
+    seed = int(dt.date.today().strftime("%Y%m%d"))
+    strategy = STRATEGIES[seed % len(STRATEGIES)]
+    print(
+        f"today's harness seed: {seed} ({strategy}); replay: python -m tests.harness --strategy {strategy} "
+        f"--seed {seed} --seconds {SECONDS:g}"
+    )
+    result = run(servers, schedule_for(seed, strategy, SECONDS), tmp_path)
+    _figures(result)
+    assert result.verdict.ok, result.report()

@@ -1,0 +1,152 @@
+"""What a harness run acts on: one PostgreSQL (the application connects as a role with a password, over TCP) and one
+broker behind a TCP proxy that can cut a single process off; per run a database of its own (UTF8 or LATIN1) with an
+outbox and topics; relay worker processes in slots (a slot's process is replaced under a new worker id); the
+``outbox`` command line; and the timeline of what the nemesis did when.
+
+The servers are the test kit's (tests/kit/servers.py, outbox_pipeline.localstack); the workers are
+tests/kit/worker.py processes, run through worker_main.py so their INFO log is kept (and scanned for the password).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from outbox_pipeline import OutboxTable
+from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, free_port
+from outbox_pipeline.schema import init_db, set_topic_partitions
+from tests.kit.servers import server_under_test
+
+from .isolation import SelectiveProxy
+from .schedule import Setup
+
+APP_ROLE = "harness_app"
+# Virtual partitions per good topic, and Kafka partitions: a key's rows go to one of each.
+VIRTUAL_PARTITIONS = 4
+KAFKA_PARTITIONS = VIRTUAL_PARTITIONS  # a key's virtual partition is its Kafka partition (both murmur2)
+MAX_MESSAGE_BYTES = 100_000  # the producers' message.max.bytes: an oversize row is over it, under enqueue's limit
+HBA = "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
+
+
+class Servers:
+    """PostgreSQL (password authentication for every role but the superuser) and the proxied broker."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.secret = f"Hs{secrets.token_hex(8)}Pw"  # the application role's password: must never be shown
+        # synchronous_commit stays on: an acknowledged commit survives an immediate shutdown (fsync off is safe: the
+        # OS does not crash).
+        self.pg: LocalPostgres = server_under_test(directory / "pg", {"fsync": "off"})
+        broker_port = free_port()
+        self.proxy = SelectiveProxy(broker_port, max_connections=512)
+        self.broker = LocalBroker(
+            BrokerSpec(port=broker_port, advertised_port=self.proxy.port, log_path=directory / "broker.log")
+        )
+        self._databases = 0
+
+    def __enter__(self) -> Servers:
+        self.pg.start()
+        try:
+            hba = self.pg.log_path.parent / "pg_hba.conf"
+            owner = hba.stat()
+            hba.write_text(HBA)
+            os.chown(hba, owner.st_uid, owner.st_gid)
+            with psycopg.connect(self.pg.dsn, autocommit=True) as admin:
+                admin.execute("SELECT pg_reload_conf()")
+                admin.execute(
+                    sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                        sql.Identifier(APP_ROLE), sql.Literal(self.secret)
+                    )
+                )
+            self.proxy.start()
+            self.broker.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.broker.stop()
+        self.proxy.close()
+        self.pg.stop("immediate", force=True)
+
+    @property
+    def bootstrap(self) -> str:
+        return self.proxy.address
+
+    def logs(self) -> dict[str, str]:
+        """The servers' own logs, for the secret scan."""
+        paths = {"postgresql": self.pg.log_path, "broker": self.directory / "broker.log"}
+        return {name: p.read_text(errors="replace") for name, p in paths.items() if p.exists()}
+
+    def new_outbox(self, setup: Setup) -> Outbox:
+        """A database of its own in the setup's encoding, migrated by the application role (no superuser)."""
+        self._databases += 1
+        name = f"harness_{self._databases}_{secrets.token_hex(3)}"
+        with psycopg.connect(self.pg.dsn, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("CREATE DATABASE {} ENCODING {} LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0").format(
+                    sql.Identifier(name), sql.Literal(setup.encoding)
+                )
+            )
+            admin.execute(
+                sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(name), sql.Identifier(APP_ROLE))
+            )
+        app = f"postgresql://{APP_ROLE}:{self.secret}@127.0.0.1:{self.pg.spec.port}/{name}"
+        outbox = Outbox(app, self.pg.dsn_for(name), OutboxTable(schema="outbox"), self.bootstrap, name)
+        with psycopg.connect(app, autocommit=True) as conn:
+            init_db(conn, outbox.table)
+            for topic in outbox.topics:
+                set_topic_partitions(conn, outbox.table, topic, VIRTUAL_PARTITIONS)
+        self.broker.create_topics(outbox.topics, partitions=KAFKA_PARTITIONS)
+        return outbox
+
+
+@dataclass(frozen=True)
+class Outbox:
+    app_dsn: str  # the application role, with its password (never printed)
+    admin_dsn: str  # the superuser, for the nemesis and the checker
+    table: OutboxTable
+    bootstrap: str
+    database: str
+
+    @property
+    def topics(self) -> tuple[str, str]:
+        return (f"{self.database}-orders", f"{self.database}-payments")
+
+    @property
+    def missing_topic(self) -> str:
+        """Never created: a row for it fails at every try (a record error) and is dead-lettered."""
+        return f"{self.database}-missing"
+
+
+@contextlib.contextmanager
+def admin(outbox: Outbox) -> Iterator[psycopg.Connection]:
+    """A superuser session on the run's database (reconnects are the caller's: the server may be restarting)."""
+    with psycopg.connect(make_conninfo(outbox.admin_dsn, connect_timeout=5), autocommit=True) as conn:
+        yield conn
+
+
+def wait_for_server(outbox: Outbox, deadline_s: float = 60.0) -> None:
+    start = time.monotonic()
+    while True:
+        try:
+            with admin(outbox) as conn:
+                conn.execute("SELECT 1")
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() - start > deadline_s:
+                raise
+            time.sleep(0.2)

@@ -1,0 +1,113 @@
+"""What the nemesis and the operator share during a run: the timeline of what was done when, the operator's
+``outbox`` command line (the application's DSN in its environment, as an operator sets it), and the Context that
+holds the run's servers, outbox and worker slots."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tests.kit.workers import ROOT
+
+from .cluster import Outbox, Servers
+from .relays import PRODUCER, WorkerPool
+from .schedule import Setup
+
+
+@dataclass(frozen=True)
+class Span:
+    """One thing the nemesis or an operator did: when (wall clock), to which slot, and what came of it."""
+
+    action: str
+    slot: int | None
+    start: float
+    end: float
+    note: str = ""
+
+    def __str__(self) -> str:
+        slot = "" if self.slot is None else f" slot={self.slot}"
+        return f"{self.action}{slot} {self.end - self.start:.2f}s {self.note}".rstrip()
+
+
+@dataclass
+class Timeline:
+    spans: list[Span] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, span: Span) -> None:
+        with self.lock:
+            self.spans.append(span)
+
+    def of(self, *actions: str) -> list[Span]:
+        with self.lock:
+            return [s for s in self.spans if s.action in actions]
+
+
+@dataclass(frozen=True)
+class CliResult:
+    argv: tuple[str, ...]
+    code: int | None  # None: it did not end within its timeout
+    output: str
+
+    def __str__(self) -> str:
+        return f"outbox {' '.join(self.argv)} -> exit {self.code}"
+
+
+def cli_env(outbox: Outbox) -> dict[str, str]:
+    """The operator's environment: the application's DSN (password and all) and the workers' producer limits."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "KAFKA_", "PG"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        OUTBOX_PG_DSN=outbox.app_dsn,
+        OUTBOX_SCHEMA=outbox.table.schema,
+        KAFKA_BOOTSTRAP_SERVERS=outbox.bootstrap,
+        **{f"KAFKA_{k.upper().replace('.', '_')}": str(v).lower() for k, v in PRODUCER.items()},
+    )
+    return env
+
+
+def outbox_cli(outbox: Outbox, argv: Sequence[str], timeout_s: float = 60.0) -> CliResult:
+    """Run ``outbox ARGV`` as an operator would, output (stdout and stderr) kept."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "outbox_pipeline.cli", *argv],
+            env=cli_env(outbox),
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as exc:
+        output = b"".join(part for part in (exc.stdout, exc.stderr) if isinstance(part, bytes))
+        return CliResult(tuple(argv), None, output.decode(errors="replace"))
+    return CliResult(tuple(argv), done.returncode, (done.stdout + done.stderr).decode(errors="replace"))
+
+
+@dataclass
+class Context:
+    """What the nemesis and the operator act on, and what they leave for the checker."""
+
+    servers: Servers
+    outbox: Outbox
+    setup: Setup
+    pool: WorkerPool
+    stop: threading.Event  # set when the nemesis ends: an action that lasts ends at once
+    timeline: Timeline = field(default_factory=Timeline)
+    commands: list[CliResult] = field(default_factory=list)
+    # Rows an operator's replay or rewind publishes again on purpose: (what, rows), counted apart from duplicates.
+    replayed: list[tuple[str, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cli(self, *argv: str, timeout_s: float = 60.0) -> CliResult:
+        result = outbox_cli(self.outbox, argv, timeout_s)
+        with self.lock:
+            self.commands.append(result)
+        return result
+
+    def replay(self, what: str, rows: int) -> None:
+        with self.lock:
+            self.replayed.append((what, rows))

@@ -1,0 +1,143 @@
+"""The nemesis: faults of processes, network and servers, each one function registered with its lane and weight
+(schedule.py draws them), and the executor that plays a schedule: one thread per lane (the server, each worker slot,
+the operator), each running its events in order at their times. Every event becomes a Span in the run's timeline:
+from its start to its end (a freeze to its thaw, a kill to the replacement's start), which the checker reads to know
+when a worker was not serving and when the whole system was down.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Literal
+
+import psycopg
+
+from .cluster import admin, wait_for_server
+from .context import Context, Span
+from .schedule import Event, Registered, Registry, Schedule, Setup
+
+FAULTS = Registry()
+
+
+def _freeze_s(rng: random.Random, setup: Setup) -> float:
+    """Half of them short (a GC pause, a slow node), half around and past ``lease_s`` (a hung worker)."""
+    return rng.uniform(0.1, 1.0) if rng.random() < 0.5 else rng.uniform(0.5 * setup.lease_s, 2.5 * setup.lease_s)
+
+
+@FAULTS.action("worker", 2, duration=_freeze_s)
+def freeze(ctx: Context, event: Event) -> str:
+    """SIGSTOP a worker, SIGCONT it after the duration: its session stays alive, its leases run out."""
+    assert event.slot is not None
+    worker = ctx.pool.slots[event.slot]
+    worker.freeze()
+    try:
+        ctx.stop.wait(event.duration_s)
+    finally:
+        worker.thaw()
+    return worker.name
+
+
+@FAULTS.action("worker", 1.5)
+def kill(ctx: Context, event: Event) -> str:
+    """SIGKILL a worker and start its replacement under a NEW worker id (a Deployment's pod)."""
+    assert event.slot is not None
+    old = ctx.pool.slots[event.slot].name
+    return f"{old} -> {ctx.pool.replace(event.slot).name}"
+
+
+@FAULTS.action("worker", 1.5, duration=lambda rng, setup: rng.uniform(0.5, 2.5 * setup.lease_s))
+def kafka_cut(ctx: Context, event: Event) -> str:
+    """Cut one worker off from the broker only (PostgreSQL stays reachable): its connections break, new ones drop."""
+    assert event.slot is not None
+    worker = ctx.pool.slots[event.slot]
+    cut = ctx.servers.proxy.isolate(worker.pid)
+    try:
+        ctx.stop.wait(event.duration_s)
+    finally:
+        ctx.servers.proxy.rejoin(worker.pid)
+    return f"{worker.name}: {cut} connections cut"
+
+
+@FAULTS.action("server", 2)
+def terminate_backends(ctx: Context, event: Event) -> str:
+    """pg_terminate_backend of the relays' sessions: of one worker (odd choice) or of every relay process."""
+    worker = ctx.pool.slots[event.choice % len(ctx.pool.slots)].spec["worker_id"]
+    pattern = f"outbox {worker}" if event.choice % 2 else "outbox %"
+    with admin(ctx.outbox) as conn:
+        ended = conn.execute(
+            "SELECT count(*), count(DISTINCT application_name) FROM ("
+            " SELECT pg_terminate_backend(pid), application_name FROM pg_stat_activity"
+            " WHERE datname = current_database() AND application_name LIKE %s AND pid <> pg_backend_pid()) t",
+            (pattern,),
+        ).fetchone()
+    assert ended is not None
+    return f"{ended[0]} sessions of {ended[1]} relays ({pattern!r})"
+
+
+@FAULTS.action("server", 1, duration=lambda rng, setup: rng.uniform(0.0, 2.0))
+def pg_restart(ctx: Context, event: Event) -> str:
+    """Stop PostgreSQL (fast, or immediate: a crash), keep it down for the duration, start it again."""
+    mode: Literal["fast", "immediate"] = "immediate" if event.choice % 2 else "fast"
+    ctx.servers.pg.stop(mode, force=True)
+    try:
+        time.sleep(event.duration_s)  # not cut short by the end of the nemesis: the server must come back
+    finally:
+        ctx.servers.pg.start()
+        wait_for_server(ctx.outbox)
+    return mode
+
+
+@FAULTS.action("server", 1, duration=lambda rng, setup: rng.uniform(0.5, 4.0))
+def broker_freeze(ctx: Context, event: Event) -> str:
+    """SIGSTOP the broker: every connection stays open and nothing is answered."""
+    ctx.servers.broker.freeze()
+    try:
+        ctx.stop.wait(event.duration_s)
+    finally:
+        ctx.servers.broker.thaw()
+    return ""
+
+
+class Nemesis:
+    """Plays a schedule against a context: ``start()``, then ``stop()`` ends every lasting action at once (thawed,
+    rejoined, restarted) and waits for the lanes."""
+
+    def __init__(self, ctx: Context, schedule: Schedule, actions: Mapping[str, Registered]) -> None:
+        self.ctx, self.actions = ctx, actions
+        self.lanes: dict[tuple[str, int | None], list[Event]] = defaultdict(list)
+        for event in schedule.events:
+            self.lanes[(actions[event.action].spec.lane, event.slot)].append(event)
+        self.threads: list[threading.Thread] = []
+        self.errors: list[str] = []
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        for lane, events in sorted(self.lanes.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+            thread = threading.Thread(target=self._play, args=(events,), name=f"nemesis-{lane[0]}-{lane[1]}")
+            thread.start()
+            self.threads.append(thread)
+
+    def stop(self) -> None:
+        self.ctx.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+    def _play(self, events: list[Event]) -> None:
+        for event in events:
+            if self.ctx.stop.wait(max(0.0, self.t0 + event.at_s - time.monotonic())):
+                return
+            start = time.time()
+            try:
+                note = self.actions[event.action].run(self.ctx, event)
+            except psycopg.OperationalError as exc:  # the server is restarting: an operator tries again later
+                note = f"server unreachable: {str(exc).strip().splitlines()[0][:120]}"
+            except Exception as exc:
+                note = f"ERROR {type(exc).__name__}: {str(exc).strip()[:300]}"
+                with self.ctx.lock:
+                    self.errors.append(f"{event}: {note}")
+            self.ctx.timeline.add(Span(event.action, event.slot, start, time.time(), note))

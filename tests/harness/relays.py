@@ -1,0 +1,134 @@
+"""Relay worker processes in slots: tests/kit/worker.py processes (the real Relay, strategy and producer,
+instrumented), started through worker_main.py so their INFO log is kept; a slot's process is replaced under a new
+worker id, as a Deployment replaces a pod. Their producer and relay settings fail fast enough for a short run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from tests.kit.workers import ROOT, WorkerProcess
+
+from .cluster import MAX_MESSAGE_BYTES, Outbox
+from .schedule import Setup
+
+MAX_ATTEMPTS = 3
+MESSAGE_TIMEOUT_MS = 2000  # under lease_s: a healthy worker's publish ends before its lease does
+PRODUCER: dict[str, object] = {
+    "message.max.bytes": MAX_MESSAGE_BYTES,
+    "allow.auto.create.topics": False,  # the missing topic stays missing
+    "message.timeout.ms": MESSAGE_TIMEOUT_MS,
+    "request.timeout.ms": 1000,
+    "retry.backoff.ms": 100,
+    "reconnect.backoff.max.ms": 500,
+}
+RELAY_SETTINGS: dict[str, object] = {
+    "error_backoff_base_s": 0.2,
+    "error_backoff_max_s": 1.0,
+    "max_poll_interval_s": 1.0,
+}
+
+
+class HarnessWorker(WorkerProcess):
+    """A tests/kit/worker.py process started through worker_main.py (its log at INFO)."""
+
+    def start(self) -> WorkerProcess:
+        assert self.proc is None or self.proc.poll() is not None, "still running"
+        self.runs += 1
+        self.spec = {
+            **self.spec,
+            "events": str(self.directory / f"{self.name}.events"),
+            "stats": str(self.directory / f"{self.name}.{self.runs}.stats.json"),
+        }
+        with open(self.directory / f"{self.name}.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.harness.worker_main", json.dumps(self.spec)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                },
+            )
+        return self
+
+
+class WorkerPool:
+    """One relay worker process per slot; ``replace`` starts a slot's next process under a new worker id."""
+
+    def __init__(self, outbox: Outbox, setup: Setup, directory: Path) -> None:
+        self.outbox, self.setup, self.directory = outbox, setup, directory
+        self.lock = threading.Lock()
+        self.slots: list[WorkerProcess] = []
+        self.retired: list[WorkerProcess] = []  # killed by the nemesis (their exit is no finding)
+        self._generation = 0
+
+    def _spawn(self, slot: int) -> WorkerProcess:
+        self._generation += 1
+        name = f"{self.setup.strategy[:4]}-s{slot}-g{self._generation}"
+        spec: dict[str, Any] = {
+            "dsn": self.outbox.app_dsn,
+            "schema": self.outbox.table.schema,
+            "bootstrap": self.outbox.bootstrap,
+            "strategy": self.setup.strategy,
+            "worker_id": name,
+            "batch_size": self.setup.batch_size,
+            "config": {
+                "lease_s": self.setup.lease_s,
+                "max_attempts": MAX_ATTEMPTS,
+                "backoff_base_s": 0.2,
+                "backoff_max_s": 1.0,
+                "mode": self.setup.mode,
+            },
+            "producer": PRODUCER,
+            "settings": RELAY_SETTINGS,
+        }
+        return HarnessWorker(spec, self.directory, name).start()
+
+    def start(self) -> None:
+        with self.lock:
+            self.slots = [self._spawn(slot) for slot in range(self.setup.workers)]
+        for worker in self.slots:
+            worker.wait_for("its start", lambda ev: any(e.step == "start" for e in ev), 60)
+
+    def replace(self, slot: int) -> WorkerProcess:
+        """SIGKILL the slot's process and start a new one under a new id; returns it once it has started."""
+        with self.lock:
+            old = self.slots[slot]
+            old.kill()
+            self.retired.append(old)
+            new = self.slots[slot] = self._spawn(slot)
+        new.wait_for("its start", lambda ev: any(e.step == "start" for e in ev), 60)
+        return new
+
+    def all(self) -> list[WorkerProcess]:
+        with self.lock:
+            return [*self.retired, *self.slots]
+
+    def kill_all(self) -> None:
+        for worker in self.all():
+            if worker.alive():
+                worker.thaw()
+                worker.kill()
+
+    def stop(self) -> dict[str, int]:
+        """SIGTERM every live worker (thawed first); returns the exit codes of those that were live."""
+        live = [w for w in self.slots if w.alive()]
+        for worker in live:
+            worker.thaw()
+            worker.request_stop()
+        codes = {}
+        for worker in live:
+            try:
+                codes[worker.name] = worker.wait(60)
+            except AssertionError:
+                worker.kill()
+                codes[worker.name] = -9
+        return codes

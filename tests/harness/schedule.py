@@ -1,0 +1,170 @@
+"""A run's plan, made from ``random.Random(seed)`` alone: the setup (database encoding, ack mode, batch size) and a
+list of timed nemesis and operator events. The same seed, strategy and length give the same schedule, so a failure
+is replayed by its seed; ``Schedule.render()`` prints it.
+
+The actions themselves live in nemesis.py (processes, network, servers) and operators.py (the operator's CLI); each
+registers with ``action(...)`` here, naming its lane, weight and the strategies it applies to, so adding one is one
+function. Events of one lane never overlap: one server fault at a time, one fault per worker slot at a time, one
+operator command at a time (a drain lasts its ``--max-seconds``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+STRATEGIES = ("locking", "advisory", "lease", "partitioned", "serialized")
+POSITION_STRATEGIES = frozenset({"partitioned", "serialized"})
+ROW_STRATEGIES = frozenset({"locking", "advisory", "lease"})
+Lane = Literal["server", "worker", "operator"]
+
+WARMUP_S = 2.0  # no event before this: the workers start their producers, the writers their first rows
+COOLDOWN_S = 1.0  # nor this close to the end
+MEAN_GAP_S = 1.5  # mean time between events (exponential)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a run is made of besides its events."""
+
+    strategy: str
+    seconds: float
+    workers: int
+    lease_s: float
+    batch_size: int
+    encoding: Literal["UTF8", "LATIN1"]
+    mode: Literal["delete", "mark-sent"]  # row strategies: what an ack does (mark-sent allows `outbox replay`)
+    bad_rate: float  # share of writer transactions that carry one bad row
+    pause_s: float  # each writer's mean pause between transactions: 0.05 a steady load, 0.01 a busy one
+
+    def __str__(self) -> str:
+        return (
+            f"strategy={self.strategy} seconds={self.seconds:.0f} workers={self.workers} lease_s={self.lease_s:g} "
+            f"batch={self.batch_size} encoding={self.encoding} mode={self.mode} bad_rate={self.bad_rate:g} "
+            f"pause_s={self.pause_s:g}"
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """``choice`` is a seeded number the action uses to pick among what it finds then (a dead letter, a
+    partition), so the pick is replayed too whenever the state it picks from is the same."""
+
+    at_s: float
+    action: str
+    slot: int | None = None
+    duration_s: float = 0.0
+    choice: int = 0
+
+    def __str__(self) -> str:
+        slot = "" if self.slot is None else f" slot={self.slot}"
+        duration = f" for {self.duration_s:.2f}s" if self.duration_s else ""
+        return f"{self.at_s:7.2f}s {self.action}{slot}{duration} choice={self.choice}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    setup: Setup
+    events: tuple[Event, ...]
+
+    def render(self) -> str:
+        return "\n".join([f"seed={self.seed} {self.setup}", *(f"  {e}" for e in self.events)])
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """How the schedule draws an action: its lane, relative weight, the strategies it applies to and, for an action
+    that lasts, its duration."""
+
+    name: str
+    lane: Lane
+    weight: float
+    strategies: frozenset[str] = frozenset(STRATEGIES)
+    duration: Callable[[random.Random, Setup], float] | None = None
+    row_mode: str | None = None  # only with this ack mode (row strategies), e.g. mark-sent for `outbox replay`
+
+
+@dataclass(frozen=True)
+class Registered:
+    spec: ActionSpec
+    run: Callable[[Any, Event], str]  # (the run's context, the event) -> a note for the timeline
+
+
+@dataclass
+class Registry:
+    """Name -> action; nemesis.py and operators.py each fill one with ``@registry.action(...)``."""
+
+    actions: dict[str, Registered] = field(default_factory=dict)
+
+    def action(
+        self,
+        lane: Lane,
+        weight: float,
+        *,
+        strategies: frozenset[str] = frozenset(STRATEGIES),
+        duration: Callable[[random.Random, Setup], float] | None = None,
+        row_mode: str | None = None,
+    ) -> Callable[[Callable[[Any, Event], str]], Callable[[Any, Event], str]]:
+        def register(fn: Callable[[Any, Event], str]) -> Callable[[Any, Event], str]:
+            name = fn.__name__.replace("_", "-")
+            self.actions[name] = Registered(ActionSpec(name, lane, weight, strategies, duration, row_mode), fn)
+            return fn
+
+        return register
+
+
+def make_setup(rng: random.Random, strategy: str, seconds: float, workers: int, lease_s: float) -> Setup:
+    return Setup(
+        strategy=strategy,
+        seconds=seconds,
+        workers=workers,
+        lease_s=lease_s,
+        batch_size=rng.choice((20, 50, 100)),
+        encoding="LATIN1" if rng.random() < 0.3 else "UTF8",
+        mode="mark-sent" if strategy in ROW_STRATEGIES and rng.random() < 0.5 else "delete",
+        bad_rate=rng.choice((0.005, 0.01)),
+        pause_s=rng.choice((0.05, 0.05, 0.01)),
+    )
+
+
+def make_schedule(
+    seed: int,
+    strategy: str,
+    catalogue: Mapping[str, Registered],
+    *,
+    seconds: float,
+    workers: int = 2,
+    lease_s: float = 5.0,
+) -> Schedule:
+    """The setup and events of one run, from ``random.Random(seed)`` alone."""
+    rng = random.Random(seed)
+    setup = make_setup(rng, strategy, seconds, workers, lease_s)
+    specs = [
+        catalogue[name].spec
+        for name in sorted(catalogue)
+        if strategy in catalogue[name].spec.strategies
+        and (catalogue[name].spec.row_mode is None or catalogue[name].spec.row_mode == setup.mode)
+    ]
+    weights = [s.weight for s in specs]
+    free_at: dict[tuple[str, int | None], float] = {}  # lane (and slot) -> when its last event ends
+    events: list[Event] = []
+    t = WARMUP_S
+    end = seconds - COOLDOWN_S
+    while True:
+        t += rng.expovariate(1 / MEAN_GAP_S)
+        if t >= end:
+            break
+        spec = rng.choices(specs, weights)[0]
+        slot = rng.randrange(workers) if spec.lane == "worker" else None
+        duration = round(spec.duration(rng, setup), 2) if spec.duration else 0.0
+        choice = rng.randrange(1 << 30)
+        lane = (spec.lane, slot)
+        start = max(t, free_at.get(lane, 0.0))
+        if start + duration > end:
+            continue  # the lane is busy until too late: drop it (the draws above keep the sequence seeded)
+        free_at[lane] = start + duration + 0.5
+        events.append(Event(round(start, 2), spec.name, slot, duration, choice))
+    return Schedule(seed, setup, tuple(sorted(events, key=lambda e: (e.at_s, e.action, e.slot or 0))))

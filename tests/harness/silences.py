@@ -1,0 +1,122 @@
+"""When a partition was not served: the check of "no row waits past ``lease_s`` plus a steal while a worker could
+serve it", made robust to backlogs. A silence is how long a keyed row's partition published nothing between the row's
+commit (or the partition's previous publish, if later) and the row's first copy (Kafka's CreateTime), less the
+outages in between: a server fault, or every worker slot frozen, killed or cut off from Kafka at once, each followed
+by RECOVERY_S. A partition drained slowly is not silent; one whose worker hangs while another could take it is."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tests.faults.helpers import TimedRecord
+
+from .context import Span
+from .schedule import Setup
+from .writers import Written
+
+STEAL_S = 3.0  # after a lease runs out: 0.5 s before another worker takes a partition, upkeep 1 s, a claim, slack
+RECOVERY_S = 5.0  # after a server fault or a total outage ends: reconnects, producers' ids, backoffs of 1 s
+WORKER_FAULTS = ("freeze", "kill", "kafka-cut")  # the slot's worker does not serve meanwhile
+SERVER_FAULTS = ("pg-restart", "broker-freeze", "terminate-backends")
+
+
+def _outages(spans: Sequence[Span], workers: int) -> list[tuple[float, float]]:
+    """When no relay could serve (wall clock), each followed by RECOVERY_S: a server fault, or every slot's worker
+    frozen, killed or cut off at once."""
+    windows = [(s.start, s.end + RECOVERY_S) for s in spans if s.action in SERVER_FAULTS]
+    edges = sorted((t, d) for s in spans if s.action in WORKER_FAULTS for t, d in ((s.start, 1), (s.end, -1)))
+    down, since = 0, 0.0
+    for t, d in edges:
+        down += d
+        if d == 1 and down == workers:
+            since = t
+        elif d == -1 and down == workers - 1:
+            windows.append((since, t + RECOVERY_S))
+    return windows
+
+
+def silences(
+    setup: Setup,
+    written: Sequence[Written],
+    spans: Sequence[Span],
+    good: dict[str, Written],
+    first: dict[str, TimedRecord],
+) -> tuple[list[Stall], float, tuple[float, str]]:
+    """(the silences past the bound, the longest silence, the longest any row waited from its commit to its first
+    copy).
+
+    A silence: a keyed row's partition published nothing between the row's commit (or the partition's previous
+    publish, if later) and the row's first copy, less the outages in between. A partition that is being drained,
+    however long its backlog, is not silent; one whose worker hangs is. Keyed rows only (a keyless row's virtual
+    partition is drawn at random); every virtual partition is the Kafka partition of the same number."""
+    outages = _merged(_outages(spans, setup.workers))
+    held_since: dict[tuple[str, str], float] = {}
+    for w in written:
+        if not w.good and w.outcome in ("committed", "in-doubt") and w.key is not None:
+            w_at = w.committed_at if w.committed_at is not None else float("-inf")
+            pair = (w.topic, w.key)
+            held_since[pair] = min(held_since.get(pair, w_at), w_at)
+    published: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for copy in first.values():
+        published[(copy.topic, copy.partition)].append(copy.timestamp_ms / 1000)
+    for times in published.values():
+        times.sort()
+    stalls: list[Stall] = []
+    loudest = 0.0
+    longest = (0.0, "")
+    for m, w in good.items():
+        r = first.get(m)
+        if r is None or w.committed_at is None:
+            continue
+        end = r.timestamp_ms / 1000
+        if w.key is not None and held_since.get((w.topic, w.key), float("inf")) <= end:
+            continue  # a bad row of its key came before it went out (in the strategy's order, maybe): it may have
+            # been held behind that row's dead letter, waiting for the operator
+        if end - w.committed_at > longest[0]:
+            where = f"{r.topic[-8:]}[{r.partition}]{'' if w.key else ' no key'}"
+            longest = (end - w.committed_at, f"@{where}({m},{w.writer},committed {clock(w.committed_at)})")
+        if w.key is None:
+            continue  # its virtual partition is not its Kafka partition
+        times = published[(r.topic, r.partition)]
+        before = times[bisect.bisect_left(times, end) - 1] if bisect.bisect_left(times, end) > 0 else float("-inf")
+        start = max(w.committed_at, before)
+        silent = end - start - sum(max(0.0, min(end, b) - max(start, a)) for a, b in outages)
+        loudest = max(loudest, silent)
+        if silent > setup.lease_s + STEAL_S:
+            during = "; ".join(str(s) for s in spans if s.start <= end and s.end >= start)
+            stalls.append(Stall(silent, f"{r.topic}[{r.partition}]", start, end, m, during))
+    return stalls, loudest, longest
+
+
+@dataclass(frozen=True)
+class Stall:
+    seconds: float
+    partition: str
+    start: float
+    end: float
+    message_id: str
+    during: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.partition} published nothing for {self.seconds:.1f}s while {self.message_id} waited "
+            f"(until {clock(self.end)}); meanwhile: {self.during[:500]}"
+        )
+
+
+def clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+
+def _merged(windows: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(windows):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

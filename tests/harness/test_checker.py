@@ -1,0 +1,91 @@
+"""The harness's checker on evidence made by hand (no servers): what it must call a failure, and what it must not."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tests.faults.helpers import TimedRecord
+
+from .context import Span
+from .ledger import Evidence, check
+from .schedule import Setup
+from .writers import Written
+
+SECRET = "Hs0123456789abcdefPw"
+
+
+def _row(message_id: str, committed_at: float, key: str = "k1") -> Written:
+    written = Written("enqueue", "t", key, {"n": 1}, {}, message_id=message_id)
+    written.outcome, written.committed_at = "committed", committed_at
+    return written
+
+
+def _copy(message_id: str, at: float, offset: int, key: bytes = b"k1") -> TimedRecord:
+    return TimedRecord("t", 0, offset, key, b'{"n": 1}', {"message_id": message_id.encode()}, int(at * 1000))
+
+
+def _evidence(
+    written: Sequence[Written],
+    records: Sequence[TimedRecord],
+    *,
+    spans: Sequence[Span] = (),
+    order: dict[str, tuple[int, int]] | None = None,
+    outputs: dict[str, str] | None = None,
+) -> Evidence:
+    setup = Setup("partitioned", 20, 2, 5.0, 50, "UTF8", "delete", 0.01, 0.05)
+    return Evidence(setup, list(written), list(records), [], order or {}, list(spans), [], [], outputs or {}, SECRET)
+
+
+def test_a_committed_row_that_never_arrived_is_lost() -> None:
+    verdict = check(_evidence([_row("a", 0.0), _row("b", 0.0)], [_copy("a", 0.1, 0)]))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["lost"] and "b" in verdict.findings[0]
+
+
+def test_the_password_in_any_output_fails_the_run_and_the_finding_does_not_show_it() -> None:
+    leak = f"connection to postgresql://harness_app:{SECRET}@127.0.0.1/db failed"
+
+    verdict = check(_evidence([], [], outputs={"worker part-s0-g1": "ok", "outbox status #3": leak}))
+
+    assert len(verdict.findings) == 1 and verdict.findings[0].startswith("secret shown in outbox status #3")
+    assert SECRET not in verdict.findings[0] and "<PASSWORD>" in verdict.findings[0]
+
+
+def test_a_partition_silent_past_lease_s_and_a_steal_while_a_row_waits_is_a_stall_unless_the_server_was_down() -> None:
+    written = [_row("a", 0.0), _row("b", 1.0)]
+    records = [_copy("a", 0.1, 0), _copy("b", 12.0, 1)]  # nothing from 0.1 s to 12 s: 11 s > 5 + 3
+
+    stalled = check(_evidence(written, records))
+    restarted = check(_evidence(written, records, spans=[Span("pg-restart", None, 1.0, 4.0)]))  # + 5 s to recover
+
+    assert [f.split(" (")[0] for f in stalled.findings] == ["stalled"]
+    assert restarted.ok, restarted.findings
+
+
+def test_first_arrivals_of_a_key_out_of_the_strategy_order_are_a_finding() -> None:
+    written = [_row("a", 0.0), _row("b", 0.0)]
+    records = [_copy("b", 0.1, 0), _copy("a", 0.2, 1)]
+
+    verdict = check(_evidence(written, records, order={"a": (7, 1), "b": (7, 2)}))
+
+    assert len(verdict.findings) == 1 and verdict.findings[0].startswith("out of order")
+
+
+def test_a_finding_of_a_defect_already_reported_is_listed_as_known_and_fails_nothing() -> None:
+    bad = _row("r", 0.0)
+    bad.writer, bad.bad = "insert", "reserved-header"
+
+    verdict = check(_evidence([bad], [_copy("r", 0.1, 0)]))
+
+    assert verdict.ok and len(verdict.known) == 1 and "reserved-header by insert" in verdict.known[0]
+
+
+def test_order_is_the_logs_a_copy_stamped_earlier_but_appended_later_does_not_count_first() -> None:
+    written = [_row("a", 0.0), _row("b", 0.0)]
+    # a's first try timed out in a frozen broker and was appended after the retry of a and b: a late copy
+    records = [_copy("a", 0.5, 0), _copy("b", 0.6, 1), _copy("a", 0.1, 2)]
+    freeze = Span("broker-freeze", None, 0.0, 0.4)
+
+    verdict = check(_evidence(written, records, spans=[freeze], order={"a": (7, 1), "b": (7, 2)}))
+
+    assert verdict.ok, verdict.findings
