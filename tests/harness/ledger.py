@@ -33,16 +33,9 @@ ACCEPTED_EXITS = (0, 2, 3)  # done; refused with one line (a server restarting, 
 # Defects the harness found and reported, not fixed yet: a finding (or a failed command's whole output) that matches
 # is listed as KNOWN instead of failing the run. Remove an entry with its fix: the harness then fails on it again.
 KNOWN_DEFECTS: dict[str, re.Pattern[str]] = {
-    "issue 40 (harness): `outbox relay --until-empty` crashes (exit 1, traceback) when the database is unavailable "
-    "as it checks what is still pending, instead of reconnecting (relay.py: pending_in_scope and explain_pending run "
-    "outside the loop's reconnect; seeds 7 partitioned, 22 locking)": re.compile(
-        r"in run\n\s+(self\.stats\.remaining = explain_pending|if self\.settings\.until_empty and not pending_in_scope)"
-    ),
-    "issue 40 (harness): a plain INSERT stores a header named as one the relay sets (message_id, outbox_id, type, "
-    "created_at); the table's check does not refuse it and the relay sends it after its own: two on the record, and "
-    "a consumer reading the last one (a dict, Java's lastHeader) gets the writer's (seed 66 partitioned)": re.compile(
-        r"^bad row reserved-header by insert \(.*\) was delivered to Kafka$"
-    ),
+    # None open. Fixed: `outbox relay --until-empty` crashed when the database went away as it asked what is still
+    # pending (seeds 7 partitioned, 22 locking); a plain INSERT stored a header named as the relay's own and the relay
+    # sent both (seed 66 partitioned).
 }
 
 
