@@ -115,7 +115,7 @@ def check(ev: Evidence) -> Verdict:
     if dupes > bound:
         findings.append(f"duplicates: {dupes} over the bound {bound} ({faults} faults, {on_purpose} replayed)")
 
-    stalls, silence, longest = silences(ev.setup, ev.written, ev.spans, good, first)
+    stalls, silence, longest = silences(ev.setup, ev.written, ev.spans, good, first, ev.records)
     worst: dict[str, Stall] = {}
     for stall in stalls:  # the longest silence of each partition, once per silence
         if stall.partition not in worst or stall.seconds > worst[stall.partition].seconds:

@@ -1,8 +1,9 @@
 """When a partition was not served: the check of "no row waits past ``lease_s`` plus a steal while a worker could
-serve it", made robust to backlogs. A silence is how long a keyed row's partition published nothing between the row's
-commit (or the partition's previous publish, if later) and the row's first copy (Kafka's CreateTime), less the
-outages in between: a server fault, or every worker slot frozen, killed or cut off from Kafka at once, each followed
-by RECOVERY_S. A partition drained slowly is not silent; one whose worker hangs while another could take it is."""
+serve it", made robust to backlogs. A silence is how long a keyed row's partition published nothing (no copy of
+anything) between the row's commit, or the partition's previous publish if later, and the row's first copy (Kafka's
+CreateTime), less the outages in between: a server fault, or every worker slot frozen, killed or cut off from Kafka
+at once, each followed by RECOVERY_S. A partition drained slowly, or publishing again after a rewind, is not silent;
+one whose worker hangs while another could take it is."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def silences(
     spans: Sequence[Span],
     good: dict[str, Written],
     first: dict[str, TimedRecord],
+    records: Sequence[TimedRecord],
 ) -> tuple[list[Stall], float, tuple[float, str]]:
     """(the silences past the bound, the longest silence, the longest any row waited from its commit to its first
     copy).
@@ -61,7 +63,7 @@ def silences(
             pair = (w.topic, w.key)
             held_since[pair] = min(held_since.get(pair, w_at), w_at)
     published: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for copy in first.values():
+    for copy in records:  # every copy: a partition publishing again after a rewind is being served
         published[(copy.topic, copy.partition)].append(copy.timestamp_ms / 1000)
     for times in published.values():
         times.sort()

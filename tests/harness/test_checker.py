@@ -66,6 +66,15 @@ def test_a_partition_silent_past_lease_s_and_a_steal_while_a_row_waits_is_a_stal
     assert restarted.ok, restarted.findings
 
 
+def test_a_partition_publishing_again_after_a_rewind_is_served_not_silent() -> None:
+    written = [_row("a", 0.0), _row("b", 1.0)]
+    records = [_copy("a", 0.1, 0), *(_copy("a", t, n) for n, t in enumerate((3.0, 6.0, 9.0), 1)), _copy("b", 12.0, 4)]
+
+    verdict = check(_evidence(written, records, spans=[Span("rewind", None, 1.0, 1.5)]))
+
+    assert not [f for f in verdict.findings if f.startswith("stalled")], verdict.findings
+
+
 def test_first_arrivals_of_a_key_out_of_the_strategy_order_are_a_finding() -> None:
     written = [_row("a", 0.0), _row("b", 0.0)]
     records = [_copy("b", 0.1, 0), _copy("a", 0.2, 1)]
