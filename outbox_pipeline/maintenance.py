@@ -30,12 +30,11 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .schema import DEFAULT_PARTITION, ensure_partitions, move_into_own_partition
-from .strategies import STRATEGY_NAMES
+from .strategies import POSITION_STRATEGIES, STRATEGY_NAMES
 from .strategies.offsets import BEHIND_POSITION
 
 _DAY_PARTITION = re.compile(r"^outbox_messages_p(\d{8})$")
 
-POSITION_STRATEGIES = ("partitioned", "serialized")
 
 # What an archive holds: every column, jsonb and xid8 as their text, so a reader needs no PostgreSQL types.
 ARCHIVE_COLUMNS: Sequence[tuple[str, str]] = (

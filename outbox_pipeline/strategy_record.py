@@ -24,9 +24,8 @@ from psycopg import sql
 
 from .config import OutboxTable
 from .errors import OutboxError
-from .strategies import STRATEGY_NAMES
+from .strategies import POSITION_STRATEGIES, STRATEGY_NAMES
 
-POSITION_STRATEGIES = ("partitioned", "serialized")
 # Who recorded it (``recorded_by``).
 BY_INIT_DB = "init-db"
 BY_FIRST_RELAY = "first relay"

@@ -24,6 +24,8 @@ _MODULES = {
     "serialized": ("serialized", "SerializedStrategy"),
 }
 STRATEGY_NAMES = tuple(_MODULES)
+# The strategies that keep a position per partition (the others mark or delete rows).
+POSITION_STRATEGIES = ("partitioned", "serialized")
 # Every strategy, the ordered ones first (``all``).
 ORDERED_FIRST = ("partitioned", "serialized", "advisory", "lease", "locking")
 
