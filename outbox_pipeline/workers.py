@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # How often each relay worker logs its cumulative metrics.
 METRICS_INTERVAL_S = 5.0
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})  # how a pod, systemd or Ctrl-C asks the relay to stop
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,10 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
     """
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: stop.set())
+    # The parent started us with them blocked: one sent while we booted waited for the handler above.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     relay_spec = replace(spec, worker_id=spec.worker_id or default_worker_id())
     worker_id = relay_spec.worker_id or ""
     table = spec.config.table
@@ -167,24 +170,37 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
 
 
 @contextmanager
-def forward_stop_signals(processes: Sequence[BaseProcess]) -> Iterator[None]:
-    """SIGINT/SIGTERM to the parent become SIGTERM to every live worker, which stops it cleanly."""
+def forward_stop_signals(processes: Sequence[BaseProcess], stopping: threading.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM to the parent set `stopping` and become SIGTERM to every started worker."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be installed from the main thread
         return
 
     def forward(signum: int, _frame: object) -> None:
-        log.info("relay: %s received, stopping %d workers", signal.Signals(signum).name, len(processes))
-        for process in processes:
-            if process.pid is not None and process.exitcode is None:
-                os.kill(process.pid, signal.SIGTERM)
+        stopping.set()
+        started = [p for p in processes if p.pid is not None and p.exitcode is None]
+        log.info("relay: %s received, stopping %d workers", signal.Signals(signum).name, len(started))
+        for process in started:
+            os.kill(process.pid, signal.SIGTERM)  # type: ignore[arg-type]  # started: pid is set
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Start a worker with SIGINT/SIGTERM blocked: the child inherits the mask, so a stop sent while it boots
+    waits for its handler instead of killing it half-started (exit -15, counted as a crash), and the parent's
+    own signal waits until the child has a pid to forward it to."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def collect(processes: Sequence[BaseProcess], results: Queue[WorkerResult]) -> dict[int, WorkerResult]:
@@ -205,19 +221,24 @@ def run_worker_processes(specs: Sequence[WorkerSpec]) -> tuple[list[BaseProcess]
     """Start one spawned process per spec, forward stop signals to them, and collect their results."""
     # "spawn": each worker starts clean (no inherited connections, producer threads or locks).
     ctx = multiprocessing.get_context("spawn")
-    results: Queue[WorkerResult] = ctx.Queue()
-    processes: list[BaseProcess] = [
-        ctx.Process(target=relay_worker, args=(spec, results), name=f"relay-{spec.index}") for spec in specs
-    ]
-    with forward_stop_signals(processes):
+    processes: list[BaseProcess] = []
+    stopping = threading.Event()
+    with forward_stop_signals(processes, stopping):
+        # The queue's lock starts multiprocessing's resource tracker now: starting it later, inside the first
+        # start(), would unblock SIGINT/SIGTERM again (resource_tracker.ensure_running does).
+        results: Queue[WorkerResult] = ctx.Queue()
         try:
-            for process in processes:
-                process.start()
+            for spec in specs:
+                if stopping.is_set():  # stopped while starting: the rest never start
+                    break
+                worker = ctx.Process(target=relay_worker, args=(spec, results), name=f"relay-{spec.index}")
+                with stop_signals_blocked():
+                    worker.start()
+                    processes.append(worker)
             collected = collect(processes, results)
         finally:
             for process in processes:
-                if process.pid is not None:
-                    process.join(timeout=30)
+                process.join(timeout=30)
                 if process.is_alive():
                     process.terminate()
                     process.join()
