@@ -180,7 +180,7 @@ def test_a_worker_killed_between_publish_and_ack_loses_nothing_and_duplicates_at
     assert [e.numbers for e in crash.events() if e.step == "delivered"][0] == (batch, 0)
     # The same worker restarts (same id: leases held by its dead self are taken back at once).
     drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, batch_size=batch, worker_id="worker-a")
-    arrived = message_ids(kafka.consume(topic, expect=120 + batch, idle_s=2.0))
+    arrived = message_ids(kafka.consume(topic, idle_s=2.0))
     duplicates = len(arrived) - len(set(arrived))
     print(f"{strategy}: {len(arrived)} records for 120 messages, {duplicates} duplicates after one kill")
     assert set(arrived) == set(written)

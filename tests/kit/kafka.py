@@ -43,7 +43,11 @@ class KafkaProbe:
         deadline_s: float = 60.0,
         isolation: str = "read_committed",
     ) -> list[Record]:
-        """Records of every partition of ``topic``: until ``expect`` arrived, else until idle."""
+        """Records of every partition of ``topic``: until ``expect`` arrived, else until idle.
+
+        With ``expect``, ``idle_s`` does not end the wait: asking for more than will ever arrive waits the whole
+        ``deadline_s``. To read everything after the relay has returned (duplicates included), leave ``expect`` out.
+        """
         consumer = Consumer(
             {
                 "bootstrap.servers": self.bootstrap_servers,

@@ -146,7 +146,7 @@ def test_a_drain_that_cannot_deliver_a_partition_commits_what_kafka_confirmed_fa
     broker.create_topics([refused])
     drain(dsn, table, kafka.bootstrap_servers, "partitioned")
 
-    arrived = message_ids(kafka.consume(good, expect=301, idle_s=2.0))  # all of it: one more than written
+    arrived = message_ids(kafka.consume(good, idle_s=2.0))  # all of it: the drain has returned
     assert len(arrived) == 300 == len(set(arrived))  # the relay did not publish the drained rows again
     assert len(set(message_ids(kafka.consume(refused, expect=20)))) == 20
 
@@ -172,7 +172,7 @@ def test_a_drain_with_no_strategy_configured_uses_the_relays_and_skips_no_row(
     result = _materialize({**spark_resources, "orchestration": OrchestrationSettings(strategy="serialized")})
     drain(dsn, table, kafka.bootstrap_servers, "serialized")
 
-    assert str(late.message_id) in message_ids(kafka.consume(topic, expect=50))
+    assert str(late.message_id) in message_ids(kafka.consume(topic, idle_s=2.0))
     assert result.success and _drain_metadata(result)["strategy"] == "serialized"
 
 
