@@ -72,6 +72,20 @@ def test_the_dagster_instance_config_launches_runs_on_kubernetes_with_run_monito
     assert config["run_monitoring"]["enabled"] is True
 
 
+def test_the_kubernetes_instance_keeps_the_local_instances_run_policy() -> None:
+    """One relay_partition run per partition (so release_lease and replay_partition start beside a hung one) and no
+    op-failure retries on top of the relay's RetryPolicy: what `outbox dev` runs with is what a deployment runs with."""
+    [instance] = [d for d in _documents() if d["metadata"]["name"] == "dagster-instance"]
+    deployed = yaml.safe_load(instance["data"]["dagster.yaml"])
+    local = yaml.safe_load((ROOT / "outbox_pipeline" / "localstack" / "dagster.yaml").read_text())
+
+    assert (
+        deployed["concurrency"]["runs"]["tag_concurrency_limits"]
+        == local["concurrency"]["runs"]["tag_concurrency_limits"]
+    )
+    assert deployed["run_retries"] == local["run_retries"]
+
+
 def test_every_metric_the_dashboard_queries_is_exposed_by_a_relay_worker(
     db: psycopg.Connection, table: OutboxTable
 ) -> None:
