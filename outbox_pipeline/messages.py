@@ -17,15 +17,11 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import InvalidMessageError
-from .header_rules import BASE64_PATTERN, RESERVED_HEADERS
-from .migrations import TOPIC_PATTERN
+from .header_rules import BYTES_HEADER_FIELD, RESERVED_HEADERS
 from .partitioning import key_hash
 from .record_size import RELAY_BASE, RecordLimit, header_bytes, jsonb_text_bytes
+from .topic_names import is_valid_topic
 
-# Header values that are bytes are stored in the jsonb headers column as {"base64": "..."}.
-BYTES_HEADER_FIELD = "base64"
-
-_TOPIC_RE = re.compile(TOPIC_PATTERN)
 _SMALLINT = range(-32768, 32768)
 _INT4 = range(0, 2**31)
 # json.dumps with any argument makes an encoder per call (a microsecond a row); this one is made once. Like the
@@ -128,11 +124,6 @@ def _check_topic(topic: object, where: str) -> str:
     return topic
 
 
-def is_valid_topic(topic: str) -> bool:
-    """A name Kafka accepts for a topic (the table's CHECK constraint says the same)."""
-    return bool(_TOPIC_RE.fullmatch(topic)) and topic not in (".", "..")
-
-
 def _text_bytes(value: object, field: str, where: str) -> bytes:
     """A text column's value as UTF-8, checked: a str, no NUL (PostgreSQL's text cannot hold it), encodable."""
     if not isinstance(value, str):
@@ -196,37 +187,3 @@ def _encode_headers(headers: Mapping[str, str | bytes] | None, where: str) -> tu
         lengths[name] = value_size
         size += header_bytes(name_size, value_size)
     return _to_json(stored), size, lengths
-
-
-_BASE64 = re.compile(BASE64_PATTERN)  # header_rules.py
-
-
-class UnencodableHeaders(ValueError):
-    """A row's stored headers that no Kafka record can carry (a writer stored them past enqueue's checks)."""
-
-
-def decode_headers(stored: object) -> list[tuple[str, bytes]]:
-    """Kafka header pairs from the jsonb headers column (the inverse of enqueue's encoding); UnencodableHeaders for
-    anything enqueue would not have stored, so that the relay dead-letters the row instead of failing on it."""
-    if not isinstance(stored, Mapping):
-        raise UnencodableHeaders(f"headers must be a JSON object, got {type(stored).__name__}")
-    pairs: list[tuple[str, bytes]] = []
-    for name, value in stored.items():
-        if name in RESERVED_HEADERS:
-            raise UnencodableHeaders(
-                f'header "{name}" is the relay\'s own: it sets {", ".join(sorted(RESERVED_HEADERS))}'
-            )
-        if isinstance(value, str):
-            pairs.append((name, value.encode("utf-8")))
-        elif (
-            isinstance(value, dict)
-            and list(value) == [BYTES_HEADER_FIELD]
-            and isinstance(value[BYTES_HEADER_FIELD], str)
-        ):
-            encoded = value[BYTES_HEADER_FIELD]
-            if not _BASE64.match(encoded):
-                raise UnencodableHeaders(f'header "{name}": {encoded[:40]!r} is not base64 (padded, no whitespace)')
-            pairs.append((name, base64.b64decode(encoded)))
-        else:
-            raise UnencodableHeaders(f'header "{name}" must be a string or {{"base64": "..."}}, got {value!r:.60}')
-    return pairs

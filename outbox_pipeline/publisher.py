@@ -22,12 +22,13 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from .config import redact_kafka_config, redact_kafka_error
 from .errors import ConfigurationError
+from .header_rules import UnencodableHeaders
 from .kafka_errors import PRODUCER_RESET_ERRORS, failure_kind
-from .messages import UnencodableHeaders, is_valid_topic
 from .record_headers import CloudEvents, Headers, RecordHeaders, cloud_events_from_env
 from .record_size import record_bytes
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .topic_limits import TopicLimits
+from .topic_names import is_valid_topic
 from .tracing import BatchSpan, start_batch_span
 from .transactional import MAX_TRANSACTIONAL_PRODUCERS, TransactionalProducers, drop
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 
 from . import settings
-from .messages import decode_headers
+from .header_rules import decode_headers
 from .timestamps import CreatedAtStamps
 
 Headers = list[tuple[str, str | bytes | None]]

@@ -23,16 +23,14 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from . import settings
 from .config import OutboxTable
-
-if TYPE_CHECKING:  # record_headers imports messages, which imports this module
-    from .record_headers import CloudEvents
+from .record_headers import CloudEvents
 
 RECORD_OVERHEAD = 36  # librdkafka's RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD
 UUID_TEXT = 36

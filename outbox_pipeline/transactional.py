@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from .kafka_errors import failure_kind
-from .messages import is_valid_topic
 from .record_headers import Headers
 from .strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .topic_limits import TopicLimits
+from .topic_names import is_valid_topic
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.messages import decode_headers
+from outbox_pipeline.header_rules import decode_headers
 from outbox_pipeline.partitioning import partition_for
 from outbox_pipeline.schema import set_topic_partitions
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue_many
-from outbox_pipeline.messages import decode_headers
+from outbox_pipeline.header_rules import decode_headers
 from outbox_pipeline.schema import init_db
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text()

@@ -17,8 +17,9 @@ from outbox_pipeline import schema
 from outbox_pipeline.cli import main
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.errors import SchemaError
-from outbox_pipeline.migrations import LATEST_VERSION, MIGRATIONS, TOPIC_CHECK_PATTERN
+from outbox_pipeline.migrations import LATEST_VERSION, MIGRATIONS
 from outbox_pipeline.schema import current_version, init_db, partition_name, require_current
+from outbox_pipeline.topic_names import TOPIC_CHECK_PATTERN
 
 
 def _write_rows_as_plain_sql(conn: psycopg.Connection, table: OutboxTable, count: int) -> None:
