@@ -22,7 +22,7 @@ dev: $(STAMP)
 # Debian's PostgreSQL 15 as users run it (JIT on, 128 MB shared_buffers): the engine and fault suites run on it too.
 PG15_BIN ?= /usr/lib/postgresql/15/bin
 # The two modules left out start the embedded server themselves (the dev stack and its start/stop): no second build.
-PG15_SUITES := tests/engine tests/faults --ignore=tests/engine/test_dev_stack.py --ignore=tests/engine/test_localstack.py
+PG15_SUITES := tests/engine tests/faults --ignore=tests/engine/commands/test_dev_stack.py --ignore=tests/engine/commands/test_localstack.py
 
 # PgBouncer (for the transaction-pooling test) and Chromium (for the headless screenshot of a partition's page
 # in the `dagster dev` test) from Debian's packages, where this user may install them; without them those
@@ -32,7 +32,7 @@ tools:
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    (apt-get install -y -qq pgbouncer >/dev/null 2>&1 || \
 	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq pgbouncer >/dev/null 2>&1)); } || \
-	  echo "pgbouncer not installed: tests/engine/test_pgbouncer.py will be skipped"
+	  echo "pgbouncer not installed: tests/engine/relay/test_pgbouncer.py will be skipped"
 	@test -x $(PG15_BIN)/initdb || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    mkdir -p /etc/postgresql-common && \
@@ -59,7 +59,7 @@ lint: $(STAMP)
 # settings the relay depends on (JIT: test_your_postgres.py), a pooler, a LATIN1 database, and the fault suite.
 # The whole engine and fault suites on the 15 are `make test-pg15` (7 minutes more on 2 cores: `make test` would
 # pass its 20-minute budget; run it nightly and before a release).
-PG15_CI_SUITES := tests/engine/test_your_postgres.py tests/engine/test_pgbouncer.py tests/engine/test_latin1.py tests/faults
+PG15_CI_SUITES := tests/engine/relay/test_your_postgres.py tests/engine/relay/test_pgbouncer.py tests/engine/store/test_latin1.py tests/faults
 test: $(STAMP) tools lint
 	$(BIN)/python -m pytest -n 4 -m "not timing" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m timing $(PYTEST_ARGS)

@@ -8,12 +8,12 @@ without a run, so the check's history is the outbox's lag over time.
 
 import dagster as dg
 
-from outbox_pipeline.horizon import find_horizon
-from outbox_pipeline.lag import DeadLetterBacklog, dead_letter_backlog, held_keys, partition_lag
-from outbox_pipeline.lag_slo import LagVerdict, evaluate_lag
+from outbox_pipeline.observe.horizon import find_horizon
+from outbox_pipeline.observe.lag import DeadLetterBacklog, dead_letter_backlog, held_keys, partition_lag
+from outbox_pipeline.observe.lag_slo import LagVerdict, evaluate_lag
+from outbox_pipeline.observe.status import markdown, partition_status
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.status import markdown, partition_status
 from resources.postgres import PostgresResource
 
 BACKLOG_KEY = dg.AssetKey("outbox_backlog")

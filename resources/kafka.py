@@ -13,7 +13,7 @@ from pydantic import Field, PrivateAttr
 
 from outbox_pipeline.config import kafka_config_from_env, redact_kafka_config
 from outbox_pipeline.errors import ConfigurationError
-from outbox_pipeline.publisher import KafkaPublisher, check_producer_config
+from outbox_pipeline.relay.publisher import KafkaPublisher, check_producer_config
 
 
 class KafkaResource(dg.ConfigurableResource):

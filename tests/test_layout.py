@@ -1,5 +1,5 @@
-"""Layout: the engine imports neither Dagster nor Spark, and its modules import one another without a cycle; the
-Dagster definitions load."""
+"""Layout: the engine imports neither Dagster nor Spark, no module imports a layer above its own, no import cycle;
+the Dagster definitions load."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ ENGINE_MODULES = _engine_modules()
 
 
 def test_the_engine_is_every_module_outside_the_dagster_rooms() -> None:
-    assert {"outbox_pipeline.relay", "outbox_pipeline.strategies.offsets", "outbox_pipeline.bench.writers"} <= set(
+    assert {"outbox_pipeline.relay.loop", "outbox_pipeline.strategies.offsets", "outbox_pipeline.bench.writers"} <= set(
         ENGINE_MODULES
     )
     assert not [m for m in ENGINE_MODULES if m.startswith(DAGSTER_ROOMS)]
@@ -109,8 +109,46 @@ def test_the_packages_modules_import_one_another_without_a_cycle() -> None:
     create the table's checks, each needing the other's rules (the rules now live below both)."""
     graph = module_imports(Path(__file__).resolve().parents[1] / "outbox_pipeline")
 
-    assert "outbox_pipeline.record_size" in graph["outbox_pipeline.messages"]  # the graph is read
+    assert "outbox_pipeline.store.record_size" in graph["outbox_pipeline.store.messages"]  # the graph is read
     assert import_cycle(graph) == []
+
+
+# The package's layers, lowest first (outbox_pipeline/__init__.py says what each is for): a module may import its
+# own layer and those below. The package's __init__ is the public API and re-exports from store, so it is left out.
+LAYERS = ("", "strategies", "store", "observe", "relay", "operate", "drain", "runs", "commands", "dagster")
+COMMAND_ROOMS = ("cli", "bench", "verify", "localstack")
+
+
+def layer_of(module: str) -> int:
+    room = module.split(".")[1] if module.count(".") else ""
+    if room in ("orchestration", "definitions"):
+        return LAYERS.index("dagster")
+    if room in COMMAND_ROOMS:
+        return LAYERS.index("commands")
+    return LAYERS.index(room) if room in LAYERS else 0  # a top-level module: config, settings, errors, ...
+
+
+def imports_up(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module != "outbox_pipeline"
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    )
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    graph = module_imports(Path(__file__).resolve().parents[1] / "outbox_pipeline")
+
+    assert {layer_of(m) for m in graph} == set(range(len(LAYERS)))  # every layer is found: the rule is applied
+    assert imports_up(graph) == []
+
+
+def test_an_import_from_a_lower_layer_to_a_higher_one_is_named() -> None:
+    graph = {"outbox_pipeline.store.enqueue": {"outbox_pipeline.relay.publisher", "outbox_pipeline.config"}}
+
+    assert imports_up(graph) == ["outbox_pipeline.store.enqueue -> outbox_pipeline.relay.publisher"]
 
 
 def test_dagster_definitions_load() -> None:

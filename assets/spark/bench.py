@@ -23,8 +23,8 @@ import psycopg
 from outbox_pipeline.bench.ceilings import count_back
 from outbox_pipeline.bench.command import servers
 from outbox_pipeline.bench.runner import RunSpec, Servers, drop_table, prepare, run_once
-from outbox_pipeline.drain import plan_drain
-from outbox_pipeline.drain_values import drain_owner
+from outbox_pipeline.drain.engine import plan_drain
+from outbox_pipeline.drain.values import drain_owner
 from resources.spark import SparkResource
 
 from .drain_job import run_drain

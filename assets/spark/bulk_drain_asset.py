@@ -2,7 +2,7 @@
 
 Run by hand from the UI or requested by the lag sensor (by job name) when the backlog passes
 ``OUTBOX_BULK_DRAIN_THRESHOLD`` rows (declared in orchestration/settings.py). The engine plans and commits on
-the driver (this process), Spark publishes one virtual partition per task; see ``outbox_pipeline.drain``
+the driver (this process), Spark publishes one virtual partition per task; see ``outbox_pipeline.drain.engine``
 for the protocol.
 """
 
@@ -13,8 +13,8 @@ import psycopg
 from pydantic import Field
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.drain import backlog_at_least, drain_leases, plan_drain, release_drain
-from outbox_pipeline.drain_values import (
+from outbox_pipeline.drain.engine import backlog_at_least, drain_leases, plan_drain, release_drain
+from outbox_pipeline.drain.values import (
     DEFAULT_FETCH_ROWS,
     DEFAULT_LEASE_S,
     DRAIN_STRATEGIES,
@@ -22,11 +22,11 @@ from outbox_pipeline.drain_values import (
     drain_owner,
 )
 from outbox_pipeline.errors import OutboxError
-from outbox_pipeline.lag import explain_pending
-from outbox_pipeline.liveness import liveness_from_env
+from outbox_pipeline.observe.lag import explain_pending
+from outbox_pipeline.observe.liveness import liveness_from_env
 from outbox_pipeline.orchestration.drain_requests import DRAINED_TAG
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.presence import present
+from outbox_pipeline.relay.presence import present
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource

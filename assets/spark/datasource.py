@@ -3,7 +3,7 @@
 ``outbox_archive`` reads one daily partition in id slices for the Parquet archive; the rows do go through
 Spark here, since Spark writes the Parquet. (The bulk drain moves rows from PostgreSQL to Kafka without
 Spark touching them: drain_job.py.) Everything that touches PostgreSQL is the engine's
-(``outbox_pipeline.maintenance``); these classes only carry values between Spark's processes. Options
+(``outbox_pipeline.operate.maintenance``); these classes only carry values between Spark's processes. Options
 travel as strings: secrets under option names containing "secret", which Spark redacts wherever it shows
 options. Executors need network access to PostgreSQL and a Python that imports outbox_pipeline.
 """
@@ -29,8 +29,8 @@ from pyspark.sql.types import StructType
 
 from outbox_pipeline import server
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.drain_values import DEFAULT_FETCH_ROWS
-from outbox_pipeline.maintenance import (
+from outbox_pipeline.drain.values import DEFAULT_FETCH_ROWS
+from outbox_pipeline.operate.maintenance import (
     ARCHIVE_COLUMNS,
     BINARY_COLUMNS,
     CHECKSUM_COLUMNS,

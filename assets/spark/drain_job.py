@@ -1,7 +1,7 @@
 """Spark room: the bulk drain as one Spark job, one task per virtual partition, rows never leaving the task.
 
 Each task reads its frozen range from PostgreSQL and publishes it to Kafka in the same Python worker
-(``outbox_pipeline.drain_ranges``), confirming every delivery before it reports what it delivered: its whole range,
+(``outbox_pipeline.drain.ranges``), confirming every delivery before it reports what it delivered: its whole range,
 or the part before a message Kafka did not confirm, with the error. Meanwhile the driver renews every lease of the
 drain (a partition whose task finished early stays the drain's). Once every task reported, the driver commits what
 was confirmed and releases the leases; the relay deals with what stopped a range. A job that failed outright
@@ -22,9 +22,9 @@ from pyspark.accumulators import AccumulatorParam
 from pyspark.sql import SparkSession
 
 from outbox_pipeline import server
-from outbox_pipeline.drain import commit_drain, leases_kept
-from outbox_pipeline.drain_ranges import fetch_range, publish_range
-from outbox_pipeline.drain_values import (
+from outbox_pipeline.drain.engine import commit_drain, leases_kept
+from outbox_pipeline.drain.ranges import fetch_range, publish_range
+from outbox_pipeline.drain.values import (
     DEFAULT_FETCH_ROWS,
     DeliveryError,
     DrainOutcome,
@@ -32,7 +32,7 @@ from outbox_pipeline.drain_values import (
     LeaseLostError,
     RangeReport,
 )
-from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.relay.publisher import KafkaPublisher
 
 
 class DrainFailed(RuntimeError):

@@ -4,7 +4,7 @@ For the run's day: rescue rows that landed in the DEFAULT partition, create part
 each day older than the retention window that is fully relayed, archive it to Parquet with Spark,
 verify the archive against PostgreSQL, then detach and drop it. A day that is not fully relayed (or
 whose archive does not match) is skipped with the reason in the run's metadata; nothing unrelayed is
-ever dropped. See ``outbox_pipeline.maintenance`` for what "relayed" means per strategy.
+ever dropped. See ``outbox_pipeline.operate.maintenance`` for what "relayed" means per strategy.
 """
 
 import datetime as dt
@@ -14,7 +14,7 @@ import dagster as dg
 from pydantic import Field
 
 from outbox_pipeline.errors import OutboxError
-from outbox_pipeline.maintenance import (
+from outbox_pipeline.operate.maintenance import (
     DropResult,
     Fingerprint,
     check_relayed,
@@ -25,9 +25,9 @@ from outbox_pipeline.maintenance import (
     id_slices,
     move_default_rows,
 )
-from outbox_pipeline.migrations import DEFAULT_DAYS_AHEAD
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.settings import ARCHIVE_URI, HOME
+from outbox_pipeline.store.migrations import DEFAULT_DAYS_AHEAD
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource
 

@@ -20,7 +20,7 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..publisher import KafkaPublisher, PendingBatch
+from ..relay.publisher import KafkaPublisher, PendingBatch
 from ..strategies.base import RECORD_COLUMNS, OutboxRecord, PublishOutcome, fetch_records
 from ..verify.consume import make_consumer
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from ..publisher import DEFAULT_PRODUCER_CONFIG, REQUIRED_PRODUCER_CONFIG
-from ..record_headers import Headers
+from ..relay.publisher import DEFAULT_PRODUCER_CONFIG, REQUIRED_PRODUCER_CONFIG
+from ..store.record_headers import Headers
 from .procstat import own_cpu_s
 
 PARTITIONS = 12

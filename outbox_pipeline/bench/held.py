@@ -18,12 +18,12 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..enqueue import Message, enqueue_many
-from ..lag import held_keys
-from ..relay_settings import RelaySettings
-from ..schema import init_db, set_topic_partitions
+from ..observe.lag import held_keys
+from ..relay.relay_settings import RelaySettings
+from ..relay.workers import WorkerSpec, build_relay
+from ..store.enqueue import Message, enqueue_many
+from ..store.schema import init_db, set_topic_partitions
 from ..strategies.base import StrategyConfig
-from ..workers import WorkerSpec, build_relay
 from .retained import LatencyStep, time_claims
 from .runner import Servers
 

@@ -30,7 +30,7 @@ from psycopg import sql
 
 from .. import settings
 from ..config import OutboxTable
-from ..schema import init_db
+from ..store.schema import init_db
 from .gauges import relay_dsn, with_local_pids
 from .orchestrated import DagsterRelay
 from .relays import CliRelay, RelayUnderTest

@@ -23,8 +23,8 @@ import psycopg
 
 from .. import settings
 from ..config import OutboxTable
-from ..liveness import live_workers
 from ..localstack.ports import free_port
+from ..observe.liveness import live_workers
 from .procstat import tree_cpu_s
 from .runner import Servers
 

@@ -22,7 +22,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..schema import init_db, set_topic_partitions
+from ..store.schema import init_db, set_topic_partitions
 from ..strategies import strategy_class
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy

@@ -25,13 +25,13 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..demo import load
-from ..publisher import KafkaPublisher
-from ..relay_settings import RelaySettings
-from ..schema import init_db, set_topic_partitions
+from ..localstack.demo import load
+from ..relay.publisher import KafkaPublisher
+from ..relay.relay_settings import RelaySettings
+from ..relay.workers import WorkerSpec, build_relay
+from ..store.schema import init_db, set_topic_partitions
 from ..strategies.base import PublishOutcome, StrategyConfig
 from ..verify import verify
-from ..workers import WorkerSpec, build_relay
 from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
 from .handwritten import run_hand_written
 from .naive import NAIVE_BATCH, prepare_naive_schema, run_naive

@@ -19,8 +19,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from .. import settings
 from ..config import OutboxTable
-from ..lag import partition_lag
-from ..schema import set_topic_partitions
+from ..observe.lag import partition_lag
+from ..store.schema import set_topic_partitions
 from . import observer as observing
 from . import traffic
 from .children import Child, sleep_until

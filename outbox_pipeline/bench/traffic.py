@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import psycopg
 
 from ..config import OutboxTable, pg_dsn_from_env
-from ..enqueue import Message, enqueue_many
+from ..store.enqueue import Message, enqueue_many
 
 
 @dataclass(frozen=True)

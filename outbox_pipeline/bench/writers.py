@@ -28,10 +28,10 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..demo import load
-from ..enqueue import Message, enqueue_many
+from ..localstack.demo import load
 from ..partitioning import partition_for
-from ..schema import init_db, set_topic_partitions
+from ..store.enqueue import Message, enqueue_many
+from ..store.schema import init_db, set_topic_partitions
 from .procstat import parent_pid, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .runner import Servers
 

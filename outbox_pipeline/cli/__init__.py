@@ -16,8 +16,8 @@ import psycopg
 
 from ..config import redact_dsn
 from ..errors import OutboxError
-from ..migrations import DEFAULT_DAYS_AHEAD
-from ..relay_settings import RelaySettings
+from ..relay.relay_settings import RelaySettings
+from ..store.migrations import DEFAULT_DAYS_AHEAD
 from ..strategies import STRATEGY_NAMES, strategy_list
 from ..strategies.quarantine import ON_POISON_CHOICES
 from .common import add_db_args, header_pair, positive_int, timestamp_arg, topic_partitions

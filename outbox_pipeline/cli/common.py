@@ -11,7 +11,7 @@ import socket
 
 import psycopg
 
-from .. import schema, server
+from .. import server
 from ..config import (
     OutboxTable,
     check_dsn,
@@ -21,7 +21,8 @@ from ..config import (
     redact_kafka_config,
 )
 from ..errors import ConfigurationError, OutboxError
-from ..publisher import check_producer_config
+from ..relay.publisher import check_producer_config
+from ..store import schema
 from ..strategies import strategy_class
 from ..strategies.base import Strategy
 

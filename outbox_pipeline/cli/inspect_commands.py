@@ -7,12 +7,12 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
-from .. import strategy_record
 from ..config import settings_in_effect
 from ..errors import OutboxError
-from ..horizon import find_horizon
-from ..lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
-from ..liveness import holders_alive
+from ..observe.horizon import find_horizon
+from ..observe.lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
+from ..observe.liveness import holders_alive
+from ..store import strategy_record
 from .common import connect, table_of
 
 
@@ -49,7 +49,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .. import status
+    from ..observe import status
 
     with connect(args) as conn:
         strategy = strategy_record.resolve(conn, table_of(args), args.strategy)

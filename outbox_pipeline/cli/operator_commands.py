@@ -7,9 +7,9 @@ import argparse
 import dataclasses
 import json
 
-from .. import dead_letters, operations
 from ..errors import OutboxError
-from ..switch import switch_strategy
+from ..operate import dead_letters, operations
+from ..operate.switch import switch_strategy
 from .common import connect, kafka_config_of, operator_name, table_of
 
 

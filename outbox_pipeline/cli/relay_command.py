@@ -7,15 +7,16 @@ import logging
 from collections.abc import Mapping, Sequence
 from multiprocessing.process import BaseProcess
 
-from .. import schema, server
+from .. import server
 from ..config import redact_dsn
 from ..errors import OutboxError
-from ..relay_settings import RelaySettings
+from ..relay.relay_settings import RelaySettings
+from ..relay.workers import WorkerResult, WorkerSpec, run_worker_processes
+from ..store import schema
+from ..store.relayable import require_relayable
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
 from ..strategies.quarantine import on_poison_from_env
-from ..switch import require_relayable
-from ..workers import WorkerResult, WorkerSpec, run_worker_processes
 from .common import dsn_of, kafka_config_of, strategy_named, table_of
 
 # `outbox relay --until-empty` stopped by --max-seconds with rows still pending (1: a worker crashed,

@@ -10,11 +10,12 @@ import signal
 import sys
 import threading
 
-from .. import indexes, schema, server, strategy_record
+from .. import server
 from ..config import redact_dsn
-from ..enqueue import enqueue
 from ..errors import OutboxError
-from ..migrations import DEFAULT_TOPIC_ROW
+from ..store import indexes, schema, strategy_record
+from ..store.enqueue import enqueue
+from ..store.migrations import DEFAULT_TOPIC_ROW
 from .common import dsn_of, table_of
 
 
@@ -101,7 +102,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from ..demo import load, print_progress
+    from ..localstack.demo import load, print_progress
 
     elapsed = load(
         dsn_of(args),
@@ -121,7 +122,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_traffic(args: argparse.Namespace) -> int:
-    from ..demo import TrafficSpec, run_traffic
+    from ..localstack.demo import TrafficSpec, run_traffic
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

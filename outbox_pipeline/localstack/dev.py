@@ -25,9 +25,9 @@ import psycopg
 
 from .. import settings as catalogue
 from ..config import OutboxTable
-from ..demo import DEMO_TOPICS
-from ..schema import init_db, set_topic_partitions
+from ..store.schema import init_db, set_topic_partitions
 from .broker import BrokerSpec, LocalBroker
+from .demo import DEMO_TOPICS
 from .ports import LocalStackError, PortInUseError, ensure_port_free
 from .postgres import LocalPostgres, PostgresSpec
 

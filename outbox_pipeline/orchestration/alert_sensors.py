@@ -28,8 +28,8 @@ from assets.backlog import (
     read_lag,
 )
 from outbox_pipeline.errors import OutboxError
-from outbox_pipeline.lag import DeadLetterBacklog
-from outbox_pipeline.lag_slo import LagVerdict, Severity
+from outbox_pipeline.observe.lag import DeadLetterBacklog
+from outbox_pipeline.observe.lag_slo import LagVerdict, Severity
 from resources.alerts import Alert, AlertResource
 from resources.postgres import PostgresResource
 

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from outbox_pipeline.drain import drainable
-from outbox_pipeline.drain_values import DRAIN_STRATEGIES
-from outbox_pipeline.lag import PartitionLag
+from outbox_pipeline.drain.engine import drainable
+from outbox_pipeline.drain.values import DRAIN_STRATEGIES
+from outbox_pipeline.observe.lag import PartitionLag
 
 from .runs import IN_FLIGHT_STATUSES, Job
 from .settings import OrchestrationSettings

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from outbox_pipeline.drain_values import OWNER_PREFIX
+from outbox_pipeline.drain.values import OWNER_PREFIX
 from outbox_pipeline.errors import OutboxError
-from outbox_pipeline.lag import PartitionLag, partition_lag
-from outbox_pipeline.liveness import LiveWorker, live_workers
+from outbox_pipeline.observe.lag import PartitionLag, partition_lag
+from outbox_pipeline.observe.liveness import LiveWorker, live_workers
+from outbox_pipeline.store.relayable import require_relayable
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
-from outbox_pipeline.switch import require_relayable
 from resources.postgres import PostgresResource
 
 from .drain_requests import bulk_drain_request

@@ -1,7 +1,7 @@
 """Dagster room: operator actions launched from the UI with config (replay, dead-letter retry, stuck lease, a
 strategy's indexes).
 
-Each job calls one engine operation (outbox_pipeline.operations) and records what it changed as the
+Each job calls one engine operation (outbox_pipeline.operate.operations) and records what it changed as the
 run's metadata. Replay and lease release are partitioned like the relay, so the operator picks the
 outbox partition (topic:partition) in the launchpad and the run sits in that partition's history;
 the relay that follows a replay is launched by the lag sensor, which sees the partition lagging again.
@@ -13,10 +13,10 @@ import dagster as dg
 from pydantic import Field
 
 from outbox_pipeline.config import parse_timestamp
-from outbox_pipeline.dead_letters import DeadLetter, discard_dead_letters, list_dead_letters, retry_dead_letters
 from outbox_pipeline.errors import ConfigurationError, OutboxError
-from outbox_pipeline.indexes import build, drop_except, indexes_for, states
-from outbox_pipeline.operations import release_lease, replay_sent, rewind_partition
+from outbox_pipeline.operate.dead_letters import DeadLetter, discard_dead_letters, list_dead_letters, retry_dead_letters
+from outbox_pipeline.operate.operations import release_lease, replay_sent, rewind_partition
+from outbox_pipeline.store.indexes import build, drop_except, indexes_for, states
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.positions import PositionStrategy
 from resources.postgres import PostgresResource

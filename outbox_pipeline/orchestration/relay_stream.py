@@ -23,11 +23,11 @@ import dagster as dg
 from prometheus_client import delete_from_gateway, push_to_gateway
 from pydantic import Field
 
-from outbox_pipeline.metrics import RelayMetrics
-from outbox_pipeline.relay_settings import RelaySettings
+from outbox_pipeline.observe.metrics import RelayMetrics
+from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.runs.stream_run import PartitionProgress, StreamReport, StreamRun
 from outbox_pipeline.settings import METRICS_PUSHGATEWAY
 from outbox_pipeline.strategies.base import StrategyConfig
-from outbox_pipeline.stream_run import PartitionProgress, StreamReport, StreamRun
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 

@@ -14,11 +14,11 @@ import psycopg
 from pydantic import Field, model_validator
 
 from outbox_pipeline import settings as catalogue
-from outbox_pipeline import strategy_record
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.errors import ConfigurationError
-from outbox_pipeline.lag_slo import LagThresholds
+from outbox_pipeline.observe.lag_slo import LagThresholds
 from outbox_pipeline.settings import Setting
+from outbox_pipeline.store import strategy_record
 from outbox_pipeline.strategies import STRATEGY_NAMES
 from outbox_pipeline.strategies.quarantine import ON_POISON_CHOICES, OnPoison
 

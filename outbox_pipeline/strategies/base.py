@@ -3,7 +3,7 @@
 A strategy decides which rows a worker may publish and what "done" means for them: ``claim`` a batch,
 ``ack`` it with the publisher's outcome (only what Kafka confirmed is marked delivered; failures are
 retried with backoff or dead-lettered), or ``give_back`` a batch that was not published at all. The
-relay loop (``outbox_pipeline.relay``) is the same for every strategy.
+relay loop (``outbox_pipeline.relay.loop``) is the same for every strategy.
 """
 
 from __future__ import annotations

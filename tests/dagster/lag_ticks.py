@@ -10,7 +10,7 @@ import dagster as dg
 import psycopg
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.presence import present
+from outbox_pipeline.relay.presence import present
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
 
 

@@ -19,13 +19,13 @@ from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import Queued
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.dead_letters import list_dead_letters
 from outbox_pipeline.errors import SchemaError
-from outbox_pipeline.indexes import require_indexes
-from outbox_pipeline.lag import partition_lag
+from outbox_pipeline.observe.lag import partition_lag
+from outbox_pipeline.operate.dead_letters import list_dead_letters
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, parse_partition_key
-from outbox_pipeline.partition_run import lag_of
+from outbox_pipeline.runs.partition_run import lag_of
+from outbox_pipeline.store.indexes import require_indexes
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 

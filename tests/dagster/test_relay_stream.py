@@ -17,9 +17,9 @@ import psycopg
 import pytest
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.lag import partition_lag
-from outbox_pipeline.liveness import live_workers
 from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.observe.lag import partition_lag
+from outbox_pipeline.observe.liveness import live_workers
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.relay_stream import (
     RELAYED_OUTBOX,
@@ -28,7 +28,7 @@ from outbox_pipeline.orchestration.relay_stream import (
     stream_worker_id,
 )
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.schema import set_topic_partitions
+from outbox_pipeline.store.schema import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids, order_by_key
 from tests.kit.writer import Writer

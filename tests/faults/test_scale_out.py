@@ -24,7 +24,7 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.schema import set_topic_partitions
+from outbox_pipeline.store.schema import set_topic_partitions
 from outbox_pipeline.strategies.advisory import ADVISORY_LOCK_CLASS
 from outbox_pipeline.strategies.base import StrategyConfig
 from tests.kit.kafka import KafkaProbe

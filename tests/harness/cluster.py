@@ -23,7 +23,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, free_port
-from outbox_pipeline.schema import init_db, set_topic_partitions
+from outbox_pipeline.store.schema import init_db, set_topic_partitions
 from tests.kit.servers import server_under_test
 
 from .isolation import SelectiveProxy

@@ -12,11 +12,11 @@ import psycopg
 from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.relay import Relay
-from outbox_pipeline.relay_settings import RelaySettings
-from outbox_pipeline.relay_stats import RelayStats
+from outbox_pipeline.relay.loop import Relay
+from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.relay.stats import RelayStats
+from outbox_pipeline.relay.workers import WorkerSpec, build_relay
 from outbox_pipeline.strategies.base import StrategyConfig
-from outbox_pipeline.workers import WorkerSpec, build_relay
 
 from .kafka import Record
 

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
-from outbox_pipeline.publisher import KafkaPublisher
+from outbox_pipeline.relay.publisher import KafkaPublisher
 from outbox_pipeline.settings import TEST_PG_BIN
 
 from .kafka import KafkaProbe

@@ -28,11 +28,11 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.publisher import KafkaPublisher, PendingBatch
-from outbox_pipeline.relay_settings import RelaySettings
+from outbox_pipeline.relay.publisher import KafkaPublisher, PendingBatch
+from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.relay.workers import WorkerSpec, build_relay
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
-from outbox_pipeline.workers import WorkerSpec, build_relay
 
 
 class Events:

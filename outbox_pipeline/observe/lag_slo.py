@@ -1,0 +1,134 @@
+"""Engine room: the outbox lag SLO, judged from per-partition lag (no I/O, no Dagster).
+
+The verdict is computed here, not in the Dagster check, so that the check run from the UI, the sensor
+that evaluates it every tick and anything else (a CLI, a test) agree on what "lagging" means. The
+whole outbox is judged: the oldest pending row of any partition against the age thresholds, and the
+total pending rows against the count thresholds; a value strictly above a threshold breaches it. Rows
+held behind a dead letter (quarantine) are lag like pending ones, and each held key is named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .. import settings
+from ..errors import ConfigurationError
+from .horizon import Horizon
+from .lag import PartitionLag
+
+Severity = Literal["ok", "warn", "error"]
+
+
+@dataclass(frozen=True)
+class LagThresholds:
+    """WARN above the warn values, ERROR above the error values (age in seconds, rows in the outbox)."""
+
+    warn_age_s: float = settings.LAG_WARN_AGE_S.default
+    error_age_s: float = settings.LAG_ERROR_AGE_S.default
+    warn_pending: int = settings.LAG_WARN_PENDING.default
+    error_pending: int = settings.LAG_ERROR_PENDING.default
+
+    def __post_init__(self) -> None:
+        if min(self.warn_age_s, self.error_age_s) < 0 or min(self.warn_pending, self.error_pending) < 0:
+            raise ConfigurationError(f"lag thresholds must be >= 0: {self}")
+        if self.warn_age_s > self.error_age_s or self.warn_pending > self.error_pending:
+            raise ConfigurationError(f"lag warn thresholds must not exceed the error thresholds: {self}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LagThresholds:
+        return cls(
+            warn_age_s=settings.LAG_WARN_AGE_S.read(env),
+            error_age_s=settings.LAG_ERROR_AGE_S.read(env),
+            warn_pending=settings.LAG_WARN_PENDING.read(env),
+            error_pending=settings.LAG_ERROR_PENDING.read(env),
+        )
+
+
+@dataclass(frozen=True)
+class LagVerdict:
+    severity: Severity
+    total_pending: int
+    oldest_pending_age_s: float | None
+    partitions: int
+    lagging_partitions: int
+    # The partitions that explain the verdict, worst first (oldest pending row, then most rows).
+    worst: tuple[PartitionLag, ...]
+    # Why, in words ("oldest pending 75.0 s > warn 60 s"); empty when passing.
+    reasons: tuple[str, ...]
+    thresholds: LagThresholds
+    # Keys held behind dead letters, in words ("key 'K' of orders:3 held behind dead letter 4711, 37 rows ...").
+    held: tuple[str, ...] = ()
+    total_held: int = 0
+    # Strategy partitioned: committed rows the xmin horizon holds back, and who holds it, in words (horizon.py).
+    horizon: tuple[str, ...] = ()
+    held_back: int = 0
+    # `outbox status` of the partitions, as a Markdown table (status.markdown); empty when not read.
+    status_table: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.severity == "ok"
+
+    def summary(self) -> str:
+        oldest = f"{self.oldest_pending_age_s:.1f} s" if self.oldest_pending_age_s is not None else "none"
+        head = (
+            f"{self.total_pending} pending in {self.lagging_partitions}/{self.partitions} partitions, oldest {oldest}"
+        )
+        if self.total_held:
+            head += f", {self.total_held} held: {'; '.join(self.held[:3])}"
+        if self.horizon:
+            head += f"; {' '.join(line.strip() for line in self.horizon[:4])}"
+        return head if self.passed else f"{self.severity.upper()}: {head} ({'; '.join(self.reasons)})"
+
+
+def evaluate_lag(
+    lags: Sequence[PartitionLag],
+    thresholds: LagThresholds,
+    *,
+    worst: int = 5,
+    held: Sequence[str] = (),
+    horizon: Horizon | None = None,
+    status_table: str = "",
+) -> LagVerdict:
+    """Judge the outbox's lag against the thresholds; ``worst`` partitions are named in the verdict, and
+    ``held`` (lag.held_keys, described) says which keys wait behind dead letters; ``horizon`` (partitioned)
+    adds the committed rows older open transactions hold back, which partition_lag does not count."""
+    lagging = [lag for lag in lags if lag.lag > 0]
+    held_back = horizon.rows if horizon else 0
+    total = sum(lag.lag for lag in lagging) + held_back
+    ages = [lag.oldest_pending_age_s for lag in lagging if lag.oldest_pending_age_s is not None]
+    ages += [h.oldest_age_s for h in (horizon.held_back if horizon else ()) if h.oldest_age_s is not None]
+    oldest = max(ages) if ages else None
+    severity: Severity = "ok"
+    reasons: list[str] = []
+    levels: tuple[tuple[Severity, float, int], ...] = (
+        ("error", thresholds.error_age_s, thresholds.error_pending),
+        ("warn", thresholds.warn_age_s, thresholds.warn_pending),
+    )
+    for level, age_limit, pending_limit in levels:
+        found = []
+        if oldest is not None and oldest > age_limit:
+            found.append(f"oldest pending {oldest:.1f} s > {level} {age_limit:g} s")
+        if total > pending_limit:
+            found.append(f"{total} pending rows > {level} {pending_limit}")
+        if found:
+            severity, reasons = level, found
+            break
+    ranked = sorted(lagging, key=lambda lag: (-(lag.oldest_pending_age_s or 0.0), -lag.lag, lag.topic))
+    return LagVerdict(
+        severity=severity,
+        total_pending=total,
+        oldest_pending_age_s=oldest,
+        partitions=len(lags),
+        lagging_partitions=len(lagging),
+        worst=tuple(ranked[:worst]),
+        reasons=tuple(reasons),
+        thresholds=thresholds,
+        held=tuple(held),
+        total_held=sum(lag.held for lag in lags),
+        horizon=tuple(horizon.describe()) if horizon else (),
+        held_back=held_back,
+        status_table=status_table,
+    )

@@ -1,0 +1,183 @@
+"""Engine room: the operator's dead letters: list them (with what each holds back and its payload kind), retry them,
+or discard them for good. Each action is one statement or one transaction and says how much it changed; the CLI
+(`outbox dead-letters`) and the Dagster jobs call these.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from ..config import OutboxTable
+from ..errors import OutboxError
+from ..store.routing import SERIALIZED_LOCK_CLASS
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: int
+    message_id: str
+    topic: str
+    key: str | None
+    partition: int
+    attempts: int
+    last_error: str
+    dead_lettered_at: dt.datetime
+    dead_lettered_by: str | None
+    retried_at: dt.datetime | None
+    discarded_at: dt.datetime | None = None
+    discard_reason: str | None = None
+    # Its key is held behind it (quarantine): how many later rows of the key wait for it.
+    holding: bool = False
+    held_rows: int = 0
+    # Its payload: "json" or "bytes" (published unchanged), and its size as published.
+    payload: str = "json"
+    payload_size: int = 0
+
+    def describe_hold(self) -> str:
+        if not self.holding:
+            return ""
+        return f"key {self.key!r} of {self.topic}:{self.partition} held behind it, {self.held_rows} rows"
+
+
+def list_dead_letters(
+    conn: psycopg.Connection, table: OutboxTable, limit: int = 100, *, include_retried: bool = False
+) -> list[DeadLetter]:
+    """The oldest dead letters first, each with the rows its key holds back; retried and discarded ones only
+    with ``include_retried``."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            SELECT d.id, d.message_id::text, d.topic, d.key, d.partition, d.attempts, d.last_error,
+                   d.dead_lettered_at, d.dead_lettered_by, d.retried_at, d.discarded_at, d.discard_reason,
+                   h.topic IS NOT NULL,
+                   (SELECT count(*) FROM {held} x WHERE x.topic = h.topic AND x.key = h.key),
+                   CASE WHEN d.payload_bytes IS NULL THEN 'json' ELSE 'bytes' END,
+                   coalesce(octet_length(d.payload_bytes), octet_length(d.payload::text))
+            FROM {dead_letters} d
+            LEFT JOIN {holds} h ON h.topic = d.topic AND h.key = d.key AND h.dead_letter_id = d.id
+                                AND h.released_at IS NULL
+            WHERE %(all)s OR (d.retried_at IS NULL AND d.discarded_at IS NULL)
+            ORDER BY d.dead_lettered_at, d.id
+            LIMIT %(limit)s
+            """
+        ).format(dead_letters=table.dead_letters, holds=table.holds, held=table.held),
+        {"all": include_retried, "limit": limit},
+    ).fetchall()
+    return [DeadLetter(*row) for row in rows]
+
+
+def retry_dead_letters(
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    *,
+    ids: Sequence[int] | None = None,
+    topic: str | None = None,
+    by: str | None = None,
+) -> int:
+    """Put dead letters (not retried yet) back into the outbox; returns how many.
+
+    One statement, so one transaction: the dead letter gets ``retried_at`` and its message is
+    inserted again with the same ``message_id``, ``attempts`` 0, ``created_at`` now (a partition
+    exists for today), a new ``transaction_id`` and always a new id, so position strategies read it past
+    their position: ``serialized`` reads ``id > position``, and a copy that kept its old id once the
+    original row was gone (its day archived and dropped) sat behind the position and was never published
+    (issue 13). Consumers deduplicate by ``message_id``. The serialized writers' lock is taken so that
+    the new id is commit-ordered like any serialized write. A keyed copy is routed again (the insert trigger)
+    with the topic's partition count of today, so it joins its key's partition even if the count changed.
+    Without ``ids`` or ``topic`` every pending dead letter is retried.
+
+    A dead letter its key is held behind (quarantine) goes instead to the head of its held rows and the hold is
+    released: the partition's relay publishes it, then the held rows, in order, then the key flows again.
+    """
+    seq = table.ident("outbox_messages_id_seq")
+    filters = {"ids": list(ids) if ids is not None else None, "topic": topic, "by": by}
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (SERIALIZED_LOCK_CLASS, table.schema))
+        released = conn.execute(
+            sql.SQL(
+                """
+                WITH picked AS (
+                    UPDATE {dead_letters} d SET retried_at = now()
+                    FROM {holds} h
+                    WHERE h.topic = d.topic AND h.key = d.key AND h.dead_letter_id = d.id AND h.released_at IS NULL
+                      AND d.retried_at IS NULL AND d.discarded_at IS NULL
+                      AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+                      AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+                    RETURNING d.*
+                ), released AS (
+                    UPDATE {holds} h SET released_at = now(), release = 'retry', released_by = %(by)s,
+                                         available_after = now()
+                    FROM picked p WHERE h.topic = p.topic AND h.key = p.key
+                )
+                INSERT INTO {held} (id, message_id, topic, key, type, payload, payload_bytes, headers, partition,
+                                    priority, transaction_id, created_at)
+                SELECT id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
+                       transaction_id, created_at
+                FROM picked
+                ON CONFLICT (id) DO NOTHING
+                """
+            ).format(dead_letters=table.dead_letters, holds=table.holds, held=table.held),
+            filters,
+        ).rowcount
+        cur = conn.execute(
+            sql.SQL(
+                """
+                WITH picked AS (
+                    UPDATE {dead_letters} d SET retried_at = now()
+                    WHERE d.retried_at IS NULL AND d.discarded_at IS NULL
+                      AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+                      AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+                    RETURNING d.id, d.message_id, d.topic, d.key, d.type, d.payload, d.payload_bytes, d.headers,
+                              d.partition, d.priority
+                )
+                INSERT INTO {messages} (
+                    id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority)
+                SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.payload_bytes,
+                       p.headers,
+                       CASE WHEN p.key IS NULL THEN p.partition END, p.priority
+                FROM picked p
+                ORDER BY p.id
+                """
+            ).format(dead_letters=table.dead_letters, messages=table.messages, seq=sql.Literal(seq.as_string(conn))),
+            filters,
+        )
+        return released + cur.rowcount
+
+
+def discard_dead_letters(
+    conn: psycopg.Connection, table: OutboxTable, ids: Sequence[int], *, reason: str, by: str | None = None
+) -> int:
+    """Give up on dead letters for good (recorded: when, by whom, why); returns how many.
+
+    The rows held behind a discarded dead letter are released: the partition's relay publishes them in order,
+    without it, then the key flows again. Retried or already discarded dead letters are left as they are.
+    """
+    if not ids:
+        raise OutboxError("discard needs the ids of the dead letters to give up on")
+    if not reason.strip():
+        raise OutboxError("discard needs a reason: it is recorded with the dead letter")
+    row = conn.execute(
+        sql.SQL(
+            """
+            WITH picked AS (
+                UPDATE {dead_letters} d SET discarded_at = now(), discarded_by = %(by)s, discard_reason = %(reason)s
+                WHERE d.id = ANY(%(ids)s::bigint[]) AND d.retried_at IS NULL AND d.discarded_at IS NULL
+                RETURNING d.id, d.topic, d.key
+            ), released AS (
+                UPDATE {holds} h SET released_at = now(), release = 'discard', released_by = %(by)s,
+                                     available_after = now()
+                FROM picked p
+                WHERE h.topic = p.topic AND h.key = p.key AND h.dead_letter_id = p.id AND h.released_at IS NULL
+                RETURNING 1
+            )
+            SELECT (SELECT count(*) FROM picked), (SELECT count(*) FROM released)
+            """
+        ).format(dead_letters=table.dead_letters, holds=table.holds),
+        {"ids": list(ids), "reason": reason, "by": by},
+    ).fetchone()
+    return int(row[0]) if row else 0

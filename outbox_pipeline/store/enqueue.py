@@ -1,0 +1,306 @@
+"""Engine room: the enqueue API services call inside their own transaction.
+
+Everything is validated before the first byte reaches PostgreSQL (messages.py), so bad input raises
+``InvalidMessageError`` and leaves the caller's transaction usable and untouched. All rows of one
+call go in with one statement, so a call stores all of its messages or none.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import psycopg
+from confluent_kafka.serialization import MessageField, SerializationContext
+from psycopg import sql
+from psycopg.rows import tuple_row
+
+from ..config import OutboxTable
+from ..errors import InvalidMessageError
+from . import wire_arrays
+from .messages import NO_HEADERS, Message, Row, validate
+from .migrations import DEFAULT_TOPIC_ROW, NOTIFY_SETTING
+from .record_headers import cloud_events_from_env
+from .record_size import RecordLimit
+from .routing import SERIALIZED_LOCK_CLASS
+from .tracing import TRACEPARENT, current_trace_headers
+
+# A confluent-kafka ``Serializer`` (AvroSerializer, ProtobufSerializer, JSONSerializer with a Schema Registry client)
+# or any callable like one: the payload object and the message's topic in, the bytes to store out.
+PayloadSerializer = Callable[[Any, SerializationContext], bytes | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    id: int
+    message_id: uuid.UUID
+
+
+def enqueue(
+    conn: psycopg.Connection,
+    topic: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    headers: Mapping[str, str | bytes] | None = None,
+    type: str | None = None,
+    priority: int = 0,
+    partition: int | None = None,
+    serialized: bool = False,
+    notify: bool = True,
+    table: OutboxTable | None = None,
+    serializer: PayloadSerializer | None = None,
+) -> Enqueued:
+    """Store one message in the caller's current transaction; it is relayed once that commits.
+
+    ``serialized=True`` takes the transaction-scoped lock the ``serialized`` strategy relies on (ids in
+    commit order): it is held until the caller commits, so keep the enqueue at the end of the transaction.
+    ``notify=False`` inserts without waking the relay (the rest of the transaction too): needed before
+    ``PREPARE TRANSACTION``, which PostgreSQL refuses after a NOTIFY; the relay's poll finds the rows.
+
+    ``payload``: anything JSON encodes (stored as jsonb), or bytes (stored and published unchanged). With a
+    ``serializer`` (a Schema Registry serializer), the bytes it makes of ``payload`` for the topic's value. With
+    OpenTelemetry installed, the current span context goes along as ``traceparent``/``tracestate`` headers.
+    """
+    message = Message(topic, payload, key, headers, type, priority, partition)
+    return enqueue_many(conn, [message], serialized=serialized, notify=notify, table=table, serializer=serializer)[0]
+
+
+def enqueue_many(
+    conn: psycopg.Connection,
+    messages: Iterable[Message],
+    *,
+    serialized: bool = False,
+    notify: bool = True,
+    table: OutboxTable | None = None,
+    serializer: PayloadSerializer | None = None,
+) -> list[Enqueued]:
+    """Store many messages with one statement: all of them or, on any bad message, none.
+
+    ``notify=False``: no wake-up for the relay, for two-phase commit (see ``enqueue``); ``serializer``: every
+    payload through it (see ``enqueue``).
+    """
+    table = table or OutboxTable.from_env()
+    if serializer is not None:
+        messages = [_serialize(serializer, m, i) for i, m in enumerate(messages)]
+    if trace := current_trace_headers():
+        # The writer's trace, for the consumer to continue (tracing.py); a message's own traceparent wins.
+        messages = [m if m.headers and TRACEPARENT in m.headers else _traced(m, trace) for m in messages]
+    topics: set[str] = set()
+    limit = RecordLimit(table.max_message_bytes, cloud_events_from_env())  # the relay's CloudEvents attributes count
+    rows = [validate(m, limit, i, topics) for i, m in enumerate(messages)]
+    if not rows:
+        return []
+    if len(rows) * table.max_message_bytes > MAX_CALL_BYTES:  # each row is within the message limit: mostly no sum
+        _check_call_size(rows)
+    raw_ids, message_ids = _new_message_ids(len(rows))
+    if len(rows) == 1:
+        # The common call: scalar parameters instead of nine one-element arrays (measured: dumping the arrays
+        # was a third of a single-row enqueue's client time).
+        r = rows[0]
+        query = _insert_one_sql(table)
+        params: tuple[object, ...] = (
+            message_ids[0],
+            r.key,
+            r.type,
+            r.payload,
+            r.payload_bytes,
+            r.headers,
+            r.priority,
+            r.partition,
+            r.hash,
+            r.topic,
+        )
+    else:
+        query = _insert_sql(table)
+        # A column with nothing to say goes as NULL, not as an array of defaults: unnest pads it with NULLs, and
+        # dumping an array costs the client per element (most calls give no type, bytes, headers, priority or
+        # partition). The columns every call fills go as arrays built from their bytes (wire_arrays.py).
+        payloads = _unless_all([r.payload for r in rows], None)
+        text_columns: tuple[object, object, object]
+        if conn.info.encoding in _UTF8_AS_IS:
+            topic_utf8 = {topic: topic.encode() for topic in topics}
+            text_columns = (
+                wire_arrays.text_array([topic_utf8[r.topic] for r in rows]),
+                wire_arrays.text_array([r.key_utf8 for r in rows]),
+                None
+                if payloads is None
+                else wire_arrays.text_array([None if p is None else p.encode() for p in payloads]),
+            )
+        else:
+            # A client encoding other than UTF-8 (a LATIN1 database's default): text goes in that encoding, as
+            # psycopg encodes it, and the server reads it so; UTF-8 bytes would be stored as other characters
+            # ("café" as "cafÃ©": another Kafka key). A character the encoding lacks fails here, before anything
+            # is sent.
+            encoding = conn.info.encoding
+            try:
+                text_columns = (
+                    _encoded([r.topic for r in rows], encoding),
+                    _encoded([r.key for r in rows], encoding),
+                    _encoded(payloads, encoding),
+                )
+            except UnicodeEncodeError as exc:
+                raise InvalidMessageError(
+                    f"{exc.object[exc.start : exc.end]!r} cannot be stored in this database's client encoding "
+                    f"{conn.info.encoding}: use a UTF8 database (or client_encoding), or leave such characters out"
+                ) from None
+        topic_column, key_column, payload_column = text_columns
+        params = (
+            wire_arrays.uuid_array(raw_ids),
+            topic_column,
+            key_column,
+            _unless_all([r.type for r in rows], None),
+            payload_column,
+            _unless_all([r.payload_bytes for r in rows], None),
+            _unless_all([r.headers for r in rows], NO_HEADERS),
+            _unless_all([r.priority for r in rows], 0),
+            _unless_all([r.partition for r in rows], None),
+            wire_arrays.int8_array([r.hash for r in rows]),
+        )
+    # The service's connection, not its defaults: a cursor that binds on the server whatever its cursor_factory (a
+    # ClientCursor quoted the binary arrays as bytea literals) and returns tuples whatever its row_factory (dict_row
+    # rows were unpacked as their keys). Both tested in tests/engine/store/test_enqueue.py.
+    with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
+        if len(rows) > 1:
+            wire_arrays.register(cur.adapters)
+        if not notify:
+            # Transaction-local, like SET LOCAL: the caller's later inserts skip the NOTIFY as well.
+            cur.execute("SELECT set_config(%s, 'off', true)", (NOTIFY_SETTING,))
+        if serialized:
+            # Its own statement, before the INSERT draws ids from the sequence: from here to commit no
+            # other serialized writer can draw an id, so ids become visible in commit order. Pipelined,
+            # the lock and the insert still cost one round trip.
+            with conn.pipeline():
+                cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (SERIALIZED_LOCK_CLASS, table.schema))
+                cur.execute(query, params)
+        else:
+            cur.execute(query, params)
+        ids = [oid for (oid,) in cur.fetchall()]
+    # The rows are inserted in the call's order (ORDER BY u.ord), each taking the next id as it goes, and RETURNING
+    # gives them as inserted: ascending ids say that this order is the call's. Matching by message_id instead meant
+    # a uuid parsed per row.
+    if len(ids) != len(rows) or any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
+        raise RuntimeError(f"outbox insert returned ids {ids[:5]}... for {len(rows)} messages, not in their order")
+    return [Enqueued(oid, mid) for oid, mid in zip(ids, message_ids, strict=True)]
+
+
+# PostgreSQL reads one protocol message of at most 1 GB; a statement's parameters past that end the connection
+# ("invalid message length") instead of failing the call. Room is left for the ids and the arrays' own bytes.
+MAX_CALL_BYTES = 900 * 1024 * 1024
+
+
+def _check_call_size(rows: list[Row]) -> None:
+    """Refuse a call whose columns together pass what one statement can carry, before anything is sent."""
+    size = 0
+    for r in rows:  # ASCII-sized for text: a lower bound, enough to tell a call an order of magnitude too big
+        size += len(r.topic) + len(r.key or "") + len(r.payload or "") + len(r.payload_bytes or b"") + len(r.headers)
+    if size > MAX_CALL_BYTES:
+        raise InvalidMessageError(
+            f"enqueue_many: these {len(rows):,} messages are {size:,} bytes together, more than one statement can "
+            f"carry ({MAX_CALL_BYTES:,}): split them into several calls (in the same transaction, if they belong "
+            "together)"
+        )
+
+
+def _new_message_ids(n: int) -> tuple[bytes, list[uuid.UUID]]:
+    """``n`` random (version 4) UUIDs as ``uuid.uuid4()`` makes them, from one read of the system's random source:
+    their bytes one after another, and the UUIDs."""
+    raw = bytearray(os.urandom(16 * n))
+    raw[6::16] = bytes(b & 0x0F | 0x40 for b in raw[6::16])  # version 4
+    raw[8::16] = bytes(b & 0x3F | 0x80 for b in raw[8::16])  # the RFC 4122 variant
+    data = bytes(raw)
+    return data, [uuid.UUID(bytes=data[i : i + 16]) for i in range(0, 16 * n, 16)]
+
+
+@functools.cache
+def _insert_one_sql(table: OutboxTable) -> bytes:
+    """One row; the same routing as _insert_sql. Rendered once per outbox: composing costs on every call."""
+    return (
+        sql.SQL(
+            """
+            INSERT INTO {messages} (message_id, topic, key, type, payload, payload_bytes, headers, priority, partition)
+            SELECT %s::uuid, u.topic, %s::text, %s::text, %s::jsonb, %s::bytea, %s::jsonb, %s::smallint,
+                   coalesce(
+                       %s::integer,
+                       %s::bigint %% coalesce(
+                           (SELECT t.partitions FROM {topics} t WHERE t.topic = u.topic),
+                           (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row})))
+            FROM (SELECT %s::text AS topic) u
+            RETURNING id
+            """
+        )
+        .format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
+        .as_bytes(None)
+    )
+
+
+@functools.cache
+def _insert_sql(table: OutboxTable) -> bytes:
+    # The virtual partition is resolved in the same statement: the caller's own partition, else the
+    # key's murmur2 hash modulo the topic's partition count (outbox_topics, or its '*' default row).
+    return (
+        sql.SQL(
+            """
+        INSERT INTO {messages} (message_id, topic, key, type, payload, payload_bytes, headers, priority, partition)
+        SELECT u.message_id, u.topic, u.key, u.type, u.payload::jsonb, u.payload_bytes,
+               coalesce(u.headers::jsonb, '{{}}'), coalesce(u.priority, 0),
+               coalesce(
+                   u.partition,
+                   u.hash %% coalesce(t.partitions, (SELECT d.partitions FROM {topics} d WHERE d.topic = {default_row}))
+               )
+        FROM unnest(
+            %b::uuid[], %b::text[], %b::text[], %b::text[], %b::text[], %b::bytea[], %b::text[], %b::smallint[],
+            %b::integer[], %b::bigint[]
+        ) WITH ORDINALITY AS u(message_id, topic, key, type, payload, payload_bytes, headers, priority, partition, hash,
+                               ord)
+        LEFT JOIN {topics} t ON t.topic = u.topic
+        ORDER BY u.ord
+        RETURNING id
+        """
+        )
+        .format(messages=table.messages, topics=table.topics, default_row=sql.Literal(DEFAULT_TOPIC_ROW))
+        .as_bytes(None)
+    )
+
+
+# Client encodings that take UTF-8 bytes as they are: UTF8, and SQL_ASCII (no conversion at all).
+_UTF8_AS_IS = frozenset({"utf-8", "ascii"})
+
+
+def _encoded(values: Sequence[str | None] | None, encoding: str) -> wire_arrays.TextArray | None:
+    """A text column's values in the connection's encoding (see enqueue_many); UnicodeEncodeError if one cannot be."""
+    if values is None:
+        return None
+    return wire_arrays.text_array([None if v is None else v.encode(encoding) for v in values])
+
+
+def _unless_all(values: list[Any], default: object) -> list[Any] | None:
+    """``values``, or None when every one is ``default`` (see enqueue_many)."""
+    return None if all(v == default for v in values) else values
+
+
+def _serialize(serializer: PayloadSerializer, m: Message, index: int) -> Message:
+    """The message with its payload serialized for its topic's value; headers the serializer sets (a schema id in a
+    header) join the message's own."""
+    where = f"message {index} to topic {m.topic!r}"
+    added: list[tuple[str, str | bytes | None]] = []
+    try:
+        value = serializer(m.payload, SerializationContext(m.topic, MessageField.VALUE, added))
+    except Exception as exc:  # the serializer's own errors (SerializationError, schema mismatch, registry down)
+        raise InvalidMessageError(f"{where}: the serializer refused the payload: {exc}") from exc
+    if not isinstance(value, bytes):
+        raise InvalidMessageError(f"{where}: the serializer returned {type(value).__name__}, not bytes")
+    set_by_serializer = {name: value for name, value in added if value is not None}
+    headers = {**(m.headers or {}), **set_by_serializer} if set_by_serializer else m.headers
+    return replace(m, payload=value, headers=headers)
+
+
+def _traced(m: Message, trace: Mapping[str, str]) -> Message:
+    return replace(m, headers={**trace, **(m.headers or {})})
+
+
+__all__: Sequence[str] = ("Message", "Enqueued", "enqueue", "enqueue_many")

@@ -1,0 +1,168 @@
+"""Engine room: the relay strategy an outbox is relayed by, recorded in the outbox itself.
+
+One strategy relays an outbox at a time. Each keeps its own record of what it relayed (rows marked sent or deleted,
+or one position per partition in its own order), and another strategy reads that record wrongly: a row strategy
+after a position strategy republishes everything retained (and, deleting, drops the ledger); a position strategy
+after ``mark-sent`` republishes every sent row; a position in one order read in the other skips rows. So the outbox
+records its strategy, and whatever reads the outbox as some strategy (relays, drains, status, lag, maintenance,
+the lag sensor, Dagster jobs) asks here which one:
+
+- ``outbox init-db --strategy S`` records S on a new outbox; an outbox without a record (made before this record
+  existed, or without ``--strategy``) takes the strategy of its first relay or drain, unless what another strategy
+  left says otherwise (positions, rows marked sent);
+- only ``outbox switch-strategy --to S`` changes it (switch.py, in the transaction that translates the record);
+- a strategy named that differs from the recorded one is refused, naming the switch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from ..config import OutboxTable
+from ..errors import OutboxError
+from ..strategies import POSITION_STRATEGIES, STRATEGY_NAMES
+
+# Who recorded it (``recorded_by``).
+BY_INIT_DB = "init-db"
+BY_FIRST_RELAY = "first relay"
+BY_SWITCH = "switch-strategy"
+BY_POSITIONS = "positions found at upgrade"
+
+
+class StrategyMismatch(OutboxError):
+    """A strategy was named that is not the one the outbox records."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    strategy: str
+    recorded_at: dt.datetime
+    recorded_by: str
+
+
+def create_table(conn: psycopg.Connection, table: OutboxTable) -> None:
+    """The record: at most one row (migration 14)."""
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE TABLE {record} (
+                only_one    boolean     PRIMARY KEY DEFAULT true CHECK (only_one),
+                strategy    text        NOT NULL CHECK (strategy = ANY ({names})),
+                recorded_at timestamptz NOT NULL DEFAULT now(),
+                recorded_by text        NOT NULL
+            )
+            """
+        ).format(record=table.strategy_record, names=sql.Literal(list(STRATEGY_NAMES)))
+    )
+    # An outbox relayed before the record existed: its positions, when they are all in one order, say whose it is.
+    conn.execute(
+        sql.SQL(
+            """
+            INSERT INTO {record} (strategy, recorded_by)
+            SELECT min(read_by), %(by)s FROM {offsets} WHERE read_by IS NOT NULL
+            HAVING count(DISTINCT read_by) = 1
+            """
+        ).format(record=table.strategy_record, offsets=table.offsets),
+        {"by": BY_POSITIONS},
+    )
+
+
+def recorded(conn: psycopg.Connection, table: OutboxTable) -> Recorded | None:
+    row = conn.execute(
+        sql.SQL("SELECT strategy, recorded_at, recorded_by FROM {}").format(table.strategy_record)
+    ).fetchone()
+    return Recorded(*row) if row else None
+
+
+def resolve(conn: psycopg.Connection, table: OutboxTable, named: str | None) -> str:
+    """The strategy to read the outbox as, for what only looks (status, lag, the sensor): the recorded one."""
+    found = recorded(conn, table)
+    if found is not None:
+        _refuse_other(table, found, named)
+        return found.strategy
+    if named is None:
+        raise OutboxError(
+            f"the outbox {table.schema!r} records no relay strategy yet (no relay has run it): name one (--strategy; "
+            "OUTBOX_RELAY_STRATEGY for Dagster), or record it with `outbox init-db --strategy S`"
+        )
+    _check_name(named)
+    return named
+
+
+def claim(conn: psycopg.Connection, table: OutboxTable, named: str | None, by: str = BY_FIRST_RELAY) -> str:
+    """The strategy to relay the outbox with (relays, drains, init-db): the recorded one, or ``named`` recorded now
+    when there is none and nothing another strategy left contradicts it. Two first relays of different strategies
+    race for one row: one records, the other is refused."""
+    found = recorded(conn, table)
+    if found is None:
+        if named is None:
+            return resolve(conn, table, named)  # refuses: nothing recorded, nothing named
+        _check_name(named)
+        _refuse_traces(conn, table, named)
+        conn.execute(
+            sql.SQL("INSERT INTO {} (strategy, recorded_by) VALUES (%s, %s) ON CONFLICT DO NOTHING").format(
+                table.strategy_record
+            ),
+            (named, by),
+        )
+        return resolve(conn, table, named)
+    _refuse_other(table, found, named)
+    return found.strategy
+
+
+def record_switch(conn: psycopg.Connection, table: OutboxTable, strategy: str) -> None:
+    """In the switch's own transaction: the outbox is the new strategy's from its commit on."""
+    _check_name(strategy)
+    conn.execute(
+        sql.SQL(
+            """
+            INSERT INTO {record} (strategy, recorded_by) VALUES (%s, %s)
+            ON CONFLICT (only_one) DO UPDATE SET strategy = excluded.strategy, recorded_at = now(),
+                                                 recorded_by = excluded.recorded_by
+            """
+        ).format(record=table.strategy_record),
+        (strategy, BY_SWITCH),
+    )
+
+
+def _refuse_other(table: OutboxTable, found: Recorded, named: str | None) -> None:
+    if named is None or named == found.strategy:
+        return
+    _check_name(named)
+    raise StrategyMismatch(
+        f"the outbox {table.schema!r} is relayed by {found.strategy} (recorded by {found.recorded_by} at "
+        f"{found.recorded_at:%Y-%m-%d %H:%M:%S %Z}), not {named}: leave --strategy out to use {found.strategy}; to "
+        f"change it, stop every relay and run `outbox switch-strategy --to {named}` (docs/operations.md, "
+        "The outbox's strategy)"
+    )
+
+
+def _refuse_traces(conn: psycopg.Connection, table: OutboxTable, named: str) -> None:
+    """With nothing recorded: what another strategy left behind, that ``named`` would read as not relayed."""
+    row = conn.execute(
+        sql.SQL(
+            """
+            SELECT (SELECT min(read_by) FROM {offsets} WHERE read_by IS NOT NULL AND read_by <> %(named)s),
+                   %(named)s = ANY(%(positions)s) AND EXISTS (SELECT 1 FROM {messages} WHERE sent_at IS NOT NULL)
+            """
+        ).format(offsets=table.offsets, messages=table.messages),
+        {"named": named, "positions": list(POSITION_STRATEGIES)},
+    ).fetchone()
+    other, marked = row if row else (None, False)
+    if other is None and not marked:
+        return
+    whose = f"positions of {other}" if other else "rows marked sent by a row strategy (--mode mark-sent)"
+    raise StrategyMismatch(
+        f"the outbox {table.schema!r} records no strategy, but holds {whose}, which {named} would read as not "
+        f"relayed: stop every relay and run `outbox switch-strategy --to {named}` (docs/operations.md, "
+        "The outbox's strategy)"
+    )
+
+
+def _check_name(named: str) -> None:
+    if named not in STRATEGY_NAMES:
+        raise OutboxError(f"unknown strategy {named!r}: choose one of {', '.join(STRATEGY_NAMES)}")
