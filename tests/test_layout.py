@@ -151,6 +151,27 @@ def test_an_import_from_a_lower_layer_to_a_higher_one_is_named() -> None:
     assert imports_up(graph) == ["outbox_pipeline.store.enqueue -> outbox_pipeline.relay.publisher"]
 
 
+# What a newcomer reads in one sitting: a folder's modules, and a module.
+MAX_MODULES_PER_FOLDER = 16
+MAX_MODULE_LINES = 400
+
+
+def test_every_folder_and_module_of_the_package_reads_in_one_sitting() -> None:
+    package = Path(__file__).resolve().parents[1] / "outbox_pipeline"
+    crowded = {
+        folder.relative_to(package.parent).as_posix(): count
+        for folder in [package, *(d for d in package.rglob("*") if d.is_dir() and d.name != "__pycache__")]
+        if (count := len([f for f in folder.glob("*.py") if f.name != "__init__.py"])) > MAX_MODULES_PER_FOLDER
+    }
+    long = {
+        path.relative_to(package.parent).as_posix(): lines
+        for path in package.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+
+    assert crowded == {} and long == {}
+
+
 def test_dagster_definitions_load() -> None:
     from outbox_pipeline.definitions import defs
 

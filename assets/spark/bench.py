@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import psycopg
 
-from outbox_pipeline.bench.ceilings import count_back
+from outbox_pipeline.bench.baselines.ceilings import count_back
 from outbox_pipeline.bench.command import servers
 from outbox_pipeline.bench.runner import RunSpec, Servers, drop_table, prepare, run_once
 from outbox_pipeline.drain.engine import plan_drain

@@ -26,8 +26,8 @@ from pathlib import Path
 from .. import settings
 from ..config import check_dsn
 from ..strategies import STRATEGY_NAMES
-from . import header_floor, held, latency_cli, retained, writers
-from .comparison import (
+from . import header_floor, held, retained, writers
+from .baselines.comparison import (
     HEADLINE,
     PRODUCE_ONLY,
     READ_ONLY,
@@ -37,6 +37,7 @@ from .comparison import (
     same_jit,
     with_server_jit,
 )
+from .latency import latency_cli
 from .runner import RunSpec, Servers
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.

@@ -32,12 +32,12 @@ from ..relay.workers import WorkerSpec, build_relay
 from ..store.schema import init_db, set_topic_partitions
 from ..strategies.base import PublishOutcome, StrategyConfig
 from ..verify import verify
-from .ceilings import ConfirmingPublisher, count_back, produce_all, read_share
-from .handwritten import run_hand_written
-from .naive import NAIVE_BATCH, prepare_naive_schema, run_naive
+from .baselines.ceilings import ConfirmingPublisher, count_back, produce_all, read_share
+from .baselines.handwritten import run_hand_written
+from .baselines.naive import NAIVE_BATCH, prepare_naive_schema, run_naive
+from .baselines.talk_table import add_talk_offsets, create_talk_table, index_talk_table
 from .procstat import own_cpu_s, own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .statements import reset_statements, top_statements
-from .talk_table import add_talk_offsets, create_talk_table, index_talk_table
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.bench.ceilings import ConfirmingPublisher
-from outbox_pipeline.bench.talk_table import create_talk_table, index_talk_table
+from outbox_pipeline.bench.baselines.ceilings import ConfirmingPublisher
+from outbox_pipeline.bench.baselines.talk_table import create_talk_table, index_talk_table
 from outbox_pipeline.cli import main
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres
 from outbox_pipeline.relay.relay_settings import RelaySettings

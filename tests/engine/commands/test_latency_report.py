@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from outbox_pipeline.bench.gauges import Statements
-from outbox_pipeline.bench.latency_report import highest_rates
-from outbox_pipeline.bench.scenarios import ClassLatency, ScenarioResult
+from outbox_pipeline.bench.latency.gauges import Statements
+from outbox_pipeline.bench.latency.latency_report import highest_rates
+from outbox_pipeline.bench.latency.scenarios import ClassLatency, ScenarioResult
 
 
 def _curve(rate: float, committed_rate: float, p99_ms: float) -> ScenarioResult:

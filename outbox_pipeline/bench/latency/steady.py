@@ -17,16 +17,16 @@ from pathlib import Path
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from .. import settings
-from ..config import OutboxTable
-from ..observe.lag import partition_lag
-from ..store.schema import set_topic_partitions
+from ... import settings
+from ...config import OutboxTable
+from ...observe.lag import partition_lag
+from ...store.schema import set_topic_partitions
+from ..children import Child, sleep_until
+from ..runner import Servers
 from . import observer as observing
 from . import traffic
-from .children import Child, sleep_until
 from .gauges import CpuReading, read_cpu, relay_sessions, relay_statements, reset_statements
 from .relays import RelayCounters, RelayUnderTest
-from .runner import Servers
 from .scenarios import WARMUP_S, IdleResult, Scenario, ScenarioResult, class_latency, percentile, writer_plans
 
 START_S = 0.5  # writers are told to start this far ahead, so they start together
@@ -70,7 +70,7 @@ def _observer(session: Session, topic: str, partitions: int, probe: bool) -> tup
             future.result()
     out = str(session.scratch / f"observer-{topic}.tsv")
     plan = observing.ObserverPlan(session.servers.bootstrap, topic, partitions, out, session.fetch_wait_ms, probe_topic)
-    child = Child("outbox_pipeline.bench.observer", plan.to_json())
+    child = Child("outbox_pipeline.bench.latency.observer", plan.to_json())
     if child.wait_line("ready", READY_TIMEOUT_S) is None:
         child.kill()
         raise RuntimeError("the bench observer did not get ready")
@@ -122,7 +122,7 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
     writers: list[Child] = []
     try:
         env = {settings.PG_DSN.name: servers.dsn}
-        writers = [Child("outbox_pipeline.bench.traffic", plan.to_json(), env) for plan in plans]
+        writers = [Child("outbox_pipeline.bench.latency.traffic", plan.to_json(), env) for plan in plans]
         for writer in writers:
             if writer.wait_line("ready", READY_TIMEOUT_S) is None:
                 raise RuntimeError("a bench writer did not get ready")

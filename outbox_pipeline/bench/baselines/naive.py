@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 from psycopg import sql
 from psycopg.rows import DictRow, dict_row
 
-from ..config import OutboxTable
+from ...config import OutboxTable
 
 NAIVE_BATCH = 100
 # The talk's lock key for variant 1.1.

@@ -18,8 +18,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .procstat import busy_cores, machine_busy, process_cpu_s, tree_cpu_s
-from .runner import Servers
+from ..procstat import busy_cores, machine_busy, process_cpu_s, tree_cpu_s
+from ..runner import Servers
 
 RELAY_ROLE = "bench_relay"
 SESSION, SESSIONS = "relay session ", "relay's PostgreSQL sessions"

@@ -1,5 +1,5 @@
 """Engine room (benchmarks): the latency bench's observer, a process of its own (`python -m
-outbox_pipeline.bench.observer`).
+outbox_pipeline.bench.latency.observer`).
 
 One consumer, assigned (not subscribed: no group protocol) to every partition of the scenario's topic, polls one
 message at a time and stamps ``time.time()`` as soon as ``poll()`` returns it: nothing batches arrivals. The fetch

@@ -20,13 +20,13 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
-from .. import settings
-from ..config import OutboxTable
-from ..localstack.dev import group_members, wait_group_gone
-from ..localstack.ports import free_port
-from .procstat import cmdline, process_cpu_s
+from ... import settings
+from ...config import OutboxTable
+from ...localstack.dev import group_members, wait_group_gone
+from ...localstack.ports import free_port
+from ..procstat import cmdline, process_cpu_s
+from ..runner import Servers
 from .relays import RelayCounters, wait_until_registered
-from .runner import Servers
 
 START_TIMEOUT_S = 240.0  # dagster dev up, the sensor's first tick, the run launched and registered
 _RUNS_QUERY = '{ runsOrError(filter: {pipelineName: "relay_stream"}) { ... on Runs { results { status } } } }'

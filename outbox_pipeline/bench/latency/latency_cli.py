@@ -16,9 +16,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..strategies import strategy_list
+from ...strategies import strategy_list
+from ..runner import Servers
 from . import latency, latency_report
-from .runner import Servers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

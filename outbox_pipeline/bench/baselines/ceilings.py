@@ -19,10 +19,10 @@ import psycopg
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from psycopg import sql
 
-from ..config import OutboxTable
-from ..relay.publisher import KafkaPublisher, PendingBatch
-from ..strategies.base import RECORD_COLUMNS, OutboxRecord, PublishOutcome, fetch_records
-from ..verify.consume import make_consumer
+from ...config import OutboxTable
+from ...relay.publisher import KafkaPublisher, PendingBatch
+from ...strategies.base import RECORD_COLUMNS, OutboxRecord, PublishOutcome, fetch_records
+from ...verify.consume import make_consumer
 
 
 def read_share(dsn: str, table: OutboxTable, index: int, workers: int) -> list[OutboxRecord]:

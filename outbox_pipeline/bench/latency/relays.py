@@ -21,12 +21,12 @@ from typing import Protocol
 
 import psycopg
 
-from .. import settings
-from ..config import OutboxTable
-from ..localstack.ports import free_port
-from ..observe.liveness import live_workers
-from .procstat import tree_cpu_s
-from .runner import Servers
+from ... import settings
+from ...config import OutboxTable
+from ...localstack.ports import free_port
+from ...observe.liveness import live_workers
+from ..procstat import tree_cpu_s
+from ..runner import Servers
 
 
 @dataclass(frozen=True)

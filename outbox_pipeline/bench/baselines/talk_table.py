@@ -13,7 +13,7 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
-from ..config import OutboxTable
+from ...config import OutboxTable
 
 # Variant 1 and 1.1 (locking, advisory): the first slide's table.
 _BASE_COLUMNS = """

@@ -1,4 +1,5 @@
-"""Engine room (benchmarks): a latency bench's writer, a process of its own (`python -m outbox_pipeline.bench.traffic`).
+"""Engine room (benchmarks): a latency bench's writer, a process of its own (`python -m
+outbox_pipeline.bench.latency.traffic`).
 
 Writers share no interpreter (and no GIL) with the relay, the observer or the bench. Each one commits its streams'
 transactions on a fixed schedule (a late transaction does not shift the ones after it), stamps every message with
@@ -22,8 +23,8 @@ from dataclasses import asdict, dataclass
 
 import psycopg
 
-from ..config import OutboxTable, pg_dsn_from_env
-from ..store.enqueue import Message, enqueue_many
+from ...config import OutboxTable, pg_dsn_from_env
+from ...store.enqueue import Message, enqueue_many
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def _transaction_spans() -> Callable[[], AbstractContextManager[object]]:
     to store, at an SDK's cost in the writer."""
     from opentelemetry.sdk.trace import TracerProvider
 
-    tracer = TracerProvider().get_tracer("outbox_pipeline.bench.traffic")
+    tracer = TracerProvider().get_tracer("outbox_pipeline.bench.latency.traffic")
     return lambda: tracer.start_as_current_span("transaction")
 
 

@@ -28,15 +28,15 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from .. import settings
-from ..config import OutboxTable
-from ..store.schema import init_db
+from ... import settings
+from ...config import OutboxTable
+from ...store.schema import init_db
+from ..runner import Servers
+from ..server_jit import JIT_SUFFIX, set_server_jit
 from .gauges import relay_dsn, with_local_pids
 from .orchestrated import DagsterRelay
 from .relays import CliRelay, RelayUnderTest
-from .runner import Servers
 from .scenarios import IdleResult, Scenario, ScenarioResult
-from .server_jit import JIT_SUFFIX, set_server_jit
 from .steady import Session, run_idle, run_scenario
 
 

@@ -8,9 +8,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from ..runner import RunResult, RunSpec, Servers, run_once
+from ..server_jit import JIT_SUFFIX, set_server_jit
 from .handwritten import HAND_WRITTEN
-from .runner import RunResult, RunSpec, Servers, run_once
-from .server_jit import JIT_SUFFIX, set_server_jit
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..partitioning import partition_for
+from ...partitioning import partition_for
 from .gauges import SESSIONS, Statements
 from .traffic import Stream, WriterPlan
 

@@ -14,8 +14,8 @@ from confluent_kafka import Producer
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from ..config import OutboxTable
-from ..relay.publisher import DEFAULT_PRODUCER_CONFIG, REQUIRED_PRODUCER_CONFIG
+from ...config import OutboxTable
+from ...relay.publisher import DEFAULT_PRODUCER_CONFIG, REQUIRED_PRODUCER_CONFIG
 
 # ``AS xid``: an output column named transaction_id (the cast's name) would make ORDER BY transaction_id sort
 # by its text, and '1000' < '999' skips rows (the first version of this prototype did).
