@@ -33,7 +33,7 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
     """Scopes by module, Spark's modules as one (xdist's own ``loadgroup`` marks do not take with pytest 9)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByModule(LoadScopeScheduling):
+    class ByModule(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no types
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
             return "tests/spark" if module.startswith("tests/spark/") else module

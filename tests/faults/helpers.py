@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
@@ -116,16 +117,18 @@ def consume(
             msg = consumer.poll(0.2)
             if msg is None:
                 continue
-            if msg.error():
-                if msg.error().code() in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART):
+            error = msg.error()
+            if error is not None:
+                if error.code() in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART):
                     continue
-                raise RuntimeError(f"consume error: {msg.error()}")
+                raise RuntimeError(f"consume error: {error}")
             last = time.monotonic()
-            headers = {k: v for k, v in (msg.headers() or [])}
+            got_topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+            assert got_topic is not None and partition is not None and offset is not None  # a consumed message
+            # Consumed header values are bytes (the stubs also allow the producer side's str).
+            headers = dict(cast(list[tuple[str, bytes]], msg.headers() or []))
             _, timestamp_ms = msg.timestamp()
-            records.append(
-                TimedRecord(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), headers, timestamp_ms)
-            )
+            records.append(TimedRecord(got_topic, partition, offset, msg.key(), msg.value(), headers, timestamp_ms))
             wanted.discard(headers["message_id"].decode())
         return records
     finally:

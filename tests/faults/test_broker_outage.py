@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import psycopg
 import pytest
@@ -154,7 +155,7 @@ def test_broker_outage_backs_off_acks_nothing_then_resumes_and_loses_nothing(
         lanes.append(Lane(strategy, lane_dsn, table, topic, worker.start(), committed))
     # Warm: every worker connected and published, nothing pending, before the outage.
     for lane in lanes:
-        wait_until(f"{lane.strategy} warm-up", lambda lane=lane: lane.pending() == 0, 30)
+        wait_until(f"{lane.strategy} warm-up", partial(lambda lane: lane.pending() == 0, lane), 30)
 
     t0 = time.monotonic()
     start_outage()

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
 import psycopg
 import pytest
@@ -105,7 +106,7 @@ def test_sigkill_at_random_points_loses_nothing_and_duplicates_only_what_each_ki
         for _ in range(KILLS):
             committed += write(dsn, table, topic, BURST, serialized=serialized)
             run = victim.start().runs
-            victim.wait_for("a first ack", lambda ev, run=run: any(e.step == "acked" for e in _run(ev, run)))
+            victim.wait_for("a first ack", partial(lambda run, ev: any(e.step == "acked" for e in _run(ev, run)), run))
             time.sleep(rng.uniform(0, MAX_KILL_DELAY_S))  # the fault: a kill at a random point of the loop
             victim.kill()
             phases[_phase(_run(victim.events(), run))] += 1

@@ -113,7 +113,7 @@ def test_a_long_transaction_stalls_only_partitioned_and_everything_is_delivered_
                 sql.SQL("SELECT id, transaction_id::text::bigint, key FROM {}").format(table.messages)
             ).fetchall()
         sort_key = (lambda r: (r[1], r[0])) if strategy == "partitioned" else (lambda r: r[0])
-        expected = {}
+        expected: dict[bytes, list[int]] = {}
         for oid, _, key in sorted(rows, key=sort_key):
             expected.setdefault(key.encode(), []).append(oid)
         order_ok = order_by_key(records) == expected

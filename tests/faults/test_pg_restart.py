@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
+from typing import Literal
 
 import psycopg
 import pytest
@@ -43,7 +45,7 @@ class Lane:
 
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 def test_postgres_restart_mid_drain_the_relay_reconnects_by_itself_and_loses_nothing(
-    mode: str,
+    mode: Literal["fast", "immediate"],
     module_pg: LocalPostgres,
     outbox_tables: Callable[[str], OutboxTable],
     workers: Callable[..., WorkerProcess],
@@ -69,7 +71,9 @@ def test_postgres_restart_mid_drain_the_relay_reconnects_by_itself_and_loses_not
         )
         lanes.append(Lane(strategy, table, topic, worker.start(), committed))
     for lane in lanes:
-        wait_until(f"{lane.strategy} warm-up", lambda lane=lane: pending(dsn, lane.table, lane.strategy) == 0, 30)
+        wait_until(
+            f"{lane.strategy} warm-up", partial(lambda lane: pending(dsn, lane.table, lane.strategy) == 0, lane), 30
+        )
     # Every backlog commits at the same moment, so all workers are mid-drain together.
     with ExitStack() as stack:
         backlogs = []

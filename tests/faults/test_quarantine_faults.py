@@ -6,7 +6,7 @@ arrived complete and in commit order."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import psycopg
 import pytest
@@ -64,7 +64,7 @@ def test_a_poison_message_holds_its_key_through_kill_9_and_new_identities_and_th
     second_wave = _write(dsn, table, topic, 100, 100)
     committed += second_wave
 
-    def relay(name: str, producer: dict[str, object]) -> WorkerProcess:
+    def relay(name: str, producer: Mapping[str, object]) -> WorkerProcess:
         return workers(
             name, dsn=dsn, table=table, bootstrap=kafka.bootstrap_servers, strategy=strategy, batch_size=20,
             producer=producer, settings={"max_poll_interval_s": 0.5},

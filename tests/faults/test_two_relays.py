@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import psycopg
 import pytest
@@ -65,11 +66,13 @@ def test_two_relays_on_one_partition_never_publish_the_same_batch(
     # A rolling restart of each worker (SIGTERM, then the same id again) while the writer writes: the other one
     # takes over (it acks a batch while the first is down), so both publish and the hand-overs happen under load.
     for n, relay in enumerate(relays, start=1):
-        wait_until(f"{n}/3 of the live writes", lambda n=n: len(writer.committed) >= n * WRITTEN_LIVE // 3, 60)
+        wait_until(
+            f"{n}/3 of the live writes", partial(lambda n: len(writer.committed) >= n * WRITTEN_LIVE // 3, n), 60
+        )
         other = relays[n % 2]
         acked = _acks(other.events())
         assert relay.terminate() == 0, relay.log()
-        other.wait_for("taking over the partition", lambda events, acked=acked: _acks(events) > acked)
+        other.wait_for("taking over the partition", partial(lambda acked, events: _acks(events) > acked, acked))
         relay.start()
     writer.join(60)
     writer.check()
