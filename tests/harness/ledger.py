@@ -155,7 +155,7 @@ def check(ev: Evidence) -> Verdict:
         "dupe_bound": bound,
         "replayed": on_purpose,
         "switches": "[" + ",".join(str(s) for s in ev.switches) + "]",
-        "switch_dupes": f"{_across(ev.switches, ev.records)}/{switched}",
+        "switch_dupes": f"{_across(ev.switches, ev.spans, ev.records)}/{switched}",
         "dead_letters": len(ev.dead),
         "longest_wait": f"{longest[0]:.1f}s{longest[1]}",
         "longest_silence": f"{silence:.1f}s",
@@ -259,19 +259,29 @@ def _out_of_order(
     return bad
 
 
-def _across(switches: Sequence[Switch], records: Sequence[TimedRecord]) -> int:
-    """Copies stamped after a switch of rows whose first copy was stamped before it: what the switches published
-    again (within their bound, with the faults and replays around them)."""
+def _across(switches: Sequence[Switch], spans: Sequence[Span], records: Sequence[TimedRecord]) -> int:
+    """Copies stamped after a switch of rows first stamped before it, up to the next switch or the next fault or
+    operator action that publishes again (a rewind, a replay, a worker or server fault): what the switch published
+    again, for the figures beside what it was to (copies a fault before it left in flight, or a rewind not yet
+    published again, add theirs)."""
+    again = [s.start for s in spans if s.action in REPUBLISHING]
     ats = sorted(s.at for s in switches)
-    first: dict[str, int] = {}
+    windows = [(at, min([t for t in [*again, *ats] if t > at], default=float("inf"))) for at in ats]
+    first: dict[str, float] = {}
     across = 0
     for r in sorted(records, key=lambda r: (r.timestamp_ms, r.topic, r.partition, r.offset)):
-        m = r.headers["message_id"].decode()
-        era = bisect.bisect_right(ats, r.timestamp_ms / 1000)
-        if m in first and era > first[m]:
+        m, t = r.headers["message_id"].decode(), r.timestamp_ms / 1000
+        if m in first and any(first[m] < at <= t < until for at, until in windows):
             across += 1
-        first.setdefault(m, era)
+        first.setdefault(m, t)
     return across
+
+
+# What publishes rows again besides a switch: the faults _faults counts, and an operator's replay.
+REPUBLISHING = (
+    *("freeze", "kill", "kafka-cut", "terminate-backends", "pg-restart", "broker-freeze"),
+    *("rewind", "release-lease", "replay"),
+)
 
 
 def _faults(spans: Iterable[Span], workers: int) -> int:

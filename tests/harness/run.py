@@ -126,7 +126,7 @@ def _play(ctx: Context, schedule: Schedule, problems: list[str]) -> list[Writer]
     problems += _revive(pool)
 
     problems += [
-        f"worker {name} exited with {code} when stopped for a switch of strategy"
+        f"worker {name} exited with {code} (by itself, or when stopped for a switch of strategy)"
         for switch in ctx.switches
         for name, code in switch.exits
         if code not in (0, -9)

@@ -60,6 +60,8 @@ def switch(ctx: Context, event: Event) -> str:
     with ctx.pool.lock:
         at: float | None = None  # when the switch took
         republished = 0
+        # A slot's worker that exited by itself is replaced below: its exit is kept for the checker.
+        exits += [(w.name, w.returncode) for w in ctx.pool.slots if w.returncode is not None]
         try:
             for _ in range(ROUNDS):
                 exits += ctx.pool.stop(STOP_WAIT_S).items()
