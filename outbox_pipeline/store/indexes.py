@@ -29,6 +29,7 @@ from ..errors import OutboxError, SchemaError
 from ..strategies import STRATEGY_NAMES
 
 ROW_STRATEGIES = ("locking", "advisory", "lease")
+DROP_LOCK_TIMEOUT = "5s"  # how long dropping an index may queue writers and relays behind it
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,19 @@ def drop_except(conn: psycopg.Connection, table: OutboxTable, strategies: Sequen
     keep = {index.name for index in indexes_for(strategies)}
     found = states(conn, table)
     dropped = [i.name for i in INDEXES if i.name not in keep and found[i.name].exists]
-    for name in dropped:
-        conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(table.ident(name)))
+    try:
+        with conn.transaction():
+            # DROP INDEX takes the table's ACCESS EXCLUSIVE lock (no concurrent drop on a partitioned table): waiting
+            # for it behind an open transaction queues every writer and relay behind it, so it waits a bounded time.
+            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(DROP_LOCK_TIMEOUT)))
+            for name in dropped:
+                conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(table.ident(name)))
+    except psycopg.errors.LockNotAvailable:
+        raise OutboxError(
+            f"dropping the other strategies' indexes did not get its lock on the outbox within {DROP_LOCK_TIMEOUT}: "
+            "a transaction holds the message table (a relay's claim, a writer's transaction left open: `outbox "
+            "status` names a long one); nothing was dropped, run it again"
+        ) from None
     return dropped
 
 

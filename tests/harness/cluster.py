@@ -139,6 +139,27 @@ def admin(outbox: Outbox) -> Iterator[psycopg.Connection]:
         yield conn
 
 
+def open_dead_letters(outbox: Outbox) -> list[tuple[int, str]]:
+    """(id, last error) of the dead letters neither retried nor discarded, oldest first."""
+    with admin(outbox) as conn:
+        query = sql.SQL(
+            "SELECT id, coalesce(last_error, '') FROM {} WHERE retried_at IS NULL AND discarded_at IS NULL ORDER BY id"
+        )
+        return [(int(i), str(e)) for i, e in conn.execute(query.format(outbox.table.dead_letters)).fetchall()]
+
+
+def row_order(outbox: Outbox) -> dict[str, tuple[int, int]]:
+    """Each retained row's (transaction id, id), held rows too: its place in partitioned's order, and by its id in
+    serialized's (position strategies keep every row; a row strategy in delete mode keeps none it relayed)."""
+    query = (
+        "SELECT message_id::text, transaction_id::text::numeric, id FROM {messages} "
+        "UNION ALL SELECT message_id::text, transaction_id::text::numeric, id FROM {held}"
+    )
+    with admin(outbox) as conn:
+        rows = conn.execute(sql.SQL(query).format(messages=outbox.table.messages, held=outbox.table.held)).fetchall()
+    return {m: (int(x), int(i)) for m, x, i in rows}
+
+
 def wait_for_server(outbox: Outbox, deadline_s: float = 60.0) -> None:
     start = time.monotonic()
     while True:

@@ -15,7 +15,7 @@ from tests.kit.workers import ROOT
 
 from .cluster import Outbox, Servers
 from .relays import PRODUCER, WorkerPool
-from .schedule import Setup
+from .schedule import Relaying, Setup
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,24 @@ class Timeline:
     def of(self, *actions: str) -> list[Span]:
         with self.lock:
             return [s for s in self.spans if s.action in actions]
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A switch of strategy that was done (switching.py), for the checker: copies stamped before ``at`` are the old
+    strategy's, after it the new one's; ``republished``: rows relayed past the new positions, which the new
+    strategy publishes again (docs/operations.md); ``killed``: workers SIGKILLed instead of stopping."""
+
+    at: float  # wall clock, just after `outbox switch-strategy` succeeded (every relay stopped)
+    old: Relaying
+    new: Relaying
+    republished: int
+    killed: int
+    refused: tuple[str, ...] = ()  # what the switch refused first, and why (one line each)
+    exits: tuple[tuple[str, int], ...] = ()  # (worker, exit code) of the workers stopped for it
+
+    def __str__(self) -> str:
+        return f"{self.old}>{self.new}:{self.republished}"
 
 
 @dataclass(frozen=True)
@@ -100,7 +118,16 @@ class Context:
     commands: list[CliResult] = field(default_factory=list)
     # Rows an operator's replay or rewind publishes again on purpose: (what, rows), counted apart from duplicates.
     replayed: list[tuple[str, int]] = field(default_factory=list)
+    switches: list[Switch] = field(default_factory=list)
+    # Each row's place in the orders (transaction id, id), read before a switch deletes rows an ordered strategy
+    # relayed (to a row strategy in delete mode): the checker still checks their order.
+    order: dict[str, tuple[int, int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def relaying(self) -> Relaying:
+        """What relays the outbox now (a switch changes it): every action, worker and drain uses it."""
+        return self.pool.relaying
 
     def cli(self, *argv: str, timeout_s: float = 60.0) -> CliResult:
         result = outbox_cli(self.outbox, argv, timeout_s)

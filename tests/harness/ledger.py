@@ -4,9 +4,14 @@ nemesis did when, held against the product's promises. Each finding is one line 
 - every committed good row is in Kafka, with its key, value and headers as written (a key is its UTF-8 bytes whatever
   the database's encoding), and nothing arrives that no one committed;
 - per key, first arrivals in the strategy's order (partitioned: (transaction id, id); serialized: id, = commit order);
-  locking, advisory and lease keep no per-key order (docs/strategies.md);
+  locking, advisory and lease keep no per-key order (docs/strategies.md). Across a switch of strategy the order is
+  promised only where both keep it: a first copy belongs to the strategy that relayed when it was stamped, and the
+  key's first copies are checked within each stretch of ordered strategies (partitioned then serialized, or back,
+  is one stretch, by (transaction id, id): the run's writers took the serialized lock before their first write, so
+  that order is also their ids'); a stretch of a row strategy is not checked;
 - duplicates within the documented bound: IN_FLIGHT_BATCHES batches per fault per relay it hit (tests/faults/helpers),
-  one per failed attempt of a dead-lettered row, plus what an operator replayed on purpose;
+  one per failed attempt of a dead-lettered row, plus what an operator replayed on purpose, plus what each switch
+  publishes again (the rows relayed past its new positions, docs/operations.md), plus a fault per worker it killed;
 - every bad row refused at enqueue or dead-lettered with its reason, never delivered; no good row dead-lettered;
 - no hold left without its open dead letter (checked by the run before its last operator step);
 - no partition silent longer than ``lease_s`` plus a steal while a keyed row of it waited and a worker could serve it
@@ -16,6 +21,7 @@ nemesis did when, held against the product's promises. Each finding is one line 
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections import Counter, defaultdict
@@ -24,8 +30,8 @@ from dataclasses import dataclass, field
 
 from tests.faults.helpers import IN_FLIGHT_BATCHES, TimedRecord
 
-from .context import CliResult, Span
-from .schedule import Setup
+from .context import CliResult, Span, Switch
+from .schedule import POSITION_STRATEGIES, Setup
 from .silences import STEAL_S, Stall, silences
 from .writers import BAD_ROWS, Written
 
@@ -56,13 +62,14 @@ class Evidence:
     written: list[Written]
     records: list[TimedRecord]
     dead: list[DeadRow]
-    order: dict[str, tuple[int, int]]  # message_id -> its place in the strategy's order (ordered strategies)
+    order: dict[str, tuple[int, int]]  # message_id -> (transaction id, id): its place in the ordered strategies' orders
     spans: list[Span]
     replayed: list[tuple[str, int]]
     commands: list[CliResult]
     outputs: dict[str, str]  # every process's output and the servers' logs, by name
     secret: str
     problems: list[str] = field(default_factory=list)  # found by the run itself: holds, leftovers, exits, errors
+    switches: list[Switch] = field(default_factory=list)  # the switches of strategy done, in order
 
 
 @dataclass
@@ -105,15 +112,20 @@ def check(ev: Evidence) -> Verdict:
     findings += _bad_rows(ev.written, first, dead)
     refused_good = [f"{w.writer} {w.key!r}: {w.error}" for w in ev.written if w.good and w.outcome == "refused"]
     findings += _some("good row refused at enqueue", refused_good, shown=3)
-    disorder = _out_of_order(ev.setup.strategy, good, ev.records, ev.order)
+    stretches = _ordered_stretches(ev.setup.strategy, ev.switches)
+    disorder = _out_of_order(stretches, good, ev.records, ev.order)
     findings += _some("out of order (first arrivals of a key)", disorder)
 
-    faults = _faults(ev.spans, ev.setup.workers) + sum(d.attempts for d in ev.dead)
+    faults = _faults(ev.spans, ev.setup.workers) + sum(d.attempts for d in ev.dead) + sum(s.killed for s in ev.switches)
     on_purpose = sum(n for _, n in ev.replayed)
+    switched = sum(s.republished for s in ev.switches)
     dupes = sum(n - 1 for m, n in copies.items() if m in committed or m in in_doubt)
-    bound = IN_FLIGHT_BATCHES * ev.setup.batch_size * faults + on_purpose
+    bound = IN_FLIGHT_BATCHES * ev.setup.batch_size * faults + on_purpose + switched
     if dupes > bound:
-        findings.append(f"duplicates: {dupes} over the bound {bound} ({faults} faults, {on_purpose} replayed)")
+        findings.append(
+            f"duplicates: {dupes} over the bound {bound} ({faults} faults, {on_purpose} replayed, "
+            f"{switched} published again by {len(ev.switches)} switches)"
+        )
 
     stalls, silence, longest = silences(ev.setup, ev.written, ev.spans, good, first, ev.records)
     worst: dict[str, Stall] = {}
@@ -142,6 +154,8 @@ def check(ev: Evidence) -> Verdict:
         "dupes": dupes,
         "dupe_bound": bound,
         "replayed": on_purpose,
+        "switches": "[" + ",".join(str(s) for s in ev.switches) + "]",
+        "switch_dupes": f"{_across(ev.switches, ev.spans, ev.records)}/{switched}",
         "dead_letters": len(ev.dead),
         "longest_wait": f"{longest[0]:.1f}s{longest[1]}",
         "longest_silence": f"{silence:.1f}s",
@@ -198,27 +212,76 @@ def _bad_rows(written: Iterable[Written], first: dict[str, TimedRecord], dead: d
     return findings
 
 
+def _ordered_stretches(strategy: str, switches: Sequence[Switch]) -> list[tuple[float, float, frozenset[str]]]:
+    """(from, to, strategies): the stretches of the run's time in which ordered strategies relayed, one after the
+    other; a key's first copies stamped within one are in the stretch's order."""
+    starts = [(float("-inf"), strategy)] + [(s.at, s.new.strategy) for s in sorted(switches, key=lambda s: s.at)]
+    stretches: list[tuple[float, float, frozenset[str]]] = []
+    for i, (start, name) in enumerate(starts):
+        end = starts[i + 1][0] if i + 1 < len(starts) else float("inf")
+        if name not in POSITION_STRATEGIES:
+            continue
+        if stretches and stretches[-1][1] == start:  # the one before kept order too
+            stretches[-1] = (stretches[-1][0], end, stretches[-1][2] | {name})
+        else:
+            stretches.append((start, end, frozenset({name})))
+    return stretches
+
+
 def _out_of_order(
-    strategy: str, good: dict[str, Written], records: Sequence[TimedRecord], order: dict[str, tuple[int, int]]
+    stretches: Sequence[tuple[float, float, frozenset[str]]],
+    good: dict[str, Written],
+    records: Sequence[TimedRecord],
+    order: dict[str, tuple[int, int]],
 ) -> list[str]:
     """Keys whose first copies, in the log's order (offsets: a copy stamped earlier may be appended later, after a
-    broker outage), are not in the strategy's order."""
-    if strategy not in ("partitioned", "serialized"):
+    broker outage), are not in the order of the stretch they were stamped in (serialized alone: id; with
+    partitioned: (transaction id, id))."""
+    if not stretches:
         return []
+    starts = [start for start, _, _ in stretches]
     seen: set[str] = set()
-    per_key: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+    per_key: dict[tuple[str, str, int], list[tuple[int, int]]] = defaultdict(list)
     for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)):
         m = r.headers["message_id"].decode()
         w = good.get(m)
-        if m not in seen and w is not None and w.key is not None and m in order:
-            per_key[(w.topic, w.key)].append(order[m])
+        at = bisect.bisect_right(starts, r.timestamp_ms / 1000) - 1
+        if m not in seen and w is not None and w.key is not None and m in order and at >= 0:
+            if r.timestamp_ms / 1000 < stretches[at][1]:
+                xid, oid = order[m]
+                per_key[(w.topic, w.key, at)].append((0, oid) if stretches[at][2] == {"serialized"} else (xid, oid))
         seen.add(m)
     bad = []
-    for (topic, key), ids in sorted(per_key.items()):
+    for (topic, key, _), ids in sorted(per_key.items()):
         if ids != sorted(ids):
             at = next(i for i in range(1, len(ids)) if ids[i] < ids[i - 1])
             bad.append(f"{topic}/{key!r}: {ids[at - 1]} arrived before {ids[at]}")
     return bad
+
+
+def _across(switches: Sequence[Switch], spans: Sequence[Span], records: Sequence[TimedRecord]) -> int:
+    """Copies stamped after a switch of rows first stamped before it, up to the next switch or the next fault or
+    operator action that publishes again (a rewind, a replay, a worker or server fault): what the switch published
+    again, for the figures beside what it was to (copies a fault before it left in flight, or a rewind not yet
+    published again, add theirs)."""
+    again = [s.start for s in spans if s.action in REPUBLISHING]
+    ats = sorted(s.at for s in switches)
+    windows = [(at, min([t for t in [*again, *ats] if t > at], default=float("inf"))) for at in ats]
+    first: dict[str, float] = {}
+    across = 0
+    for r in sorted(records, key=lambda r: (r.timestamp_ms, r.topic, r.partition, r.offset)):
+        m, t = r.headers["message_id"].decode(), r.timestamp_ms / 1000
+        if m in first and any(first[m] < at <= t < until for at, until in windows):
+            across += 1
+        first.setdefault(m, t)
+    return across
+
+
+# What publishes rows again besides a switch: the faults _faults counts, and an operator's replay.
+REPUBLISHING = (
+    *("freeze", "kill", "kafka-cut", "terminate-backends", "pg-restart", "broker-freeze"),
+    *("rewind", "release-lease", "replay"),
+)
 
 
 def _faults(spans: Iterable[Span], workers: int) -> int:

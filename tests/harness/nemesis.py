@@ -45,8 +45,9 @@ def freeze(ctx: Context, event: Event) -> str:
 def kill(ctx: Context, event: Event) -> str:
     """SIGKILL a worker and start its replacement under a NEW worker id (a Deployment's pod)."""
     assert event.slot is not None
-    old = ctx.pool.slots[event.slot].name
-    return f"{old} -> {ctx.pool.replace(event.slot).name}"
+    with ctx.pool.lock:  # a switch of strategy replaces every slot meanwhile: this one kills what is there after it
+        old = ctx.pool.slots[event.slot].name
+        return f"{old} -> {ctx.pool.replace(event.slot).name}"
 
 
 @FAULTS.action("worker", 1.5, duration=lambda rng, setup: rng.uniform(0.5, 2.5 * setup.lease_s))
@@ -132,8 +133,12 @@ class Nemesis:
             if self.ctx.stop.wait(max(0.0, self.t0 + event.at_s - time.monotonic())):
                 return
             start = time.time()
+            action, relaying = self.actions[event.action], self.ctx.relaying
+            if not relaying.applies(action.spec):  # drawn for the strategy a switch given up would have set
+                self.ctx.timeline.add(Span(event.action, event.slot, start, start, f"skipped: not for {relaying}"))
+                continue
             try:
-                note = self.actions[event.action].run(self.ctx, event)
+                note = action.run(self.ctx, event)
             except psycopg.OperationalError as exc:  # the server is restarting: an operator tries again later
                 note = f"server unreachable: {str(exc).strip().splitlines()[0][:120]}"
             except Exception as exc:

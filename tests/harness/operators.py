@@ -5,13 +5,14 @@ shows at that moment with the event's seeded ``choice``, and returns a note for 
 rows again on purpose (a rewind, a replay) says how many (``ctx.replay``): the checker does not count them as
 duplicates.
 
-Not here yet: the switch-strategy procedure (being redesigned: the outbox will record its strategy).
+Each uses the strategy that relays the outbox now (``ctx.relaying``): ``switch_strategy`` changes it (switching.py).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+from collections.abc import Sequence
 
 import psycopg
 from psycopg import sql
@@ -21,7 +22,8 @@ from outbox_pipeline.errors import SchemaError
 from outbox_pipeline.operate.maintenance import create_ahead, move_default_rows
 from outbox_pipeline.store.migrations import DEFAULT_DAYS_AHEAD
 
-from .cluster import admin
+from . import switching
+from .cluster import admin, open_dead_letters
 from .context import Context
 from .schedule import POSITION_STRATEGIES, Event, Registry
 
@@ -31,19 +33,13 @@ _REWOUND = re.compile(r"rewound (\S+)/(\d+) from xid=(\d+) id=(\d+) to xid=(\d+)
 _REPLAYED = re.compile(r"replayed (\d+) sent rows")
 
 
-def _pick(options: list[tuple[object, ...]], event: Event) -> tuple[object, ...] | None:
+def _pick(options: Sequence[tuple[object, ...]], event: Event) -> tuple[object, ...] | None:
     return options[event.choice % len(options)] if options else None
-
-
-def _open_dead_letters(ctx: Context) -> list[tuple[object, ...]]:
-    with admin(ctx.outbox) as conn:
-        query = sql.SQL("SELECT id FROM {} WHERE retried_at IS NULL AND discarded_at IS NULL ORDER BY id")
-        return conn.execute(query.format(ctx.outbox.table.dead_letters)).fetchall()
 
 
 @OPERATIONS.action("operator", 2)
 def dead_letter_retry(ctx: Context, event: Event) -> str:
-    picked = _pick(_open_dead_letters(ctx), event)
+    picked = _pick(open_dead_letters(ctx.outbox), event)
     if picked is None:
         return "no dead letter"
     return str(ctx.cli("dead-letters", "retry", "--id", str(picked[0])))
@@ -51,7 +47,7 @@ def dead_letter_retry(ctx: Context, event: Event) -> str:
 
 @OPERATIONS.action("operator", 2)
 def dead_letter_discard(ctx: Context, event: Event) -> str:
-    picked = _pick(_open_dead_letters(ctx), event)
+    picked = _pick(open_dead_letters(ctx.outbox), event)
     if picked is None:
         return "no dead letter"
     return str(ctx.cli("dead-letters", "discard", "--id", str(picked[0]), "--reason", "harness: given up"))
@@ -77,7 +73,7 @@ def rewind(ctx: Context, event: Event) -> str:
 def _rows_between(ctx: Context, rewound: tuple[str, ...]) -> int:
     """Rows behind the old position and past the new one, in the strategy's order: what the rewind publishes again."""
     topic, partition, old_xid, old_id, new_xid, new_id = rewound
-    if ctx.setup.strategy == "partitioned":
+    if ctx.relaying.strategy == "partitioned":
         where = "(transaction_id, id) > (%(nx)s::xid8, %(ni)s) AND (transaction_id, id) <= (%(ox)s::xid8, %(oi)s)"
     else:
         where = "id > %(ni)s AND id <= %(oi)s"
@@ -141,14 +137,25 @@ def init_db(ctx: Context, event: Event) -> str:
 @OPERATIONS.action("operator", 1, duration=lambda rng, setup: DRAIN_MAX_S)
 def drain(ctx: Context, event: Event) -> str:
     """`outbox relay --until-empty` beside the running workers, same strategy, bounded by --max-seconds."""
-    argv = ["relay", "--strategy", ctx.setup.strategy, "--until-empty", "--max-seconds", f"{DRAIN_MAX_S:g}"]
+    relaying = ctx.relaying
+    argv = ["relay", "--strategy", relaying.strategy, "--until-empty", "--max-seconds", f"{DRAIN_MAX_S:g}"]
     argv += ["--batch-size", str(ctx.setup.batch_size), "--worker-id", f"drain-{event.choice % 1000}"]
-    if ctx.setup.mode != "delete":
-        argv += ["--mode", ctx.setup.mode]
+    if relaying.mode != "delete":
+        argv += ["--mode", relaying.mode]
     return str(ctx.cli(*argv, timeout_s=DRAIN_MAX_S + 60))
 
 
 @OPERATIONS.action("operator", 1)
 def status(ctx: Context, event: Event) -> str:
     """`outbox status` and `outbox lag` from a second shell: read only, and their output is scanned like the rest."""
-    return f"{ctx.cli('status', '--strategy', ctx.setup.strategy)}; {ctx.cli('lag', '--strategy', ctx.setup.strategy)}"
+    strategy = ctx.relaying.strategy
+    return f"{ctx.cli('status', '--strategy', strategy)}; {ctx.cli('lag', '--strategy', strategy)}"
+
+
+@OPERATIONS.action("operator", 0.5, duration=lambda rng, setup: switching.SWITCH_S)
+def switch_strategy(ctx: Context, event: Event) -> str:
+    """The documented switch (docs/operations.md) to the event's strategy while writers write and the nemesis goes
+    on: indexes, every worker stopped, `outbox switch-strategy` (its refusals followed), workers of the new strategy,
+    the other indexes dropped. Targets (schedule.switch_targets): the strategies the run's writers suit, which cannot
+    change mid-run: serialized only in a run that began serialized (its writers take the serialized lock)."""
+    return switching.switch(ctx, event)

@@ -1,6 +1,9 @@
 """Relay worker processes in slots: tests/kit/worker.py processes (the real Relay, strategy and producer,
 instrumented), started through worker_main.py so their INFO log is kept; a slot's process is replaced under a new
-worker id, as a Deployment replaces a pod. Their producer and relay settings fail fast enough for a short run."""
+worker id, as a Deployment replaces a pod. Their producer and relay settings fail fast enough for a short run.
+
+The pool knows what relays the outbox now (``relaying``): a switch of strategy stops every slot and starts them
+again with the new one (``stop`` then ``start``), holding ``lock`` so that no kill replaces a slot meanwhile."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any
 from tests.kit.workers import ROOT, WorkerProcess
 
 from .cluster import MAX_MESSAGE_BYTES, Outbox
-from .schedule import Setup
+from .schedule import Relaying, Setup
 
 MAX_ATTEMPTS = 3
 MESSAGE_TIMEOUT_MS = 2000  # under lease_s: a healthy worker's publish ends before its lease does
@@ -59,25 +62,34 @@ class HarnessWorker(WorkerProcess):
             )
         return self
 
+    def freeze(self) -> None:
+        if self.alive():  # stopped meanwhile (a switch of strategy): nothing to freeze
+            super().freeze()
+
+    def thaw(self) -> None:
+        if self.alive():
+            super().thaw()
+
 
 class WorkerPool:
     """One relay worker process per slot; ``replace`` starts a slot's next process under a new worker id."""
 
     def __init__(self, outbox: Outbox, setup: Setup, directory: Path) -> None:
         self.outbox, self.setup, self.directory = outbox, setup, directory
-        self.lock = threading.Lock()
+        self.relaying = Relaying(setup.strategy, setup.mode)
+        self.lock = threading.RLock()
         self.slots: list[WorkerProcess] = []
         self.retired: list[WorkerProcess] = []  # killed by the nemesis (their exit is no finding)
         self._generation = 0
 
     def _spawn(self, slot: int) -> WorkerProcess:
         self._generation += 1
-        name = f"{self.setup.strategy[:4]}-s{slot}-g{self._generation}"
+        name = f"{self.relaying.strategy[:4]}-s{slot}-g{self._generation}"
         spec: dict[str, Any] = {
             "dsn": self.outbox.app_dsn,
             "schema": self.outbox.table.schema,
             "bootstrap": self.outbox.bootstrap,
-            "strategy": self.setup.strategy,
+            "strategy": self.relaying.strategy,
             "worker_id": name,
             "batch_size": self.setup.batch_size,
             "config": {
@@ -85,17 +97,22 @@ class WorkerPool:
                 "max_attempts": MAX_ATTEMPTS,
                 "backoff_base_s": 0.2,
                 "backoff_max_s": 1.0,
-                "mode": self.setup.mode,
+                "mode": self.relaying.mode,
             },
             "producer": PRODUCER,
             "settings": RELAY_SETTINGS,
         }
         return HarnessWorker(spec, self.directory, name).start()
 
-    def start(self) -> None:
+    def start(self, relaying: Relaying | None = None) -> None:
+        """Start every slot (under new worker ids), with ``relaying`` from now on if given; those it replaces must
+        have stopped."""
         with self.lock:
+            self.relaying = relaying or self.relaying
+            self.retired += [w for w in self.slots if not w.alive()]
             self.slots = [self._spawn(slot) for slot in range(self.setup.workers)]
-        for worker in self.slots:
+            started = list(self.slots)
+        for worker in started:
             worker.wait_for("its start", lambda ev: any(e.step == "start" for e in ev), 60)
 
     def replace(self, slot: int) -> WorkerProcess:
@@ -118,17 +135,23 @@ class WorkerPool:
                 worker.thaw()
                 worker.kill()
 
-    def stop(self) -> dict[str, int]:
-        """SIGTERM every live worker (thawed first); returns the exit codes of those that were live."""
-        live = [w for w in self.slots if w.alive()]
-        for worker in live:
-            worker.thaw()
-            worker.request_stop()
-        codes = {}
-        for worker in live:
-            try:
-                codes[worker.name] = worker.wait(60)
-            except AssertionError:
-                worker.kill()
-                codes[worker.name] = -9
-        return codes
+    def stop(self, wait_s: float = 60.0) -> dict[str, int]:
+        """SIGTERM every live worker (thawed first), SIGKILL one that has not exited within ``wait_s`` (frozen
+        again meanwhile: a hung pod is killed); returns the exit codes of those that were live (-9: killed)."""
+        with self.lock:
+            live = [w for w in self.slots if w.alive()]
+            for worker in live:
+                worker.thaw()
+                try:
+                    worker.request_stop()
+                except AssertionError:  # it exited meanwhile: its code below
+                    pass
+            codes = {}
+            for worker in live:
+                try:
+                    codes[worker.name] = worker.wait(wait_s)
+                except AssertionError:
+                    worker.thaw()
+                    worker.kill()
+                    codes[worker.name] = -9
+            return codes

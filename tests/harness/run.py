@@ -1,7 +1,8 @@
 """One harness run: a database and topics of its own on the servers, relay workers of one strategy, the writers,
 the nemesis playing the schedule; then the nemesis stops (everything thawed, rejoined, running), the writers stop,
 the relays finish, the holds are checked, the operator retries or discards what is left in the dead letters (a good
-row retried, a bad one discarded), the relays finish again, and the checker reads Kafka and the database.
+row retried, a bad one discarded), the relays finish again, and the checker reads Kafka and the database. Whatever
+relays the outbox at the end (a switch of strategy may have changed it: ``ctx.relaying``) finishes the run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from psycopg import sql
 from tests.faults.helpers import consume
 from tests.kit.probes import pending, wait_until
 
-from .cluster import Outbox, Servers, admin
+from .cluster import Outbox, Servers, admin, row_order
 from .context import Context
 from .ledger import DeadRow, Evidence, Verdict, check
 from .nemesis import FAULTS, Nemesis
@@ -81,13 +82,14 @@ def run(servers: Servers, schedule: Schedule, directory: Path) -> Result:
         written=written,
         records=records,
         dead=_dead_letters(outbox),
-        order=_order(outbox, setup.strategy),
+        order={**ctx.order, **row_order(outbox)},
         spans=list(ctx.timeline.spans),
         replayed=list(ctx.replayed),
         commands=list(ctx.commands),
         outputs=outputs,
         secret=servers.secret,
         problems=problems,
+        switches=list(ctx.switches),
     )
     result = Result(schedule, check(evidence), time.monotonic() - started)
     _keep(directory, result, ctx, servers.secret)
@@ -123,7 +125,13 @@ def _play(ctx: Context, schedule: Schedule, problems: list[str]) -> list[Writer]
     problems += [f"writer {w.name} crashed: {w.crash!r}" for w in writers if w.crash is not None]
     problems += _revive(pool)
 
-    problems += _settle(outbox, setup.strategy, "after the faults")
+    problems += [
+        f"worker {name} exited with {code} (by itself, or when stopped for a switch of strategy)"
+        for switch in ctx.switches
+        for name, code in switch.exits
+        if code not in (0, -9)
+    ]
+    problems += _settle(outbox, ctx.relaying.strategy, "after the faults")
     problems += _holds(outbox)
     problems += _last_operator_step(ctx, {w.message_id for wr in writers for w in wr.written if w.good})
     codes = pool.stop()
@@ -202,7 +210,9 @@ def _last_operator_step(ctx: Context, good: set[str | None], rounds: int = 20) -
             ctx.cli("dead-letters", "retry", *retry)
         if discard:
             ctx.cli("dead-letters", "discard", *discard, "--reason", "harness: end of run")
-        if problems := _settle(ctx.outbox, ctx.setup.strategy, "after the last dead letters were retried or discarded"):
+        if problems := _settle(
+            ctx.outbox, ctx.relaying.strategy, "after the last dead letters were retried or discarded"
+        ):
             return problems
     return [f"dead letters or held rows still there after {rounds} rounds of retry and discard"]
 
@@ -216,18 +226,3 @@ def _dead_letters(outbox: Outbox) -> list[DeadRow]:
             ).format(outbox.table.dead_letters)
         ).fetchall()
     return [DeadRow(*row) for row in rows]
-
-
-def _order(outbox: Outbox, strategy: str) -> dict[str, tuple[int, int]]:
-    """Each row's place in the order its strategy promises (position strategies keep every row)."""
-    if strategy not in ("partitioned", "serialized"):
-        return {}
-    xid = "transaction_id::text::numeric" if strategy == "partitioned" else "0"
-    query = (
-        "SELECT message_id::text, {xid}, id FROM {messages} UNION ALL SELECT message_id::text, {xid}, id FROM {held}"
-    )
-    with admin(outbox) as conn:
-        rows = conn.execute(
-            sql.SQL(query).format(xid=sql.SQL(xid), messages=outbox.table.messages, held=outbox.table.held)
-        ).fetchall()
-    return {m: (int(x), int(i)) for m, x, i in rows}

@@ -5,7 +5,10 @@ is replayed by its seed; ``Schedule.render()`` prints it.
 The actions themselves live in nemesis.py (processes, network, servers) and operators.py (the operator's CLI); each
 registers with ``action(...)`` here, naming its lane, weight and the strategies it applies to, so adding one is one
 function. Events of one lane never overlap: one server fault at a time, one fault per worker slot at a time, one
-operator command at a time (a drain lasts its ``--max-seconds``).
+operator command at a time (a drain lasts its ``--max-seconds``, a switch of strategy its allowance).
+
+A ``switch-strategy`` event names the strategy (and ack mode) it switches to, drawn here from ``switch_targets``;
+the events after it are drawn for that strategy (a rewind only while a position strategy relays).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ STRATEGIES = ("locking", "advisory", "lease", "partitioned", "serialized")
 POSITION_STRATEGIES = frozenset({"partitioned", "serialized"})
 ROW_STRATEGIES = frozenset({"locking", "advisory", "lease"})
 Lane = Literal["server", "worker", "operator"]
+SWITCH = "switch-strategy"  # the operator action that changes the strategy (and so which actions apply)
 
 WARMUP_S = 2.0  # no event before this: the workers start their producers, the writers their first rows
 COOLDOWN_S = 1.0  # nor this close to the end
@@ -48,6 +52,38 @@ class Setup:
 
 
 @dataclass(frozen=True)
+class Relaying:
+    """What relays the outbox: a strategy and, for a row strategy, what an ack does (position strategies: delete)."""
+
+    strategy: str
+    mode: Literal["delete", "mark-sent"] = "delete"
+
+    def __str__(self) -> str:
+        return self.strategy if self.strategy in POSITION_STRATEGIES else f"{self.strategy}/{self.mode}"
+
+    def applies(self, spec: ActionSpec) -> bool:
+        """Whether an action is for this strategy (and ack mode)."""
+        return self.strategy in spec.strategies and spec.row_mode in (None, self.mode)
+
+
+def switch_targets(setup: Setup, strategy: str) -> tuple[str, ...]:
+    """The strategies a run may switch to from ``strategy``: those its writers suit. They cannot change mid-run and
+    enqueue with ``serialized=True`` only in a run that began ``serialized`` (docs/operations.md, step 1), so a run
+    that began with another strategy moves among partitioned, locking, advisory and lease, and one that began
+    serialized among all five (its writers' rows keep serialized's promise whatever relays them)."""
+    reachable = STRATEGIES if setup.strategy == "serialized" else tuple(s for s in STRATEGIES if s != "serialized")
+    return tuple(s for s in reachable if s != strategy)
+
+
+def switch_to(setup: Setup, strategy: str, choice: int) -> Relaying:
+    """The target a switch event's seeded ``choice`` picks: a strategy, and for a row strategy its ack mode."""
+    targets = switch_targets(setup, strategy)
+    target = targets[choice % len(targets)]
+    mode: Literal["delete", "mark-sent"] = "mark-sent" if target in ROW_STRATEGIES and choice >> 8 & 1 else "delete"
+    return Relaying(target, mode)
+
+
+@dataclass(frozen=True)
 class Event:
     """``choice`` is a seeded number the action uses to pick among what it finds then (a dead letter, a
     partition), so the pick is replayed too whenever the state it picks from is the same."""
@@ -57,11 +93,13 @@ class Event:
     slot: int | None = None
     duration_s: float = 0.0
     choice: int = 0
+    to: Relaying | None = None  # switch-strategy: the strategy and ack mode it switches to
 
     def __str__(self) -> str:
         slot = "" if self.slot is None else f" slot={self.slot}"
         duration = f" for {self.duration_s:.2f}s" if self.duration_s else ""
-        return f"{self.at_s:7.2f}s {self.action}{slot}{duration} choice={self.choice}"
+        to = "" if self.to is None else f" to={self.to}"
+        return f"{self.at_s:7.2f}s {self.action}{slot}{duration}{to} choice={self.choice}"
 
 
 @dataclass(frozen=True)
@@ -142,13 +180,7 @@ def make_schedule(
     """The setup and events of one run, from ``random.Random(seed)`` alone."""
     rng = random.Random(seed)
     setup = make_setup(rng, strategy, seconds, workers, lease_s)
-    specs = [
-        catalogue[name].spec
-        for name in sorted(catalogue)
-        if strategy in catalogue[name].spec.strategies
-        and (catalogue[name].spec.row_mode is None or catalogue[name].spec.row_mode == setup.mode)
-    ]
-    weights = [s.weight for s in specs]
+    relaying = Relaying(strategy, setup.mode)
     free_at: dict[tuple[str, int | None], float] = {}  # lane (and slot) -> when its last event ends
     events: list[Event] = []
     t = WARMUP_S
@@ -157,7 +189,8 @@ def make_schedule(
         t += rng.expovariate(1 / MEAN_GAP_S)
         if t >= end:
             break
-        spec = rng.choices(specs, weights)[0]
+        specs = [catalogue[name].spec for name in sorted(catalogue) if relaying.applies(catalogue[name].spec)]
+        spec = rng.choices(specs, [s.weight for s in specs])[0]
         slot = rng.randrange(workers) if spec.lane == "worker" else None
         duration = round(spec.duration(rng, setup), 2) if spec.duration else 0.0
         choice = rng.randrange(1 << 30)
@@ -166,5 +199,7 @@ def make_schedule(
         if start + duration > end:
             continue  # the lane is busy until too late: drop it (the draws above keep the sequence seeded)
         free_at[lane] = start + duration + 0.5
-        events.append(Event(round(start, 2), spec.name, slot, duration, choice))
+        to = switch_to(setup, relaying.strategy, choice) if spec.name == SWITCH else None
+        relaying = to or relaying
+        events.append(Event(round(start, 2), spec.name, slot, duration, choice, to))
     return Schedule(seed, setup, tuple(sorted(events, key=lambda e: (e.at_s, e.action, e.slot or 0))))

@@ -1,9 +1,9 @@
 """When a partition was not served: the check of "no row waits past ``lease_s`` plus a steal while a worker could
 serve it", made robust to backlogs. A silence is how long a keyed row's partition published nothing (no copy of
 anything) between the row's commit, or the partition's previous publish if later, and the row's first copy (Kafka's
-CreateTime), less the outages in between: a server fault, or every worker slot frozen, killed or cut off from Kafka
-at once, each followed by RECOVERY_S. A partition drained slowly, or publishing again after a rewind, is not silent;
-one whose worker hangs while another could take it is."""
+CreateTime), less the outages in between: a server fault, every worker slot frozen, killed or cut off from Kafka at
+once, or every relay stopped for a switch of strategy, each followed by RECOVERY_S. A partition drained slowly, or
+publishing again after a rewind, is not silent; one whose worker hangs while another could take it is."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ STEAL_S = 3.0  # after a lease runs out: 0.5 s before another worker takes a par
 RECOVERY_S = 5.0  # after a server fault or a total outage ends: reconnects, producers' ids, backoffs of 1 s
 WORKER_FAULTS = ("freeze", "kill", "kafka-cut")  # the slot's worker does not serve meanwhile
 SERVER_FAULTS = ("pg-restart", "broker-freeze", "terminate-backends")
+STOPPED = ("switch-strategy",)  # the operator stops every relay (and starts them again with another strategy)
 
 
 def _outages(spans: Sequence[Span], workers: int) -> list[tuple[float, float]]:
-    """When no relay could serve (wall clock), each followed by RECOVERY_S: a server fault, or every slot's worker
-    frozen, killed or cut off at once."""
-    windows = [(s.start, s.end + RECOVERY_S) for s in spans if s.action in SERVER_FAULTS]
+    """When no relay could serve (wall clock), each followed by RECOVERY_S: a server fault, every slot's worker
+    frozen, killed or cut off at once, or a switch of strategy."""
+    windows = [(s.start, s.end + RECOVERY_S) for s in spans if s.action in SERVER_FAULTS + STOPPED]
     edges = sorted((t, d) for s in spans if s.action in WORKER_FAULTS for t, d in ((s.start, 1), (s.end, -1)))
     down, since = 0, 0.0
     for t, d in edges:

@@ -10,9 +10,9 @@ import pytest
 from tests.faults.helpers import TimedRecord
 
 from . import ledger
-from .context import Span
+from .context import Span, Switch
 from .ledger import Evidence, check
-from .schedule import Setup
+from .schedule import Relaying, Setup
 from .writers import Written
 
 SECRET = "Hs0123456789abcdefPw"
@@ -35,9 +35,27 @@ def _evidence(
     spans: Sequence[Span] = (),
     order: dict[str, tuple[int, int]] | None = None,
     outputs: dict[str, str] | None = None,
+    strategy: str = "partitioned",
+    switches: Sequence[Switch] = (),
 ) -> Evidence:
-    setup = Setup("partitioned", 20, 2, 5.0, 50, "UTF8", "delete", 0.01, 0.05)
-    return Evidence(setup, list(written), list(records), [], order or {}, list(spans), [], [], outputs or {}, SECRET)
+    setup = Setup(strategy, 20, 2, 5.0, 50, "UTF8", "delete", 0.01, 0.05)
+    return Evidence(
+        setup,
+        list(written),
+        list(records),
+        [],
+        order or {},
+        list(spans),
+        [],
+        [],
+        outputs or {},
+        SECRET,
+        switches=list(switches),
+    )
+
+
+def _switch(at: float, old: str, new: str, republished: int = 0) -> Switch:
+    return Switch(at, Relaying(old), Relaying(new), republished, killed=0)
 
 
 def test_a_committed_row_that_never_arrived_is_lost() -> None:
@@ -107,3 +125,47 @@ def test_order_is_the_logs_a_copy_stamped_earlier_but_appended_later_does_not_co
     verdict = check(_evidence(written, records, spans=[freeze], order={"a": (7, 1), "b": (7, 2)}))
 
     assert verdict.ok, verdict.findings
+
+
+def test_across_a_switch_between_two_ordered_strategies_a_keys_first_arrivals_stay_in_order() -> None:
+    """serialized then partitioned (a run whose writers take the serialized lock): one promise across the switch."""
+    written = [_row("a", 0.0), _row("b", 0.0)]
+    records = [_copy("b", 0.5, 0), _copy("a", 1.5, 1)]  # b before the switch at 1 s, a (earlier in order) after it
+
+    verdict = check(
+        _evidence(
+            written,
+            records,
+            order={"a": (7, 1), "b": (8, 2)},
+            strategy="serialized",
+            switches=[_switch(1.0, "serialized", "partitioned")],
+        )
+    )
+
+    assert len(verdict.findings) == 1 and verdict.findings[0].startswith("out of order"), verdict.findings
+
+
+def test_across_a_switch_to_a_row_strategy_order_is_promised_before_it_and_not_after() -> None:
+    written = [_row("a", 0.0), _row("b", 0.0), _row("c", 0.0, key="k2"), _row("d", 0.0, key="k2")]
+    before = [_copy("b", 0.2, 0), _copy("a", 0.3, 1)]  # partitioned: a (earlier in order) after b
+    after = [_copy("d", 1.5, 0, key=b"k2"), _copy("c", 1.6, 1, key=b"k2")]  # lease keeps no order
+    order = {"a": (7, 1), "b": (7, 2), "c": (9, 3), "d": (9, 4)}
+
+    verdict = check(_evidence(written, before + after, order=order, switches=[_switch(1.0, "partitioned", "lease")]))
+
+    assert len(verdict.findings) == 1 and "'k1'" in verdict.findings[0], verdict.findings
+
+
+def test_copies_a_switch_publishes_again_are_duplicates_within_what_it_republishes_and_no_more() -> None:
+    """The switch to a position strategy publishes again the rows relayed past its new positions (its
+    ``republished``): that many copies across it are within the bound, one more is not."""
+    written = [_row("a", 0.0), _row("b", 0.0)]
+    once = [_copy("a", 0.1, 0), _copy("b", 0.2, 1), _copy("a", 2.0, 2), _copy("b", 2.1, 3)]
+    twice = [*once, _copy("b", 2.2, 4)]
+    switch = _switch(1.0, "lease", "partitioned", republished=2)
+
+    within = check(_evidence(written, once, order={"a": (7, 1), "b": (7, 2)}, switches=[switch]))
+    over = check(_evidence(written, twice, order={"a": (7, 1), "b": (7, 2)}, switches=[switch]))
+
+    assert within.ok and within.figures["switch_dupes"] == "2/2", within.findings
+    assert [f.split(":")[0] for f in over.findings] == ["duplicates"] and "2 published again" in over.findings[0]

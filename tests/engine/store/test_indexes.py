@@ -4,6 +4,7 @@ relay refuses to run without its strategy's, and `outbox indexes` builds them on
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -167,3 +168,26 @@ def test_drop_others_leaves_only_the_named_strategys_indexes(
     code = main(["indexes", "--dsn", dsn, "--schema", table.schema, "--strategy", "serialized", "--drop-others"])
 
     assert code == 0 and _ready(db, table) == {"outbox_messages_serial"}
+
+
+def test_drop_others_gives_up_within_its_lock_timeout_while_a_transaction_holds_the_table_and_drops_nothing(
+    dsn: str, db: psycopg.Connection, new_outbox: Callable[..., OutboxTable], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DROP INDEX takes the message table's ACCESS EXCLUSIVE lock: waiting for it behind a relay's open claim, it
+    queued every writer and relay behind it, for good when that relay waited on one of them (harness seed 379,
+    serialized, `--seconds 30`: locking's worker held its claim open while its other session queued)."""
+    table = new_outbox(None)
+    done = threading.Event()
+    codes: list[int] = []
+    argv = ["indexes", "--dsn", dsn, "--schema", table.schema, "--strategy", "serialized", "--drop-others"]
+    with psycopg.connect(dsn) as relay:
+        relay.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages))  # a claim left open
+        dropping = threading.Thread(target=lambda: (codes.append(main(argv)), done.set()))
+        dropping.start()
+        returned = done.wait(15)
+        relay.rollback()
+    dropping.join(60)
+
+    assert returned and codes == [2], "still waiting for its lock 15 s later"
+    assert "did not get its lock" in capsys.readouterr().err
+    assert _ready(db, table) == {index.name for index in INDEXES}
