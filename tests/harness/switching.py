@@ -10,8 +10,8 @@ the writers write and the nemesis goes on:
    strategy's relays started again until no row is held; a worker still alive: stopped again at the next round;
    writers' transactions left open, the server restarting: again. Every refusal is kept (Switch.refused) and shown
    on the timeline. After the last, the old strategy's relays start again and the run goes on without the switch;
-4. the slots started again with NEW under new worker ids (a Deployment's rollout), then `outbox indexes --strategy
-   NEW --drop-others`.
+4. `outbox indexes --strategy NEW --drop-others` while the relays are still stopped (nothing of theirs holds the
+   table), then the slots started again with NEW under new worker ids (a Deployment's rollout).
 
 The pool's lock is held from 2 to 4: a kill of the nemesis waits for it rather than starting an old strategy's
 worker. What the checker needs is recorded in ``ctx.switches``: when the switch took (copies stamped before are the
@@ -60,6 +60,7 @@ def switch(ctx: Context, event: Event) -> str:
     with ctx.pool.lock:
         at: float | None = None  # when the switch took
         republished = 0
+        dropped: CliResult | None = None
         # A slot's worker that exited by itself is replaced below: its exit is kept for the checker.
         exits += [(w.name, w.returncode) for w in ctx.pool.slots if w.returncode is not None]
         try:
@@ -75,6 +76,7 @@ def switch(ctx: Context, event: Event) -> str:
                 if result.code == 0:
                     at = time.time()
                     republished = _retrying(ctx, lambda: _republished(ctx, before, new))  # noqa: B023 (called at once)
+                    dropped = _answered(ctx, "indexes", "--strategy", new.strategy, "--drop-others")
                     break
                 refused.append(_why(result))
                 _follow(ctx, old, result)
@@ -86,14 +88,13 @@ def switch(ctx: Context, event: Event) -> str:
         return f"{old} -> {new} given up after {ROUNDS} refusals ({killed} killed): {' | '.join(refused)}"
     with ctx.lock:
         ctx.switches.append(Switch(at, old, new, republished, killed, tuple(refused), tuple(exits)))
-    dropped = _answered(ctx, "indexes", "--strategy", new.strategy, "--drop-others")
     refusals = f", refused {len(refused)}: {' | '.join(refused)}" if refused else ""
     return f"{old} -> {new}: {republished} to publish again, {killed} killed{refusals}; {dropped}"
 
 
 def _answered(ctx: Context, *argv: str) -> CliResult:
     """A command, again once the server is back when it answered that it is restarting (exit 2). Dropping the
-    other indexes refused for its lock (the relays' claims hold the table) is left for later: each try queues the
+    other indexes refused for its lock (a writer's transaction held the table) is left for later: each try queues the
     writers behind it for its lock timeout."""
     result = ctx.cli(*argv)
     for _ in range(3):
