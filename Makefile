@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: dev test test-pg15 lint install clean tools
+.PHONY: dev test test-nightly test-pg15 lint install clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -60,10 +60,16 @@ lint: $(STAMP)
 # The whole engine and fault suites on the 15 are `make test-pg15` (7 minutes more on 2 cores: `make test` would
 # pass its 20-minute budget; run it nightly and before a release).
 PG15_CI_SUITES := tests/engine/relay/test_your_postgres.py tests/engine/relay/test_pgbouncer.py tests/engine/store/test_latin1.py tests/faults
+# Tests marked `nightly` (runs at size: the benches' own runs, a Spark cluster, a 200k verify) are `make test-nightly`.
 test: $(STAMP) tools lint
-	$(BIN)/python -m pytest -n 4 -m "not timing" $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m timing $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 4 -m "not timing and not nightly" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "timing and not nightly" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-pg15 PG15_SUITES="$(PG15_CI_SUITES)" PG15_TIMING=no
+
+# What `make test` leaves out for its 20 minutes: the runs at size, and the whole engine and fault suites on the 15.
+test-nightly: $(STAMP) tools
+	$(BIN)/python -m pytest -n 4 -m nightly $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-pg15
 
 # The engine and fault suites again on Debian's PostgreSQL 15 at its defaults. Where the package cannot be installed
 # (no apt-get, not root), this says how to run it and passes: elsewhere, set PG15_BIN to any build's bin folder, or

@@ -29,13 +29,29 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+# Long modules whose tests share no module-scoped fixture: each test is a scope of its own, so that one worker does
+# not run all of them one after another (test_kill9's five strategies alone were the 15's whole last two minutes).
+SPLIT_BY_TEST = frozenset(
+    {
+        "tests/faults/test_kill9.py",
+        "tests/faults/test_restart_new_ids.py",
+        "tests/faults/test_two_relays.py",
+        "tests/engine/relay/test_relay_failures.py",
+        "tests/engine/relay/test_transport_failures.py",
+    }
+)
+
+
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
-    """Scopes by module, Spark's modules as one (xdist's own ``loadgroup`` marks do not take with pytest 9)."""
+    """Scopes by module, Spark's modules as one (xdist's own ``loadgroup`` marks do not take with pytest 9), and the
+    tests of SPLIT_BY_TEST one by one."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByModule(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no types
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
+            if module in SPLIT_BY_TEST:
+                return nodeid
             return "tests/spark" if module.startswith("tests/spark/") else module
 
     return ByModule(config, log)

@@ -14,7 +14,7 @@ from tests.kit.kafka import KafkaProbe
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.nightly]  # a bench at size: make test-nightly
 
 
 def test_the_spark_bench_drains_the_same_backlog_both_ways_and_counts_every_message_back(

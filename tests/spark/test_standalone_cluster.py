@@ -27,7 +27,7 @@ from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import positions
 from tests.kit.relay import committed_message_ids, message_ids
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.nightly]  # a cluster of its own: make test-nightly
 
 SPARK_HOME = Path(pyspark.__file__).parent
 ROOT = Path(__file__).parents[2]

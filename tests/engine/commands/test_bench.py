@@ -36,7 +36,8 @@ def _bench_schemas(dsn: str) -> list[str]:
 
 
 # The position strategies' naive forms (the talk's variants 3 and 4) have a table and code path of their own.
-@pytest.mark.parametrize("strategy", ["partitioned", "serialized"])
+# The same lines for the other order at night (make test-nightly).
+@pytest.mark.parametrize("strategy", ["partitioned", pytest.param("serialized", marks=pytest.mark.nightly)])
 def test_bench_baseline_runs_the_talks_table_a_hand_written_relay_ours_and_both_ceilings_counting_every_message(
     strategy: str, bench_servers: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -197,6 +198,7 @@ def test_bench_latency_without_the_observer_counts_arrivals_by_the_relays_own_co
     assert _bench_schemas(bench_servers) == []
 
 
+@pytest.mark.nightly  # a run at size: make test-nightly (the 20-minute budget of make test)
 def test_bench_latency_server_jit_runs_the_relay_at_each_server_jit_in_one_invocation_and_leaves_the_servers_own(
     bench_servers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -232,6 +234,7 @@ def test_bench_rejects_several_transaction_sizes_outside_the_latency_bench() -> 
         main(["bench", "--rows-per-transaction", "10,100"])
 
 
+@pytest.mark.nightly  # a run at size: make test-nightly (the 20-minute budget of make test)
 def test_bench_writers_compares_each_writer_per_strategys_indexes_with_a_plain_tables_insert_per_transaction_size(
     bench_servers: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -263,6 +266,7 @@ def test_bench_writers_compares_each_writer_per_strategys_indexes_with_a_plain_t
     assert _bench_schemas(bench_servers) == []
 
 
+@pytest.mark.nightly  # a run at size: make test-nightly (the 20-minute budget of make test)
 def test_bench_dagster_drives_the_relay_with_one_run_and_compares_it_with_the_cli_relay(
     bench_servers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -310,6 +314,7 @@ def test_the_read_only_ceiling_starts_no_kafka_producer(
     assert "bootstrap.servers" not in capfd.readouterr().err
 
 
+@pytest.mark.nightly  # a run at size: make test-nightly (the 20-minute budget of make test)
 def test_bench_server_jit_runs_every_line_at_each_server_jit_in_one_invocation_and_leaves_the_servers_own(
     bench_servers: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

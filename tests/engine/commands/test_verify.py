@@ -262,6 +262,7 @@ def test_verify_imports_neither_dagster_nor_spark() -> None:
     assert out.stdout.strip() == ""
 
 
+@pytest.mark.nightly  # a run at size: make test-nightly (the 20-minute budget of make test)
 def test_200k_messages_relayed_by_2_partitioned_workers_verify_ok(
     dsn: str,
     db: psycopg.Connection,
