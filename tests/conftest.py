@@ -3,8 +3,9 @@ processes, probes); each folder's own conftest adds only what its room needs.
 
 `make test` runs the suite in two parts: everything but the ``timing`` scenarios on four pytest-xdist workers
 (each with its own PostgreSQL and broker), then the ``timing`` scenarios alone, so that no parallel load moves
-what they measure. A worker takes a whole module at a time (module-scoped servers and stacks start once), and
-one worker takes every Spark module (one Spark session, not four).
+what they measure. A worker takes a whole module at a time (module-scoped servers and stacks start once; a few
+long modules without them, test by test), and one worker takes every Spark module (one Spark session, not four).
+Tests marked ``nightly`` (runs at size) are left to `make test-nightly`.
 """
 
 from typing import Any
