@@ -52,6 +52,10 @@ _PLUMBING: Mapping[str, str] = MappingProxyType(
         "logging_collector": "off",
         # No Unix socket: socket paths hit length limits and permission problems under root/tmp dirs.
         "unix_socket_directories": "",
+        # The wal strategy streams a logical replication slot; the table strategies' writers pay for it in WAL
+        # volume only (docs/performance.md, Writer cost). max_replication_slots and max_wal_senders keep their
+        # defaults (10 each since PostgreSQL 10).
+        "wal_level": "logical",
     }
 )
 #: Derived from host/port so the DSN always matches where the server listens.
