@@ -59,6 +59,7 @@ class OutboxTable:
 
     schema: str = DEFAULT_SCHEMA
     max_message_bytes: int = settings.MAX_MESSAGE_BYTES.default
+    write_to: str = settings.WRITE_TO.default  # how enqueue() writes: "table" or "wal" (settings.WRITE_TO)
 
     def __post_init__(self) -> None:
         if not self.schema or len(self.schema.encode("utf-8")) > _MAX_IDENTIFIER_BYTES:
@@ -69,10 +70,16 @@ class OutboxTable:
             raise ConfigurationError("schema name must not contain NUL")
         if self.max_message_bytes < 1:
             raise ConfigurationError(f"max_message_bytes must be >= 1, got {self.max_message_bytes}")
+        if self.write_to not in ("table", "wal"):
+            raise ConfigurationError(f"write_to must be 'table' or 'wal', got {self.write_to!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OutboxTable:
-        return cls(schema=settings.SCHEMA.read(env), max_message_bytes=settings.MAX_MESSAGE_BYTES.read(env))
+        return cls(
+            schema=settings.SCHEMA.read(env),
+            max_message_bytes=settings.MAX_MESSAGE_BYTES.read(env),
+            write_to=settings.WRITE_TO.read(env),
+        )
 
     def ident(self, name: str) -> sql.Identifier:
         """A schema-qualified identifier for one of the outbox's relations."""

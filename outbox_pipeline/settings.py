@@ -84,6 +84,14 @@ MAX_MESSAGE_BYTES = Setting(
     "overhead: docs/payloads.md); at most the relay's KAFKA_MESSAGE_MAX_BYTES",
     _integer,
 )
+WRITE_TO = Setting(
+    "OUTBOX_WRITE_TO",
+    "table",
+    "how enqueue() writes. table: an INSERT (on an outbox made with `init-db --strategy wal` a trigger turns it into a "
+    "WAL message, at the cost of the INSERT); wal: a logical decoding message, no row, for a wal outbox only (at any "
+    "other outbox every write fails: no message is written that no relay reads)",
+    _one_of("table", "wal"),
+)
 LIVENESS = Setting(
     "OUTBOX_LIVENESS",
     "auto",
@@ -276,6 +284,7 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     PG_DSN,
     SCHEMA,
     MAX_MESSAGE_BYTES,
+    WRITE_TO,
     LIVENESS,
     RELAY_LINGER_MS,
     WORKER_ID_WAIT_S,

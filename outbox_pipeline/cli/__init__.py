@@ -18,7 +18,7 @@ from ..config import redact_dsn
 from ..errors import OutboxError
 from ..relay.relay_settings import RelaySettings
 from ..store.migrations import DEFAULT_DAYS_AHEAD
-from ..strategies import STRATEGY_NAMES, strategy_list
+from ..strategies import RECORDED_NAMES, STRATEGY_NAMES, strategy_list
 from ..strategies.quarantine import ON_POISON_CHOICES
 from .common import add_db_args, header_pair, positive_int, timestamp_arg, topic_partitions
 from .inspect_commands import cmd_lag, cmd_settings, cmd_status
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_db_args(p)
     p.add_argument(
         "--strategy",
-        choices=STRATEGY_NAMES,
+        choices=RECORDED_NAMES,
         help="default: the outbox's own (init-db --strategy, switch-strategy; an outbox without one takes this)",
     )
     p.add_argument("--workers", type=int, default=1, help="worker processes")

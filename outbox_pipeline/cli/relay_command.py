@@ -14,6 +14,7 @@ from ..relay.relay_settings import RelaySettings
 from ..relay.workers import WorkerResult, WorkerSpec, run_worker_processes
 from ..store import schema
 from ..store.relayable import require_relayable
+from ..strategies import WAL
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
 from ..strategies.quarantine import on_poison_from_env
@@ -32,9 +33,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     with server.connect(dsn, autocommit=True) as conn:
         schema.require_current(conn, table)
         strategy = require_relayable(conn, table, args.strategy)
-    cls = strategy_named(strategy)
-    if args.kafka_transactions and not issubclass(cls, PositionStrategy):
-        raise OutboxError(f"--kafka-transactions needs a position strategy (partitioned, serialized), not {cls.name!r}")
+    if args.kafka_transactions and (strategy == WAL or not issubclass(strategy_named(strategy), PositionStrategy)):
+        raise OutboxError(f"--kafka-transactions needs a position strategy (partitioned, serialized), not {strategy!r}")
     settings = RelaySettings.from_env(
         batch_size=args.batch_size,
         listen=not args.no_listen,

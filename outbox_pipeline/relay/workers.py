@@ -23,12 +23,13 @@ from multiprocessing.queues import Queue
 
 from ..config import default_worker_id
 from ..errors import OutboxError
-from ..strategies import strategy_class
+from ..strategies import WAL, strategy_class
 from ..strategies.base import PublishOutcome, Strategy, StrategyConfig
 from .loop import Relay
 from .publisher import KafkaPublisher
 from .relay_settings import RelaySettings
 from .stats import RelayInstruments
+from .wal.relay import WalRelay, WalRelaySettings
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,22 @@ def build_relay(
     )
 
 
+def build_wal_relay(
+    spec: WorkerSpec, stop: threading.Event | None = None, *, publisher: KafkaPublisher | None = None
+) -> WalRelay:
+    """The wal strategy's relay (relay/wal/), from the same spec: one process streams the slot, others wait."""
+    return WalRelay(
+        spec.dsn,
+        spec.config.table,
+        publisher or KafkaPublisher(spec.kafka_config),
+        WalRelaySettings(
+            until_idle=spec.settings.until_empty or spec.settings.until_idle, max_seconds=spec.settings.max_seconds
+        ),
+        stop,
+        worker_id=spec.worker_id or default_worker_id(),
+    )
+
+
 @dataclass(frozen=True)
 class WorkerResult:
     """A worker's cumulative metrics (RelayStats), sent back to the parent when it ends."""
@@ -123,7 +140,11 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
         served = serve_worker_metrics(
             spec.metrics_port + spec.index, spec.dsn, table, spec.strategy, sample_lag=spec.index == 0
         )
-    relay = build_relay(relay_spec, stop, instruments=served.metrics if served else None)
+    relay: Relay | WalRelay = (
+        build_wal_relay(relay_spec, stop)
+        if spec.strategy == WAL
+        else build_relay(relay_spec, stop, instruments=served.metrics if served else None)
+    )
     done = threading.Event()
 
     def report() -> None:

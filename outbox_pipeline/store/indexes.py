@@ -26,7 +26,7 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError, SchemaError
-from ..strategies import STRATEGY_NAMES
+from ..strategies import RECORDED_NAMES
 
 ROW_STRATEGIES = ("locking", "advisory", "lease")
 DROP_LOCK_TIMEOUT = "5s"  # how long dropping an index may queue writers and relays behind it
@@ -53,8 +53,8 @@ INDEXES = (
 
 def indexes_for(strategies: Iterable[str]) -> tuple[Index, ...]:
     wanted = set(strategies)
-    if unknown := wanted - set(STRATEGY_NAMES):
-        raise OutboxError(f"unknown strategy {', '.join(sorted(unknown))}: choose from {', '.join(STRATEGY_NAMES)}")
+    if unknown := wanted - set(RECORDED_NAMES):
+        raise OutboxError(f"unknown strategy {', '.join(sorted(unknown))}: choose from {', '.join(RECORDED_NAMES)}")
     return tuple(index for index in INDEXES if wanted & set(index.readers))
 
 

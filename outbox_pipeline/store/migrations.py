@@ -20,6 +20,7 @@ from .header_rules import refuse_reserved_headers, refuse_unsendable_headers
 from .partition_counts import check_snapshot_writers, create_partition_count_guard, lock_counts_as_owner
 from .record_size import create_record_bytes, sql_enqueue_size_check
 from .routing import create_routing_functions, create_sql_writers, replace_sql_enqueue
+from .strategy_record import allow_wal
 from .strategy_record import create_table as create_strategy_record
 from .topic_names import TOPIC_CHECK_PATTERN, TOPIC_PATTERN
 
@@ -340,5 +341,6 @@ MIGRATIONS: Sequence[Migration] = (
         "the table refuses headers named as the relay's own (message_id, type, outbox_id, created_at)",
         refuse_reserved_headers,
     ),
+    Migration(16, "the wal strategy can be recorded (its SQL comes with init-db --strategy wal)", allow_wal),
 )
 LATEST_VERSION = MIGRATIONS[-1].version

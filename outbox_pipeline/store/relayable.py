@@ -12,7 +12,7 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError
-from ..strategies import strategy_class
+from ..strategies import WAL, strategy_class
 from ..strategies.positions import PositionStrategy
 from . import strategy_record
 from .indexes import require_indexes
@@ -20,7 +20,7 @@ from .indexes import require_indexes
 
 def keeps_positions(strategy: str) -> bool:
     """Whether ``strategy`` keeps positions (partitioned, serialized) rather than marking rows."""
-    return issubclass(strategy_class(strategy), PositionStrategy)
+    return strategy != WAL and issubclass(strategy_class(strategy), PositionStrategy)
 
 
 def other_orders(

@@ -112,22 +112,9 @@ _ROUTE = """
     $fn$
 """
 
-# The SQL twin of enqueue.py's enqueue(): the same checks (the size limit from migration 13 on: record_size.py; before,
-# only the relay's producer refused an oversize row, which was dead-lettered), the same routing, the same
-# serialized writers' lock. OUT parameters, so ``SELECT id, message_id FROM <schema>.enqueue(...)``. From migration 11
-# on the payload is JSON or bytes: ``enqueue('t', '{{"a": 1}}')`` or ``enqueue('t', payload_bytes => '\\x0102')``
-# (a second function of the same name taking bytea would make every untyped literal payload ambiguous).
-_ENQUEUE = """
-    CREATE OR REPLACE FUNCTION {enqueue}(
-        topic text, payload jsonb{payload_default}, key text DEFAULT NULL, headers jsonb DEFAULT '{{}}',
-        type text DEFAULT NULL, priority integer DEFAULT 0, serialized boolean DEFAULT false{bytes_param},
-        OUT id bigint, OUT message_id uuid)
-    LANGUAGE plpgsql VOLATILE AS $fn$
-    #variable_conflict use_variable
-    DECLARE
-        bad text;{size_variables}
-    BEGIN
-        {payload_check}
+# What every SQL writer of a message checks (enqueue here, and the wal outbox's emit: store/wal/objects.py), in a
+# function with the parameters topic, payload, payload_bytes, key, headers, type and the variables bad, size, max_bytes.
+_CHECKS = """{payload_check}
         IF topic IS NULL OR topic !~ {topic_pattern} OR length(topic) > 249 OR topic IN ('.', '..') THEN
             RAISE EXCEPTION 'outbox enqueue: invalid Kafka topic name %: use 1..249 characters from '
                 '[a-zA-Z0-9._-], not "." or ".."', coalesce(quote_literal(topic), 'NULL')
@@ -147,7 +134,24 @@ _ENQUEUE = """
         IF bad IS NOT NULL THEN
             RAISE EXCEPTION 'outbox enqueue: header "%" must be a string, or {{"base64": "..."}} for bytes (padded '
                 'base64, no whitespace), under a non-empty name', bad USING ERRCODE = 'invalid_parameter_value';
-        END IF;{size_check}
+        END IF;{size_check}"""
+
+# The SQL twin of enqueue.py's enqueue(): the same checks (the size limit from migration 13 on: record_size.py; before,
+# only the relay's producer refused an oversize row, which was dead-lettered), the same routing, the same
+# serialized writers' lock. OUT parameters, so ``SELECT id, message_id FROM <schema>.enqueue(...)``. From migration 11
+# on the payload is JSON or bytes: ``enqueue('t', '{{"a": 1}}')`` or ``enqueue('t', payload_bytes => '\\x0102')``
+# (a second function of the same name taking bytea would make every untyped literal payload ambiguous).
+_ENQUEUE = """
+    CREATE OR REPLACE FUNCTION {enqueue}(
+        topic text, payload jsonb{payload_default}, key text DEFAULT NULL, headers jsonb DEFAULT '{{}}',
+        type text DEFAULT NULL, priority integer DEFAULT 0, serialized boolean DEFAULT false{bytes_param},
+        OUT id bigint, OUT message_id uuid)
+    LANGUAGE plpgsql VOLATILE AS $fn$
+    #variable_conflict use_variable
+    DECLARE
+        bad text;{size_variables}
+    BEGIN
+        {checks}
         IF priority IS NULL OR priority NOT BETWEEN -32768 AND 32767 THEN
             RAISE EXCEPTION 'outbox enqueue: priority must be in -32768..32767, got %', priority
                 USING ERRCODE = 'invalid_parameter_value';
@@ -205,6 +209,19 @@ _ONE_PAYLOAD_CHECK = """IF num_nonnulls(payload, payload_bytes) <> 1 THEN
         END IF;"""
 
 
+def sql_checks(
+    *, topic_pattern: str, binary_payloads: bool = False, size_check: sql.Composable | None = None
+) -> sql.Composed:
+    """The checks of every SQL writer (_CHECKS), for a function body."""
+    return sql.SQL(_CHECKS).format(
+        payload_check=sql.SQL(_ONE_PAYLOAD_CHECK if binary_payloads else _JSON_PAYLOAD_CHECK),
+        topic_pattern=sql.Literal(topic_pattern),
+        header_ok=sendable_header(),
+        reserved=sql.Literal(sorted(RESERVED_HEADERS)),
+        size_check=size_check or sql.SQL(""),
+    )
+
+
 def replace_sql_enqueue(
     conn: psycopg.Connection,
     t: OutboxTable,
@@ -218,17 +235,13 @@ def replace_sql_enqueue(
     conn.execute(
         sql.SQL(_ENQUEUE).format(
             size_variables=sql.SQL("\n        size bigint;\n        max_bytes bigint;" if size_check else ""),
-            size_check=size_check or sql.SQL(""),
+            checks=sql_checks(topic_pattern=topic_pattern, binary_payloads=binary_payloads, size_check=size_check),
             payload_default=sql.SQL(" DEFAULT NULL" if binary_payloads else ""),
             bytes_param=sql.SQL(", payload_bytes bytea DEFAULT NULL" if binary_payloads else ""),
-            payload_check=sql.SQL(_ONE_PAYLOAD_CHECK if binary_payloads else _JSON_PAYLOAD_CHECK),
             bytes_column=sql.SQL("payload_bytes, " if binary_payloads else ""),
             bytes_value=sql.SQL("payload_bytes, " if binary_payloads else ""),
             enqueue=t.ident("enqueue"),
             messages=t.messages,
-            topic_pattern=sql.Literal(topic_pattern),
-            header_ok=sendable_header(),
-            reserved=sql.Literal(sorted(RESERVED_HEADERS)),
             lock_class=sql.Literal(SERIALIZED_LOCK_CLASS),
             schema=sql.Literal(t.schema),
         )

@@ -18,9 +18,11 @@ from psycopg.rows import tuple_row
 from ..config import OutboxTable
 from ..errors import OutboxError, SchemaError
 from ..server import require_supported
+from ..strategies import WAL
 from . import strategy_record
 from .indexes import build, drop_except, indexes_for
 from .migrations import DEFAULT_DAYS_AHEAD, LATEST_VERSION, MIGRATION_LOCK_CLASS, MIGRATIONS, Migration
+from .wal import objects as wal_objects
 
 
 def init_db(
@@ -38,6 +40,8 @@ def init_db(
     ``indexes.drop_except``'s, on purpose). None: a new outbox gets every strategy's indexes. One strategy is also
     recorded as the outbox's (strategy_record.py): refused if another one is."""
     indexes_for(strategies or ())  # an unknown name fails before anything is created
+    if strategies and WAL in strategies and len(strategies) > 1:
+        raise OutboxError(f"the wal strategy serves an outbox alone, not with {', '.join(strategies)}: name only wal")
     require_supported(conn)
     with _tuple_rows(conn):
         return _init_db(conn, table, days_ahead=days_ahead, today=today, strategies=strategies)
@@ -98,7 +102,13 @@ def _init_db(
                 (migration.version, migration.name),
             )
             applied.append(migration)
-    if strategies is not None and len(strategies) == 1:
+    if strategies is not None and list(strategies) == [WAL]:
+        # The slot first: a message emitted before it exists would be decoded by nobody.
+        wal_objects.ensure_slot(conn, table)
+        with conn.transaction():
+            wal_objects.install_functions(conn, table)
+            strategy_record.claim(conn, table, WAL, by=strategy_record.BY_INIT_DB)
+    elif strategies is not None and len(strategies) == 1:
         strategy_record.claim(conn, table, strategies[0], by=strategy_record.BY_INIT_DB)
     ensure_partitions(conn, table, days_ahead=days_ahead, today=today)
     if strategies is not None and new:

@@ -24,7 +24,7 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError
-from ..strategies import POSITION_STRATEGIES, STRATEGY_NAMES
+from ..strategies import POSITION_STRATEGIES, RECORDED_NAMES, STRATEGY_NAMES
 
 # Who recorded it (``recorded_by``).
 BY_INIT_DB = "init-db"
@@ -68,6 +68,18 @@ def create_table(conn: psycopg.Connection, table: OutboxTable) -> None:
             """
         ).format(record=table.strategy_record, offsets=table.offsets),
         {"by": BY_POSITIONS},
+    )
+
+
+def allow_wal(conn: psycopg.Connection, table: OutboxTable) -> None:
+    """Migration 16: the record's check names every strategy there is, the wal lane too."""
+    conn.execute(
+        sql.SQL(
+            """
+            ALTER TABLE {record} DROP CONSTRAINT outbox_strategy_strategy_check,
+                ADD CONSTRAINT outbox_strategy_strategy_check CHECK (strategy = ANY ({names}))
+            """
+        ).format(record=table.strategy_record, names=sql.Literal(list(RECORDED_NAMES)))
     )
 
 
@@ -164,5 +176,5 @@ def _refuse_traces(conn: psycopg.Connection, table: OutboxTable, named: str) -> 
 
 
 def _check_name(named: str) -> None:
-    if named not in STRATEGY_NAMES:
-        raise OutboxError(f"unknown strategy {named!r}: choose one of {', '.join(STRATEGY_NAMES)}")
+    if named not in RECORDED_NAMES:
+        raise OutboxError(f"unknown strategy {named!r}: choose one of {', '.join(RECORDED_NAMES)}")

@@ -15,7 +15,9 @@ from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.relay.loop import Relay
 from outbox_pipeline.relay.relay_settings import RelaySettings
 from outbox_pipeline.relay.stats import RelayStats
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay
+from outbox_pipeline.relay.wal.relay import WalRelay
+from outbox_pipeline.relay.workers import WorkerSpec, build_relay, build_wal_relay
+from outbox_pipeline.strategies import WAL
 from outbox_pipeline.strategies.base import StrategyConfig
 
 from .kafka import Record
@@ -105,3 +107,26 @@ def row_count(db: psycopg.Connection, table: OutboxTable, where: str = "true") -
     """Rows of the outbox table matching a (test-written, constant) condition."""
     row = db.execute(sql.SQL("SELECT count(*) FROM {} WHERE " + where).format(table.messages)).fetchone()
     return int(row[0]) if row else 0
+
+
+def make_wal_relay(
+    dsn: str,
+    table: OutboxTable,
+    bootstrap: str,
+    *,
+    stop: threading.Event | None = None,
+    until_idle: bool = True,
+    max_seconds: float | None = 60.0,
+    producer: dict[str, object] | None = None,
+    worker_id: str | None = None,
+) -> WalRelay:
+    """The wal strategy's relay, assembled as the CLI's worker processes assemble it."""
+    spec = WorkerSpec(
+        dsn,
+        WAL,
+        {"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})},
+        RelaySettings(until_empty=until_idle, max_seconds=max_seconds),
+        StrategyConfig(table=table),
+        worker_id=worker_id,
+    )
+    return build_wal_relay(spec, stop)

@@ -11,6 +11,7 @@ from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store.wal.objects import drop_slot
 
 
 @pytest.fixture
@@ -35,3 +36,16 @@ def outbox_tables() -> Iterator[Callable[[str], OutboxTable]]:
 def table(dsn: str, outbox_tables: Callable[[str], OutboxTable]) -> OutboxTable:
     """An outbox on the session's server."""
     return outbox_tables(dsn)
+
+
+@pytest.fixture
+def wal_outbox(dsn: str) -> Iterator[OutboxTable]:
+    """An outbox made by ``init-db --strategy wal`` on the session's server (its slot dropped after the test), and
+    written the wal way (OUTBOX_WRITE_TO=wal)."""
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        init_db(conn, table, strategies=["wal"])
+    yield table
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        drop_slot(conn, table)
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))

@@ -1,0 +1,132 @@
+"""Engine room (relay, wal): one streamer per slot, and a waiting relay that takes over within seconds.
+
+PostgreSQL lets one walsender stream a slot at a time, and a second START_REPLICATION fails at once; relays must not
+take turns by failing. The streamer holds a session advisory lock on an ordinary connection; the others wait for it.
+
+- A relay that dies (kill -9, a crashed pod) closes its sockets: its lock goes with its session at once, and its
+  walsender ends when it reads the closed socket. The next relay takes the lock, and terminates that walsender
+  if it is still there (it holds the lock, so the walsender's relay is gone).
+- A relay that is frozen (SIGSTOP, a paused VM) keeps its sessions open and stops answering its walsender. The
+  waiting relay sees the slot's last reply (``pg_stat_replication.reply_time``) grow older than ``takeover_after_s``
+  and terminates both of the frozen relay's sessions. A streaming relay replies every few seconds, Kafka down or not
+  (wal/relay.py), so only a relay that cannot run at all looks frozen.
+
+Terminating another session needs the same role or ``pg_signal_backend`` (docs/operations.md, Your PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import psycopg
+
+from ... import server
+from ...config import OutboxTable
+from ...store.wal.objects import names_of
+
+log = logging.getLogger(__name__)
+
+# Class of the session advisory lock (class, hashtext(schema)) the streamer of an outbox's slot holds.
+WAL_LEADER_LOCK_CLASS = 0x4F57  # "OW"
+
+
+@dataclass(frozen=True)
+class LeaderSettings:
+    poll_s: float = 1.0  # how often a waiting relay tries the lock
+    takeover_after_s: float = 30.0  # a streamer whose walsender heard nothing from it this long is frozen
+    slot_free_timeout_s: float = 10.0  # how long to wait for a gone streamer's walsender to end
+
+
+class SlotLeader:
+    """The lock that makes one relay the slot's streamer. ``acquire`` waits for it; ``release`` gives it up."""
+
+    def __init__(self, dsn: str, table: OutboxTable, stop: threading.Event, settings: LeaderSettings) -> None:
+        self._dsn = dsn
+        self._table = table
+        self._stop = stop
+        self._settings = settings
+        self._slot = names_of(table).slot
+        self._conn: psycopg.Connection | None = None
+
+    def acquire(self) -> bool:
+        """Wait until this relay holds the lock (True) or ``stop`` is set (False)."""
+        logged = False
+        while not self._stop.is_set():
+            conn = self._connection()
+            row = conn.execute(
+                "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (WAL_LEADER_LOCK_CLASS, self._table.schema)
+            ).fetchone()
+            if row and row[0]:
+                self._free_slot(conn)
+                return True
+            if not logged:
+                log.info("another relay streams the slot %s; waiting to take over", self._slot)
+                logged = True
+            self._end_frozen_leader(conn)
+            self._stop.wait(self._settings.poll_s)
+        return False
+
+    def release(self) -> None:
+        if self._conn is not None:
+            self._conn.close()  # the session's lock goes with it
+            self._conn = None
+
+    @property
+    def connection(self) -> psycopg.Connection:
+        """The leader's ordinary session (autocommit), for what the streamer writes (dead letters)."""
+        return self._connection()
+
+    def _connection(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = server.connect(self._dsn, autocommit=True, application_name="outbox-relay-wal")
+        return self._conn
+
+    def _free_slot(self, conn: psycopg.Connection) -> None:
+        """End a walsender a gone streamer left on the slot, and wait until the slot is free."""
+        deadline = self._settings.slot_free_timeout_s
+        waited = 0.0
+        while True:
+            row = conn.execute(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (self._slot,)
+            ).fetchone()
+            if row is None or row[0] is None:
+                return
+            if waited == 0.0:
+                log.warning(
+                    "the slot %s is still streamed by pid %s, a relay that is gone: ending it", self._slot, row[0]
+                )
+                conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+            if waited >= deadline or self._stop.wait(0.1):
+                return  # START_REPLICATION will say the slot is active, and the relay tries again
+            waited += 0.1
+
+    def _end_frozen_leader(self, conn: psycopg.Connection) -> None:
+        row = conn.execute(
+            """
+            SELECT s.active_pid, l.pid, extract(epoch FROM now() - coalesce(r.reply_time, r.backend_start))
+            FROM pg_replication_slots s
+            LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
+            LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.classid = %(class)s
+                 AND l.objid = hashtext(%(schema)s)::oid AND l.objsubid = 2
+                 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            WHERE s.slot_name = %(slot)s
+            """,
+            {"class": WAL_LEADER_LOCK_CLASS, "schema": self._table.schema, "slot": self._slot},
+        ).fetchone()
+        if row is None:
+            return
+        walsender, holder, silent_s = row
+        if walsender is None or silent_s is None or float(silent_s) < self._settings.takeover_after_s:
+            return
+        log.warning(
+            "the relay streaming the slot %s has not answered for %.0f s (frozen?): ending its sessions (pids %s, %s)",
+            self._slot,
+            float(silent_s),
+            walsender,
+            holder,
+        )
+        for pid in (walsender, holder):
+            if pid is not None:
+                conn.execute("SELECT pg_terminate_backend(%s)", (pid,))

@@ -1,0 +1,269 @@
+"""Engine room (relay, wal): the wal strategy's relay: the slot's messages to Kafka in commit order.
+
+The slot streams each committed transaction whole, in commit order (PostgreSQL decodes the WAL at commit), so the
+relay keeps no position of its own: it publishes what arrives, in the order it arrives, and confirms a transaction's
+end to the slot only once Kafka has confirmed every message up to it. A crash resumes from the last confirmed
+transaction: what was published after it comes again (duplicates bounded by what was in flight), nothing is skipped.
+
+Kafka's failures, as the table strategies treat them (relay/kafka_errors.py):
+- the transport (a broker down): nothing after the first such message is confirmed; those messages are published
+  again, in order, after a back-off. Meanwhile the relay keeps answering its walsender, so a waiting relay does
+  not take it for frozen (leader.py) and ``wal_sender_timeout`` does not end the stream;
+- a message Kafka will never take (too large, an invalid topic): dead-lettered in ``outbox_dead_letters`` (its whole
+  message, for ``outbox dead-letters retry``), and the stream goes on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from ...config import OutboxTable
+from ...store.wal.format import MalformedMessage, decode
+from ...store.wal.objects import names_of
+from ...store.wal.slot import require_streamable
+from ...strategies.base import DeliveryFailure, OutboxRecord
+from ..publisher import KafkaPublisher
+from ..stats import RelayStats
+from .leader import LeaderSettings, SlotLeader
+from .pgoutput import Begin, Commit, Keepalive, Message
+from .stream import ReplicationStream
+
+log = logging.getLogger(__name__)
+
+_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True)
+class WalRelaySettings:
+    batch_max: int = 20_000  # messages handed to Kafka at once (a backlog's batch; steady traffic sends what came)
+    read_timeout_s: float = 0.5  # the longest wait for the stream when nothing is pending
+    until_idle: bool = False  # stop once everything written before the stream opened is published (tests, drains)
+    max_seconds: float | None = None
+    error_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    leader: LeaderSettings = LeaderSettings()
+
+
+@dataclass
+class _Batch:
+    """What arrived and is not confirmed: records in stream order, and the commits between them."""
+
+    records: list[OutboxRecord]
+    commits: list[tuple[int, int]]  # (records before this commit's end, the commit's end LSN)
+
+    def confirmable(self, settled: int) -> int | None:
+        """The end LSN of the last commit whose records (the first ``settled``) are all settled."""
+        lsn = None
+        for count, end in self.commits:
+            if count > settled:
+                break
+            lsn = end
+        return lsn
+
+    def drop(self, settled: int) -> None:
+        """Forget the first ``settled`` records and the commits they complete."""
+        self.records = self.records[settled:]
+        self.commits = [(count - settled, end) for count, end in self.commits if count > settled]
+
+
+class WalRelay:
+    """Streams the outbox's slot while it leads (leader.py), publishing with ``publisher``."""
+
+    name = "wal"
+
+    def __init__(
+        self,
+        dsn: str,
+        table: OutboxTable,
+        publisher: KafkaPublisher,
+        settings: WalRelaySettings,
+        stop: threading.Event | None = None,
+        *,
+        worker_id: str = "wal",
+    ) -> None:
+        self.dsn = dsn
+        self.table = table
+        self.publisher = publisher
+        self.settings = settings
+        self.stop = stop or threading.Event()
+        self.worker_id = worker_id
+        self.stats = RelayStats()
+        self._names = names_of(table)
+        self._prefix = self._names.prefix
+
+    def run(self) -> RelayStats:
+        deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
+        leader = SlotLeader(self.dsn, self.table, self.stop, self.settings.leader)
+        failures = 0
+        self.publisher.warm_up()
+        try:
+            while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                try:
+                    if not leader.acquire():
+                        break
+                    require_streamable(leader.connection, self.table)
+                    if self._stream(leader, deadline):
+                        break
+                    failures = 0
+                except psycopg.OperationalError as exc:
+                    failures += 1
+                    self.stats.errors += 1
+                    log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
+                    leader.release()
+                    self.stop.wait(
+                        min(self.settings.error_backoff_s * 2 ** (failures - 1), self.settings.max_backoff_s)
+                    )
+        finally:
+            leader.release()
+        return self.stats
+
+    def _stream(self, leader: SlotLeader, deadline: float | None) -> bool:
+        """Stream until stopped (True: the run is over) or the stream breaks (an OperationalError)."""
+        batch = _Batch([], [])
+        xid = "0"
+        failures = 0
+        row = leader.connection.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
+        idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
+        reached = 0
+        with ReplicationStream.open(self.dsn, self._names.slot, self._names.publication) as stream:
+            log.info("streaming the slot %s", self._names.slot)
+            while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                events = stream.read(0.0 if batch.records else self.settings.read_timeout_s)
+                log.debug("stream: %s", events)
+                for event in events:
+                    if isinstance(event, Message):
+                        if event.transactional and event.prefix == self._prefix:
+                            if (record := self._record(event, xid, leader)) is not None:
+                                batch.records.append(record)
+                    elif isinstance(event, Begin):
+                        xid = str(event.xid)
+                    elif isinstance(event, Commit):
+                        batch.commits.append((len(batch.records), event.end_lsn))
+                        reached = max(reached, event.end_lsn)
+                    elif isinstance(event, Keepalive):
+                        reached = max(reached, event.wal_end)
+                        if not batch.records and not batch.commits:
+                            stream.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
+                if not batch.records:
+                    if batch.commits:  # transactions with nothing of ours
+                        stream.confirm(batch.commits[-1][1])
+                        batch.commits.clear()
+                    if idle_at is not None and reached >= idle_at:
+                        return True
+                    continue
+                sending = batch.records[: self.settings.batch_max]
+                settled, down = self._publish(sending, leader)
+                if (lsn := batch.confirmable(settled)) is not None:
+                    stream.confirm(lsn)
+                batch.drop(settled)
+                if down:
+                    failures += 1
+                    self._back_off(stream, failures)
+                else:
+                    failures = 0
+        return True
+
+    def _publish(self, records: list[OutboxRecord], leader: SlotLeader) -> tuple[int, bool]:
+        """Publish ``records``; how many from the first are settled (delivered or dead-lettered), and whether the
+        transport failed (the rest is published again)."""
+        started = time.monotonic()
+        outcome = self.publisher.publish(records)
+        self.stats.batches += 1
+        self.stats.claimed += len(records)
+        self.stats.published += len(outcome.delivered)
+        self.stats.busy_s += time.monotonic() - started
+        if not outcome.failed:
+            return len(records), False
+        failed = {f.record.id: f for f in outcome.failed}
+        transport = [i for i, r in enumerate(records) if r.id in failed and failed[r.id].kind == "transport"]
+        settled = transport[0] if transport else len(records)
+        poison = [failed[r.id] for r in records[:settled] if r.id in failed]
+        if poison:
+            self._dead_letter(leader.connection, poison)
+        return settled, bool(transport)
+
+    def _dead_letter(self, conn: psycopg.Connection, failures: list[DeliveryFailure]) -> None:
+        for failure in failures:
+            r = failure.record
+            log.error("dead-lettering message %s to %s: %s", r.message_id.decode(), r.topic, failure.error)
+            conn.execute(
+                sql.SQL(
+                    """
+                    INSERT INTO {dead_letters} (
+                        id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
+                        transaction_id, created_at, attempts, last_error, dead_lettered_by)
+                    VALUES (%s, %s::uuid, %s, %s, %s, %s::jsonb, %s, %s::jsonb, %s, 0, %s::xid8, %s, 1, %s, %s)
+                    ON CONFLICT (id) DO NOTHING
+                    """
+                ).format(dead_letters=self.table.dead_letters),
+                (
+                    r.id,
+                    r.message_id.decode(),
+                    r.topic,
+                    None if r.key is None else r.key.decode(),
+                    None if r.type is None else r.type.decode(),
+                    None if r.binary else r.payload.decode(),
+                    r.payload if r.binary else None,
+                    r.headers,
+                    max(r.partition, 0),
+                    r.transaction_id,
+                    _timestamp(r.created_at),
+                    failure.error,
+                    self.worker_id,
+                ),
+            )
+            self.stats.dead_lettered += 1
+
+    def _back_off(self, stream: ReplicationStream, failures: int) -> None:
+        """Wait before publishing again, answering the walsender meanwhile."""
+        until = time.monotonic() + min(self.settings.error_backoff_s * 2 ** (failures - 1), self.settings.max_backoff_s)
+        while not self.stop.is_set() and (left := until - time.monotonic()) > 0:
+            stream.confirm(stream.confirmed)  # a status update: the walsender hears from its relay
+            self.stop.wait(min(left, 1.0))
+
+    def _record(self, event: Message, xid: str, leader: SlotLeader) -> OutboxRecord | None:
+        try:
+            m = decode(event.content)
+        except MalformedMessage as exc:
+            # Bytes under our prefix another writer made: kept as a dead letter (payload_bytes), never published.
+            failure = DeliveryFailure(_malformed(event, xid), f"not an outbox message: {exc}", "permanent")
+            self._dead_letter(leader.connection, [failure])
+            return None
+        return OutboxRecord(
+            event.lsn,
+            m.topic,
+            m.key,
+            m.payload,
+            m.headers,
+            m.message_id,
+            str(event.lsn).encode(),
+            m.created_at,
+            m.type,
+            m.partition,
+            xid,
+            0,
+            m.binary,
+        )
+
+
+def _malformed(event: Message, xid: str) -> OutboxRecord:
+    return OutboxRecord(
+        event.lsn, "(malformed)", None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, xid, 0, True
+    )
+
+
+_NO_ID = b"00000000-0000-0000-0000-000000000000"
+
+
+def _timestamp(micros: int) -> dt.datetime | str:
+    try:
+        return _PG_EPOCH + dt.timedelta(microseconds=micros)
+    except OverflowError:
+        return "infinity" if micros > 0 else "-infinity"

@@ -1,0 +1,106 @@
+"""Engine room (store): the bytes of one wal outbox message, as writers emit them and the relay reads them.
+
+A logical decoding message carries a prefix and bytes; the bytes are this layout (big-endian), written by the Python
+writer (``encode``), by SQL (``objects.py``: ``<schema>.wal_content``, the same layout built with ``int4send`` and
+friends) and read by the relay (``decode``). A fixed header first, so the relay slices instead of parsing JSON:
+
+    version  u8      1
+    flags    u8      bit 0: the payload is bytes (else JSON text)
+    created  i64     microseconds since 2000-01-01 UTC, the binary timestamptz ('infinity': the int64 bounds)
+    part     i32     the virtual partition the writer gave, -1 for none (the relay routes by key)
+    topic    u16     length of the topic (at most 249 bytes)
+    key      i32     length of the key, -1 for NULL
+    type     i32     length of the type, -1 for NULL
+    headers  i32     length of the headers' JSON text ("{}" for none)
+    id       36 B    the message_id, as uuid text
+    then topic, key, type, headers, and the payload to the end, each UTF-8 but the bytes payload.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+VERSION = 1
+BYTES_PAYLOAD = 0x01
+HEADER = struct.Struct(">BBqiHiii36s")
+# The byte offset of ``created`` (SQL's overlay() counts from 1: CREATED_AT_OFFSET + 1).
+CREATED_AT_OFFSET = 2
+# The prefix of every message of the outbox in ``schema``: a database may hold several outboxes, one slot each.
+PREFIX = "outbox:{schema}"
+
+
+class WalMessage(NamedTuple):
+    """One decoded message. A named tuple: the relay builds one per message on its hot path."""
+
+    message_id: bytes  # uuid text, ASCII
+    created_at: int
+    partition: int  # -1: none given
+    topic: str
+    key: bytes | None
+    type: bytes | None
+    headers: str
+    payload: bytes
+    binary: bool
+
+
+class MalformedMessage(ValueError):
+    """Bytes under the outbox's prefix that are not a message of this layout (a writer of another version, or a
+    hand-made ``pg_logical_emit_message``)."""
+
+
+def prefix_of(schema: str) -> str:
+    return PREFIX.format(schema=schema)
+
+
+def encode(
+    message_id: bytes,
+    topic: bytes,
+    key: bytes | None,
+    type_: bytes | None,
+    headers: bytes,
+    payload: bytes,
+    *,
+    binary: bool,
+    partition: int | None,
+    created_at: int = 0,
+) -> bytes:
+    """The message's bytes. ``created_at`` 0: the emitting SQL function stamps the transaction's ``now()`` over it,
+    as a row's default would (the writer's clock is not the database's)."""
+    header = HEADER.pack(
+        VERSION,
+        BYTES_PAYLOAD if binary else 0,
+        created_at,
+        -1 if partition is None else partition,
+        len(topic),
+        -1 if key is None else len(key),
+        -1 if type_ is None else len(type_),
+        len(headers),
+        message_id,
+    )
+    return b"".join((header, topic, key or b"", type_ or b"", headers, payload))
+
+
+def decode(content: bytes) -> WalMessage:
+    """The message in ``content``; MalformedMessage when the bytes are not one."""
+    try:
+        version, flags, created, part, n_topic, n_key, n_type, n_headers, message_id = HEADER.unpack_from(content)
+    except struct.error:
+        raise MalformedMessage(f"{len(content)} bytes, shorter than a message's {HEADER.size}-byte header") from None
+    if version != VERSION:
+        raise MalformedMessage(f"layout version {version}; this relay reads {VERSION}")
+    at = HEADER.size
+    end = at + n_topic + max(n_key, 0) + max(n_type, 0) + n_headers
+    if end > len(content) or n_key < -1 or n_type < -1 or n_headers < 0:
+        raise MalformedMessage(f"lengths past the message's {len(content)} bytes")
+    try:
+        topic = content[at : at + n_topic].decode()
+        at += n_topic
+        key = None if n_key < 0 else content[at : at + n_key]
+        at += max(n_key, 0)
+        type_ = None if n_type < 0 else content[at : at + n_type]
+        at += max(n_type, 0)
+        headers = content[at : at + n_headers].decode()
+    except UnicodeDecodeError as exc:
+        raise MalformedMessage(f"a topic or headers that are not UTF-8: {exc}") from None
+    return WalMessage(message_id, created, part, topic, key, type_, headers, content[end:], bool(flags & BYTES_PAYLOAD))

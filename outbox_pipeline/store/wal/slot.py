@@ -1,0 +1,68 @@
+"""Engine room (store): the state of a wal outbox's replication slot, and what an operator does when it is gone.
+
+The slot is the wal outbox's operational risk: it keeps every WAL segment from its restart point on, whether the
+relay runs or not, and a server with ``max_slot_wal_keep_size`` set invalidates a slot that falls that far behind
+(``wal_status = 'lost'``): the messages it had not confirmed are gone from the WAL. Status, lag, the metrics and the
+Dagster sensor read ``slot_state``; the relay refuses a missing or lost slot with the procedure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+
+from ...config import OutboxTable
+from ...errors import OutboxError
+from .objects import names_of
+
+
+@dataclass(frozen=True)
+class SlotState:
+    slot: str
+    exists: bool
+    active_pid: int | None = None
+    wal_status: str | None = None  # reserved, extended, unreserved, lost
+    retained_bytes: int | None = None  # WAL kept for the slot: from its restart point to the server's current one
+    unconfirmed_bytes: int | None = None  # from its confirmed position to the server's current one
+    safe_wal_size: int | None = None  # bytes left before max_slot_wal_keep_size invalidates it (None: no limit)
+
+
+class SlotUnusable(OutboxError):
+    """The slot is missing or lost: the relay cannot stream, and says what to do."""
+
+
+def slot_state(conn: psycopg.Connection, table: OutboxTable) -> SlotState:
+    name = names_of(table).slot
+    row = conn.execute(
+        """
+        SELECT active_pid, wal_status,
+               pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
+               pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
+               safe_wal_size
+        FROM pg_replication_slots WHERE slot_name = %s
+        """,
+        (name,),
+    ).fetchone()
+    if row is None:
+        return SlotState(name, exists=False)
+    return SlotState(name, True, *row)
+
+
+def require_streamable(conn: psycopg.Connection, table: OutboxTable) -> SlotState:
+    state = slot_state(conn, table)
+    if not state.exists:
+        raise SlotUnusable(
+            f"the outbox {table.schema!r} is a wal outbox without its replication slot {state.slot!r}: a slot "
+            "dropped (or a server restored from a backup, which keeps no slots) has lost the messages it had not "
+            "confirmed. Run `outbox init-db --strategy wal` to create it again; it streams what commits from then "
+            "on (docs/operations.md, The wal strategy: a lost slot)"
+        )
+    if state.wal_status == "lost":
+        raise SlotUnusable(
+            f"the replication slot {state.slot!r} is lost (wal_status = 'lost'): it fell behind by more than "
+            "max_slot_wal_keep_size and PostgreSQL removed the WAL it needed, with the messages it had not "
+            "confirmed. Drop it (SELECT pg_drop_replication_slot(...)) and run `outbox init-db --strategy wal`; "
+            "then republish what was lost from its source (docs/operations.md, The wal strategy: a lost slot)"
+        )
+    return state

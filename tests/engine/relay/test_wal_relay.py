@@ -1,0 +1,157 @@
+"""The wal strategy's relay (issue 42): the slot's messages reach Kafka in commit order, confirmed to the slot only once
+Kafka has them; a restart resumes after what was confirmed; a message Kafka never takes is dead-lettered."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import psycopg
+from psycopg import sql
+
+from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
+from outbox_pipeline.store.wal.slot import slot_state
+from tests.kit.kafka import KafkaProbe, Record
+from tests.kit.probes import wait_until
+from tests.kit.relay import make_wal_relay
+
+
+def by_key(records: list[Record]) -> dict[bytes | None, list[bytes | None]]:
+    streams: dict[bytes | None, list[bytes | None]] = defaultdict(list)
+    for r in records:
+        streams[r.key].append(r.value)
+    return streams
+
+
+def test_every_writer_form_arrives_in_kafka_in_the_order_it_committed(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal", partitions=3)  # type: ignore[operator]
+    with db.transaction():
+        enqueue(db, topic, {"n": 1}, key="k", table=wal_outbox)
+        db.execute(sql.SQL("SELECT {}(%s, '{{\"n\": 2}}', 'k')").format(wal_outbox.ident("enqueue")), (topic,))
+        db.execute(
+            sql.SQL("INSERT INTO {} (topic, key, payload) VALUES (%s, 'k', '{{\"n\": 3}}')").format(
+                wal_outbox.messages
+            ),
+            (topic,),
+        )
+    with db.transaction():
+        enqueue_many(db, [Message(topic, {"n": n}, key="k") for n in (4, 5)], table=wal_outbox)
+
+    stats = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert [r.value for r in kafka.consume(topic)] == [b'{"n": %d}' % n for n in range(1, 6)]
+    assert stats.published == 5
+
+
+def test_a_transaction_that_commits_later_is_published_later_whatever_it_wrote_first(
+    db: psycopg.Connection, connect: object, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    early = connect()  # type: ignore[operator]
+    with early.transaction():
+        enqueue(early, topic, {"n": "written first, committed last"}, key="k", table=wal_outbox)
+        with db.transaction():
+            enqueue(db, topic, {"n": "written last, committed first"}, key="k", table=wal_outbox)
+
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert [r.value for r in kafka.consume(topic)] == [
+        b'{"n": "written last, committed first"}',
+        b'{"n": "written first, committed last"}',
+    ]
+
+
+def test_a_rolled_back_transaction_publishes_nothing(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    with db.transaction(force_rollback=True):
+        enqueue(db, topic, {"n": 0}, key="k", table=wal_outbox)
+    with db.transaction():
+        enqueue(db, topic, {"n": 1}, key="k", table=wal_outbox)
+
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}']
+
+
+def test_a_restarted_relay_resumes_after_what_it_confirmed(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    with db.transaction():
+        enqueue_many(db, [Message(topic, {"n": n}, key=f"k{n % 4}") for n in range(100)], table=wal_outbox)
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+    with db.transaction():
+        enqueue_many(db, [Message(topic, {"n": n}, key=f"k{n % 4}") for n in range(100, 150)], table=wal_outbox)
+
+    second = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert second.published == 50
+    assert [r.value for r in kafka.consume(topic)] == [b'{"n": %d}' % n for n in range(150)]
+
+
+def test_the_slot_is_confirmed_only_up_to_what_kafka_confirmed(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    with db.transaction():
+        enqueue(db, topic, {"n": 1}, key="k", table=wal_outbox)
+    unreachable = make_wal_relay(
+        db.info.dsn,
+        wal_outbox,
+        "127.0.0.1:1",  # nothing listens: Kafka confirms nothing
+        max_seconds=3.0,
+        producer={"message.timeout.ms": 500},
+    )
+    unreachable.run()
+    assert unreachable.stats.published == 0
+
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}']
+
+
+def test_a_message_kafka_refuses_is_dead_lettered_and_the_rest_of_the_stream_goes_on(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    with db.transaction():
+        enqueue(db, topic, {"n": 1}, key="a", table=wal_outbox)
+        enqueue(db, topic, {"pad": "x" * 5000}, key="b", table=wal_outbox)
+        enqueue(db, topic, {"n": 3}, key="a", table=wal_outbox)
+
+    stats = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer={"message.max.bytes": 2000}).run()
+
+    assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}', b'{"n": 3}']
+    assert stats.dead_lettered == 1
+    row = db.execute(sql.SQL("SELECT key, last_error FROM {}").format(wal_outbox.dead_letters)).fetchone()
+    assert row is not None and row[0] == "b" and "too large" in row[1].lower()
+
+
+def test_a_waiting_relay_takes_over_when_the_streaming_one_stops(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    first_stop, second_stop = threading.Event(), threading.Event()
+    first = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, stop=first_stop, until_idle=False)
+    second = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, stop=second_stop, until_idle=False)
+    threads = [threading.Thread(target=relay.run) for relay in (first, second)]
+    threads[0].start()
+    wait_until("the first relay streams", lambda: slot_state(db, wal_outbox).active_pid is not None, 10.0)
+    threads[1].start()
+    with db.transaction():
+        enqueue(db, topic, {"n": 1}, key="k", table=wal_outbox)
+    wait_until("the first message is published", lambda: first.stats.published == 1, 10.0)
+
+    first_stop.set()
+    threads[0].join(10.0)
+    with db.transaction():
+        enqueue(db, topic, {"n": 2}, key="k", table=wal_outbox)
+    wait_until("the waiting relay publishes", lambda: second.stats.published == 1, 15.0)
+    second_stop.set()
+    threads[1].join(10.0)
+
+    assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}', b'{"n": 2}']
