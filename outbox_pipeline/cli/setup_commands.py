@@ -10,12 +10,14 @@ import signal
 import sys
 import threading
 
-from .. import server
+from .. import server, settings
 from ..config import redact_dsn
 from ..errors import OutboxError
 from ..store import indexes, schema, strategy_record
 from ..store.enqueue import enqueue
 from ..store.migrations import DEFAULT_TOPIC_ROW
+from ..store.wal.objects import names_of
+from ..strategies import WAL
 from .common import dsn_of, table_of
 
 
@@ -39,6 +41,12 @@ def cmd_init_db(args: argparse.Namespace) -> int:
         print(
             f"relay strategy: {relayed_by.strategy} (recorded by {relayed_by.recorded_by}; `outbox switch-strategy` "
             "changes it)"
+        )
+    if relayed_by is not None and relayed_by.strategy == WAL:
+        names = names_of(table)
+        print(
+            f"wal: replication slot {names.slot!r}, publication {names.publication!r}; writers emit with "
+            f"{settings.WRITE_TO.name}=wal (an INSERT into the message table emits too, at the cost of the INSERT)"
         )
     return 0
 
