@@ -1,0 +1,184 @@
+"""The wal strategy under faults (issue 42), with `outbox relay --strategy wal` as operators run it, one process each:
+killed with SIGKILL at random points and restarted under a new identity; killed while a second relay waits; the
+server killed under it. Nothing committed may be lost, each key's messages arrive in commit order (first
+arrivals), and what comes twice is what a killed relay had published and not confirmed."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_pipeline import OutboxTable
+from outbox_pipeline.localstack import LocalPostgres
+from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store.wal.objects import drop_slot
+from outbox_pipeline.store.wal.slot import slot_state
+from tests.kit.probes import wait_until
+from tests.kit.writer import Writer, write
+
+from .conftest import ProxiedBroker
+from .helpers import TimedRecord, consume, report, tally
+
+pytestmark = pytest.mark.faults
+
+KILLS = 6
+BURST = 500  # written before each restart: the relay is busy when the kill comes
+MAX_KILL_DELAY_S = 0.3
+
+
+def relay_process(dsn: str, table: OutboxTable, bootstrap: str, log: Path) -> subprocess.Popen[bytes]:
+    """`outbox relay` as a Deployment runs it: a new process, a new identity (hostname-pid) each time."""
+    env = {
+        **os.environ,
+        "OUTBOX_PG_DSN": dsn,
+        "OUTBOX_SCHEMA": table.schema,
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "KAFKA_MESSAGE_TIMEOUT_MS": "5000",
+    }
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "outbox_pipeline.cli", "relay", "--strategy", "wal"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+
+
+@pytest.fixture
+def wal_table(module_pg: LocalPostgres) -> Iterator[OutboxTable]:
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    with psycopg.connect(module_pg.dsn, autocommit=True) as conn:
+        init_db(conn, table, strategies=["wal"])
+    yield table
+    with psycopg.connect(module_pg.dsn, autocommit=True) as conn:
+        drop_slot(conn, table)
+        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+
+
+def out_of_order_keys(committed: Sequence[str], records: Sequence[TimedRecord]) -> list[bytes | None]:
+    """Keys whose first arrivals are not in commit order (``committed`` is one writer's, in commit order)."""
+    rank = {mid: i for i, mid in enumerate(committed)}
+    seen: set[str] = set()
+    last: dict[bytes | None, int] = {}
+    wrong: list[bytes | None] = []
+    for r in records:
+        mid = r.headers["message_id"].decode()
+        if mid in seen or mid not in rank:
+            continue
+        seen.add(mid)
+        if rank[mid] < last.get(r.key, -1):
+            wrong.append(r.key)
+        last[r.key] = rank[mid]
+    return wrong
+
+
+def test_sigkill_of_the_wal_relay_at_random_points_loses_nothing_and_keeps_each_keys_order(
+    module_pg: LocalPostgres, wal_table: OutboxTable, proxied_broker: ProxiedBroker, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    seed = int.from_bytes(os.urandom(4), "big")
+    rng = random.Random(seed)
+    dsn = module_pg.dsn
+    topic = proxied_broker.new_topic(partitions=3)
+    committed: list[str] = []
+    halt = threading.Event()
+    writer = Writer(dsn, wal_table, topic, serialized=False, per_tx=5, pause_s=0.01, stop=halt)
+    writer.start()
+    try:
+        for _ in range(KILLS):
+            committed += write(dsn, wal_table, topic, BURST, serialized=False)
+            victim = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "relay.log")
+            with psycopg.connect(dsn, autocommit=True) as db:
+                wait_until("the relay streams", lambda: slot_state(db, wal_table).active_pid is not None, 30.0)
+            time.sleep(rng.uniform(0, MAX_KILL_DELAY_S))  # the fault: SIGKILL at a random point
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(10)
+    finally:
+        halt.set()
+        writer.join(30)
+    writer.check()
+    # The writer's messages interleave with the bursts in commit order; each list is in its own commit order.
+    last = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "relay.log")
+    try:
+        everything = committed + writer.committed
+        records = consume(proxied_broker.bootstrap, [topic], everything, deadline_s=120.0)
+    finally:
+        stop(last)
+
+    counted = tally(everything, records)
+    report("wal-kill9", "wal", **counted.figures, seconds=time.monotonic() - started, kills=KILLS, seed=seed)
+    assert counted.lost == set(), f"seed {seed}"
+    assert counted.phantom == set()
+    assert out_of_order_keys(committed, records) == [] and out_of_order_keys(writer.committed, records) == []
+    # Unconfirmed at a kill: at most what was written before it and not yet confirmed, the burst and the trickle.
+    assert counted.dupes <= KILLS * (BURST + 200), f"seed {seed}"
+
+
+def test_a_waiting_relay_takes_over_within_seconds_of_a_sigkill(
+    module_pg: LocalPostgres, wal_table: OutboxTable, proxied_broker: ProxiedBroker, tmp_path: Path
+) -> None:
+    dsn = module_pg.dsn
+    topic = proxied_broker.new_topic()
+    first = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "first.log")
+    with psycopg.connect(dsn, autocommit=True) as db:
+        wait_until("the first relay streams", lambda: slot_state(db, wal_table).active_pid is not None, 30.0)
+        streaming = slot_state(db, wal_table).active_pid
+        second = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "second.log")
+        try:
+            before = write(dsn, wal_table, topic, 10, serialized=False)
+            consume(proxied_broker.bootstrap, [topic], before)
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(10)
+            after = write(dsn, wal_table, topic, 10, serialized=False)
+            taken_over = time.monotonic()
+            wait_until(
+                "the waiting relay streams",
+                lambda: slot_state(db, wal_table).active_pid not in (None, streaming),
+                15.0,  # seconds, not wal_sender_timeout (60 s)
+            )
+            records = consume(proxied_broker.bootstrap, [topic], before + after)
+            seconds = time.monotonic() - taken_over
+        finally:
+            stop(second)
+    counted = tally(before + after, records)
+    report("wal-failover", "wal", **counted.figures, seconds=seconds)
+    assert counted.lost == set() and counted.phantom == set()
+
+
+def test_the_wal_relay_survives_a_server_crash_and_loses_nothing(
+    module_pg: LocalPostgres, wal_table: OutboxTable, proxied_broker: ProxiedBroker, tmp_path: Path
+) -> None:
+    dsn = module_pg.dsn
+    topic = proxied_broker.new_topic(partitions=2)
+    relay = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "relay.log")
+    try:
+        before = write(dsn, wal_table, topic, 300, serialized=False)
+        module_pg.stop("immediate")  # a crash: what was committed is in the WAL, the slot's position too
+        module_pg.start()
+        after = write(dsn, wal_table, topic, 300, serialized=False)
+        records = consume(proxied_broker.bootstrap, [topic], before + after, deadline_s=120.0)
+    finally:
+        stop(relay)
+    counted = tally(before + after, records)
+    report("wal-pg-crash", "wal", **counted.figures, seconds=0.0)
+    assert counted.lost == set() and counted.phantom == set()
+    assert out_of_order_keys(before + after, records) == []
