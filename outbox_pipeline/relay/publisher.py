@@ -213,6 +213,12 @@ class KafkaPublisher:
         pending.span = start_batch_span(records)
         return pending
 
+    def settled(self) -> bool:
+        """Whether everything handed to the producer is settled (``finish`` would not wait); serves its reports."""
+        producer = self.producer
+        producer.poll(0)
+        return len(producer) == 0
+
     def finish(self, pending: PendingBatch) -> PublishOutcome:
         """Wait until every message of the batch is settled; delivered = settled without an error.
 

@@ -2,8 +2,9 @@
 pgoutput messages (protocol version 1) inside them, decoded; the standby status update the relay answers with.
 
 Pure functions, no I/O. The relay decodes every frame of a backlog with this (150k messages/s is the target), so the
-per-message path is a few precompiled ``Struct`` reads at fixed offsets and one copy of the content out of libpq's
-buffer; the values are frozen dataclasses built without checks beyond the frame's own length.
+per-message path is a few precompiled ``Struct`` reads at fixed offsets and one copy of the frame out of libpq's
+buffer; the values are named tuples (a frozen dataclass's constructor was a third of a message's decoding) built
+without checks beyond the frame's own length, and a message's prefix stays bytes (the relay compares, never reads it).
 
 Formats: PostgreSQL's docs, protocol-replication (XLogData, Primary keepalive message, Standby status update) and
 protocol-logicalrep-message-formats (Begin, Commit, Message), as written by src/backend/replication/logical/proto.c.
@@ -12,8 +13,8 @@ protocol-logicalrep-message-formats (Begin, Commit, Message), as written by src/
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from struct import Struct
+from typing import NamedTuple
 
 from ...timestamps import PG_EPOCH
 
@@ -39,14 +40,11 @@ _LENGTH = Struct(">I")
 _TRANSACTIONAL = 1
 #: Standby status update: Byte1('r'), Int64 written, Int64 flushed, Int64 applied, Int64 clock, Byte1 replyRequested.
 _STATUS_UPDATE = Struct(">cQQQq?")
-#: Bytes read at once to find the prefix's NUL: a prefix is a few characters; a longer one takes a second look.
-_PREFIX_PEEK = 64
 _PG_EPOCH_UNIX_S = PG_EPOCH.timestamp()
 _LSN_TEXT = re.compile(r"([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})")
 
 
-@dataclass(frozen=True, slots=True)
-class Begin:
+class Begin(NamedTuple):
     """A transaction starts; its messages follow, then its Commit. ``final_lsn`` is where its commit record starts
     (the Commit's ``commit_lsn``); ``commit_time`` in microseconds since 2000-01-01 UTC."""
 
@@ -55,8 +53,7 @@ class Begin:
     xid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Commit:
+class Commit(NamedTuple):
     """A transaction ends. Confirming ``end_lsn`` to the slot means: this transaction and every one before it are
     done, a stream opened later starts after it."""
 
@@ -66,19 +63,17 @@ class Commit:
     commit_time: int
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
     """A logical decoding message (``pg_logical_emit_message``); a transactional one arrives between its transaction's
     Begin and Commit, a non-transactional one on its own, as soon as it is written."""
 
     transactional: bool
     lsn: int
-    prefix: str
+    prefix: bytes  # as written: UTF-8 for a prefix written in SQL
     content: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Keepalive:
+class Keepalive(NamedTuple):
     """The server's heartbeat: where its WAL ends (``wal_end``: a position the relay may confirm when it has nothing
     in flight), and whether it wants a status update at once (it ends the stream at ``wal_sender_timeout`` without
     one)."""
@@ -88,8 +83,7 @@ class Keepalive:
     reply_requested: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Other:
+class Other(NamedTuple):
     """A pgoutput message the relay has no use for (Relation, Insert, Type, Origin, ...), by its type byte."""
 
     kind: str
@@ -100,7 +94,7 @@ StreamEvent = Begin | Commit | Message | Keepalive
 Event = StreamEvent | Other
 
 
-def decode_frame(frame: memoryview) -> Event:
+def decode_frame(frame: bytes | memoryview) -> Event:
     """One CopyData message of a logical replication stream (as ``get_copy_data`` returns it): an XLogData frame's
     pgoutput message, or a keepalive."""
     kind = frame[0]
@@ -114,7 +108,7 @@ def decode_frame(frame: memoryview) -> Event:
     raise ValueError(f"not a frame of a logical replication stream: type {chr(kind)!r}, {len(frame)} bytes")
 
 
-def decode_pgoutput(buffer: memoryview, offset: int = 0) -> Event:
+def decode_pgoutput(buffer: bytes | memoryview, offset: int = 0) -> Event:
     """The pgoutput message (protocol version 1) that starts at ``offset`` of ``buffer``."""
     kind = buffer[offset]
     if kind == _MESSAGE:
@@ -128,28 +122,22 @@ def decode_pgoutput(buffer: memoryview, offset: int = 0) -> Event:
     return Other(chr(kind))
 
 
-def _message(buffer: memoryview, at: int) -> Message:
-    """A Message's body from ``at``: its content is the one copy made (out of libpq's buffer)."""
-    flags, lsn = _MESSAGE_HEAD.unpack_from(buffer, at)
+def _message(buffer: bytes | memoryview, at: int) -> Message:
+    """A Message's body from ``at``: the frame is copied once, and the prefix and content sliced from the copy."""
+    data = buffer.tobytes() if type(buffer) is memoryview else buffer
+    flags, lsn = _MESSAGE_HEAD.unpack_from(data, at)
     start = at + _MESSAGE_HEAD.size
-    head = buffer[start : start + _PREFIX_PEEK].tobytes()
-    nul = head.find(0)
-    if nul < 0:  # a long prefix: look at the rest (this copies the content once more)
-        head = buffer[start:].tobytes()
-        nul = head.find(0)
-        if nul < 0:
-            raise ValueError(f"logical decoding message at {format_lsn(lsn)}: its prefix has no end")
-    length_at = start + nul + 1
-    (size,) = _LENGTH.unpack_from(buffer, length_at)
-    begin = length_at + _LENGTH.size
-    if begin + size != len(buffer):
+    nul = data.find(0, start)
+    if nul < 0:
+        raise ValueError(f"logical decoding message at {format_lsn(lsn)}: its prefix has no end")
+    (size,) = _LENGTH.unpack_from(data, nul + 1)
+    begin = nul + 1 + _LENGTH.size
+    if begin + size != len(data):
         raise ValueError(
             f"logical decoding message at {format_lsn(lsn)}: {size} bytes of content announced, "
-            f"{len(buffer) - begin} in the frame"
+            f"{len(data) - begin} in the frame"
         )
-    return Message(
-        flags & _TRANSACTIONAL != 0, lsn, head[:nul].decode("utf-8", "surrogateescape"), buffer[begin:].tobytes()
-    )
+    return Message(flags & _TRANSACTIONAL != 0, lsn, data[start:nul], data[begin:])
 
 
 def standby_status(written: int, flushed: int, applied: int, clock_us: int, reply_requested: bool = False) -> bytes:

@@ -29,7 +29,7 @@ from ...store.wal.format import MalformedMessage, decode
 from ...store.wal.objects import names_of
 from ...store.wal.slot import require_streamable
 from ...strategies.base import DeliveryFailure, OutboxRecord
-from ..publisher import KafkaPublisher
+from ..publisher import KafkaPublisher, PendingBatch
 from ..stats import RelayStats
 from .leader import LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
@@ -96,7 +96,7 @@ class WalRelay:
         self.worker_id = worker_id
         self.stats = RelayStats()
         self._names = names_of(table)
-        self._prefix = self._names.prefix
+        self._prefix = self._names.prefix.encode()
 
     def run(self) -> RelayStats:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
@@ -125,60 +125,77 @@ class WalRelay:
         return self.stats
 
     def _stream(self, leader: SlotLeader, deadline: float | None) -> bool:
-        """Stream until stopped (True: the run is over) or the stream breaks (an OperationalError)."""
+        """Stream until stopped (True: the run is over) or the stream breaks (an OperationalError).
+
+        One batch at a time is in Kafka, and the stream is read while it is: a backlog's next batch is decoded while
+        the producer sends the last one; steady traffic goes out as soon as a read finds nothing more waiting."""
         batch = _Batch([], [])
+        in_flight: PendingBatch | None = None
         xid = "0"
         failures = 0
         row = leader.connection.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
         idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
         reached = 0
+        batch_max = self.settings.batch_max
+        prefix = self._prefix
         with ReplicationStream.open(self.dsn, self._names.slot, self._names.publication) as stream:
             log.info("streaming the slot %s", self._names.slot)
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                events = stream.read(0.0 if batch.records else self.settings.read_timeout_s)
-                log.debug("stream: %s", events)
+                sending = len(in_flight.records) if in_flight is not None else 0
+                busy = in_flight is not None or len(batch.records) > sending
+                events = stream.read(0.0 if busy else self.settings.read_timeout_s)
+                records = batch.records
                 for event in events:
-                    if isinstance(event, Message):
-                        if event.transactional and event.prefix == self._prefix:
+                    if type(event) is Message:
+                        if event.transactional and event.prefix == prefix:
                             if (record := self._record(event, xid, leader)) is not None:
-                                batch.records.append(record)
-                    elif isinstance(event, Begin):
+                                records.append(record)
+                    elif type(event) is Begin:
                         xid = str(event.xid)
-                    elif isinstance(event, Commit):
-                        batch.commits.append((len(batch.records), event.end_lsn))
+                    elif type(event) is Commit:
+                        batch.commits.append((len(records), event.end_lsn))
                         reached = max(reached, event.end_lsn)
-                    elif isinstance(event, Keepalive):
+                    elif type(event) is Keepalive:
                         reached = max(reached, event.wal_end)
-                        if not batch.records and not batch.commits:
+                        if not records and not batch.commits and in_flight is None:
                             stream.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
-                if not batch.records:
-                    if batch.commits:  # transactions with nothing of ours
-                        stream.confirm(batch.commits[-1][1])
-                        batch.commits.clear()
-                    if idle_at is not None and reached >= idle_at:
-                        return True
+                unsent = len(records) - sending
+                if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
+                    continue  # more is waiting: gather it (while Kafka works on what is out)
+                if in_flight is not None:
+                    settled, down = self._settle(in_flight, leader)
+                    in_flight = None
+                    if (lsn := batch.confirmable(settled)) is not None:
+                        stream.confirm(lsn)
+                    batch.drop(settled)
+                    if down:
+                        failures += 1
+                        self._back_off(stream, failures)
+                        continue
+                    failures = 0
+                if batch.records:
+                    in_flight = self.publisher.start(batch.records[:batch_max])
                     continue
-                sending = batch.records[: self.settings.batch_max]
-                settled, down = self._publish(sending, leader)
+                if batch.commits:  # transactions with nothing of ours
+                    stream.confirm(batch.commits[-1][1])
+                    batch.commits.clear()
+                if idle_at is not None and reached >= idle_at:
+                    return True
+            if in_flight is not None:  # stopping: confirm what Kafka took
+                settled, _ = self._settle(in_flight, leader)
                 if (lsn := batch.confirmable(settled)) is not None:
                     stream.confirm(lsn)
-                batch.drop(settled)
-                if down:
-                    failures += 1
-                    self._back_off(stream, failures)
-                else:
-                    failures = 0
         return True
 
-    def _publish(self, records: list[OutboxRecord], leader: SlotLeader) -> tuple[int, bool]:
-        """Publish ``records``; how many from the first are settled (delivered or dead-lettered), and whether the
-        transport failed (the rest is published again)."""
-        started = time.monotonic()
-        outcome = self.publisher.publish(records)
+    def _settle(self, pending: PendingBatch, leader: SlotLeader) -> tuple[int, bool]:
+        """Wait for the batch; how many of its records from the first are settled (delivered or dead-lettered),
+        and whether the transport failed (the rest is published again)."""
+        records = pending.records
+        outcome = self.publisher.finish(pending)
         self.stats.batches += 1
         self.stats.claimed += len(records)
         self.stats.published += len(outcome.delivered)
-        self.stats.busy_s += time.monotonic() - started
+        self.stats.busy_s += time.monotonic() - pending.started
         if not outcome.failed:
             return len(records), False
         failed = {f.record.id: f for f in outcome.failed}

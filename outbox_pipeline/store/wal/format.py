@@ -82,25 +82,32 @@ def encode(
 
 
 def decode(content: bytes) -> WalMessage:
-    """The message in ``content``; MalformedMessage when the bytes are not one."""
+    """The message in ``content``; MalformedMessage when the bytes are not one. Lean: the relay calls it per message."""
     try:
-        version, flags, created, part, n_topic, n_key, n_type, n_headers, message_id = HEADER.unpack_from(content)
+        version, flags, created, part, n_topic, n_key, n_type, n_headers, message_id = _unpack(content)
     except struct.error:
         raise MalformedMessage(f"{len(content)} bytes, shorter than a message's {HEADER.size}-byte header") from None
-    if version != VERSION:
-        raise MalformedMessage(f"layout version {version}; this relay reads {VERSION}")
-    at = HEADER.size
-    end = at + n_topic + max(n_key, 0) + max(n_type, 0) + n_headers
-    if end > len(content) or n_key < -1 or n_type < -1 or n_headers < 0:
-        raise MalformedMessage(f"lengths past the message's {len(content)} bytes")
+    at = _SIZE + n_topic
+    key = None if n_key < 0 else content[at : at + n_key]
+    if key is not None:
+        at += n_key
+    type_ = None if n_type < 0 else content[at : at + n_type]
+    if type_ is not None:
+        at += n_type
+    end = at + n_headers
+    if version != VERSION or end > len(content) or n_key < -1 or n_type < -1 or n_headers < 0:
+        raise MalformedMessage(
+            f"layout version {version} (this relay reads {VERSION})"
+            if version != VERSION
+            else f"lengths past the message's {len(content)} bytes"
+        )
     try:
-        topic = content[at : at + n_topic].decode()
-        at += n_topic
-        key = None if n_key < 0 else content[at : at + n_key]
-        at += max(n_key, 0)
-        type_ = None if n_type < 0 else content[at : at + n_type]
-        at += max(n_type, 0)
-        headers = content[at : at + n_headers].decode()
+        topic = content[_SIZE : _SIZE + n_topic].decode()
+        headers = content[at:end].decode()
     except UnicodeDecodeError as exc:
         raise MalformedMessage(f"a topic or headers that are not UTF-8: {exc}") from None
-    return WalMessage(message_id, created, part, topic, key, type_, headers, content[end:], bool(flags & BYTES_PAYLOAD))
+    return WalMessage(message_id, created, part, topic, key, type_, headers, content[end:], flags & BYTES_PAYLOAD != 0)
+
+
+_unpack = HEADER.unpack_from
+_SIZE = HEADER.size

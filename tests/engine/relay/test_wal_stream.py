@@ -155,7 +155,7 @@ def test_a_committed_transactions_messages_arrive_between_its_begin_and_commit_w
     [transaction] = _read_transactions(stream, 1)
 
     assert transaction.contents == contents
-    assert {(m.prefix, m.transactional) for m in transaction.messages} == {(PREFIX, True)}
+    assert {(m.prefix, m.transactional) for m in transaction.messages} == {(PREFIX.encode(), True)}
     assert transaction.begin.xid == xid
     assert transaction.begin.final_lsn == transaction.commit.commit_lsn < transaction.commit.end_lsn
 

@@ -39,7 +39,7 @@ def emitted(conn: psycopg.Connection, table: OutboxTable) -> list[WalMessage]:
             (names.slot, names.publication),
         ).fetchall()
         events = [decode_pgoutput(bytes(data)) for (data,) in rows]
-        messages[:] = [e.content for e in events if isinstance(e, PgMessage) and e.prefix == names.prefix]
+        messages[:] = [e.content for e in events if isinstance(e, PgMessage) and e.prefix == names.prefix.encode()]
         return marker in messages
 
     wait_until("the marker's commit decoded", marked, 10.0)
