@@ -93,6 +93,7 @@ def build_wal_relay(
         ),
         stop,
         worker_id=spec.worker_id or default_worker_id(),
+        on_poison=spec.config.on_poison,
     )
 
 

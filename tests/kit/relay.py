@@ -19,6 +19,7 @@ from outbox_pipeline.relay.wal.relay import WalRelay
 from outbox_pipeline.relay.workers import WorkerSpec, build_relay, build_wal_relay
 from outbox_pipeline.strategies import WAL
 from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.strategies.quarantine import OnPoison
 
 from .kafka import Record
 
@@ -119,6 +120,7 @@ def make_wal_relay(
     max_seconds: float | None = 60.0,
     producer: dict[str, object] | None = None,
     worker_id: str | None = None,
+    on_poison: OnPoison = "quarantine",
 ) -> WalRelay:
     """The wal strategy's relay, assembled as the CLI's worker processes assemble it."""
     spec = WorkerSpec(
@@ -126,7 +128,7 @@ def make_wal_relay(
         WAL,
         {"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})},
         RelaySettings(until_empty=until_idle, max_seconds=max_seconds),
-        StrategyConfig(table=table),
+        StrategyConfig(table=table, on_poison=on_poison),
         worker_id=worker_id,
     )
     return build_wal_relay(spec, stop)

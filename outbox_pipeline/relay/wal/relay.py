@@ -9,35 +9,37 @@ Kafka's failures, as the table strategies treat them (relay/kafka_errors.py):
 - the transport (a broker down): nothing after the first such message is confirmed; those messages are published
   again, in order, after a back-off. Meanwhile the relay keeps answering its walsender, so a waiting relay does
   not take it for frozen (leader.py) and ``wal_sender_timeout`` does not end the stream;
-- a message Kafka will never take (too large, an invalid topic): dead-lettered in ``outbox_dead_letters`` (its whole
-  message, for ``outbox dead-letters retry``), and the stream goes on.
+- a message Kafka will never take (too large, an invalid topic): dead-lettered whole, and with quarantine its key
+  held until an operator retries or discards it, every other key flowing (holds.py); the stream goes on.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
-from psycopg import sql
 
 from ...config import OutboxTable
 from ...store.wal.format import MalformedMessage, decode
 from ...store.wal.objects import names_of
 from ...store.wal.slot import require_streamable
 from ...strategies.base import DeliveryFailure, OutboxRecord
+from ...strategies.quarantine import OnPoison
 from ..publisher import KafkaPublisher, PendingBatch
 from ..stats import RelayStats
+from .holds import WalHolds
 from .leader import LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
 from .stream import ReplicationStream
 
 log = logging.getLogger(__name__)
 
-_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+# How often a relay with held keys looks for keys an operator released.
+RELEASE_CHECK_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,19 @@ class _Batch:
             lsn = end
         return lsn
 
+    def withhold(self, held: Callable[[OutboxRecord], bool]) -> list[OutboxRecord]:
+        """Take the records ``held`` says are held out of the batch (commits keep their places); returns them."""
+        kept: list[OutboxRecord] = []
+        taken: list[OutboxRecord] = []
+        before = [0]  # kept records among the first i
+        for record in self.records:
+            (taken if held(record) else kept).append(record)
+            before.append(len(kept))
+        if taken:
+            self.records = kept
+            self.commits = [(before[count], end) for count, end in self.commits]
+        return taken
+
     def drop(self, settled: int) -> None:
         """Forget the first ``settled`` records and the commits they complete."""
         self.records = self.records[settled:]
@@ -87,6 +102,7 @@ class WalRelay:
         stop: threading.Event | None = None,
         *,
         worker_id: str = "wal",
+        on_poison: OnPoison = "quarantine",
     ) -> None:
         self.dsn = dsn
         self.table = table
@@ -97,6 +113,8 @@ class WalRelay:
         self.stats = RelayStats()
         self._names = names_of(table)
         self._prefix = self._names.prefix.encode()
+        self.holds = WalHolds(table, on_poison, worker_id)
+        self._releases_due = 0.0
 
     def run(self) -> RelayStats:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
@@ -138,6 +156,8 @@ class WalRelay:
         reached = 0
         batch_max = self.settings.batch_max
         prefix = self._prefix
+        holds = self.holds
+        holds.load(leader.connection)
         with ReplicationStream.open(self.dsn, self._names.slot, self._names.publication) as stream:
             log.info("streaming the slot %s", self._names.slot)
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
@@ -145,11 +165,12 @@ class WalRelay:
                 busy = in_flight is not None or len(batch.records) > sending
                 events = stream.read(0.0 if busy else self.settings.read_timeout_s)
                 records = batch.records
+                held: list[OutboxRecord] = []
                 for event in events:
                     if type(event) is Message:
                         if event.transactional and event.prefix == prefix:
                             if (record := self._record(event, xid, leader)) is not None:
-                                records.append(record)
+                                (held if holds.keys and holds.holds(record) else records).append(record)
                     elif type(event) is Begin:
                         xid = str(event.xid)
                     elif type(event) is Commit:
@@ -159,6 +180,7 @@ class WalRelay:
                         reached = max(reached, event.wal_end)
                         if not records and not batch.commits and in_flight is None:
                             stream.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
+                holds.keep(leader.connection, held)  # before the slot is confirmed past them
                 unsent = len(records) - sending
                 if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
                     continue  # more is waiting: gather it (while Kafka works on what is out)
@@ -168,14 +190,18 @@ class WalRelay:
                     if (lsn := batch.confirmable(settled)) is not None:
                         stream.confirm(lsn)
                     batch.drop(settled)
+                    if holds.keys:  # a key held now: its messages not yet published wait in outbox_held
+                        holds.keep(leader.connection, batch.withhold(holds.holds))
                     if down:
                         failures += 1
                         self._back_off(stream, failures)
                         continue
                     failures = 0
+                    self._release(leader)
                 if batch.records:
                     in_flight = self.publisher.start(batch.records[:batch_max])
                     continue
+                self._release(leader)
                 if batch.commits:  # transactions with nothing of ours
                     stream.confirm(batch.commits[-1][1])
                     batch.commits.clear()
@@ -199,44 +225,47 @@ class WalRelay:
         if not outcome.failed:
             return len(records), False
         failed = {f.record.id: f for f in outcome.failed}
-        transport = [i for i, r in enumerate(records) if r.id in failed and failed[r.id].kind == "transport"]
-        settled = transport[0] if transport else len(records)
-        poison = [failed[r.id] for r in records[:settled] if r.id in failed]
+        poison = [f for f in outcome.failed if f.kind != "transport"]
         if poison:
-            self._dead_letter(leader.connection, poison)
+            self.holds.dead_letter(leader.connection, poison)
+            self.stats.dead_lettered += len(poison)
+        # What the producer did not send because an earlier message of its key was refused: held now (quarantine),
+        # not a transport failure; under skip, sent again.
+        withheld = [f.record for f in outcome.failed if f.kind == "transport" and self.holds.holds(f.record)]
+        transport = [
+            i
+            for i, r in enumerate(records)
+            if r.id in failed and failed[r.id].kind == "transport" and not self.holds.holds(r)
+        ]
+        settled = transport[0] if transport else len(records)
+        done = {r.id for r in records[:settled]}  # the rest stays in the batch, where withhold() takes the held
+        self.holds.keep(leader.connection, [r for r in withheld if r.id in done])
         return settled, bool(transport)
 
-    def _dead_letter(self, conn: psycopg.Connection, failures: list[DeliveryFailure]) -> None:
-        for failure in failures:
-            r = failure.record
-            log.error("dead-lettering message %s to %s: %s", r.message_id.decode(), r.topic, failure.error)
-            conn.execute(
-                sql.SQL(
-                    """
-                    INSERT INTO {dead_letters} (
-                        id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
-                        transaction_id, created_at, attempts, last_error, dead_lettered_by)
-                    VALUES (%s, %s::uuid, %s, %s, %s, %s::jsonb, %s, %s::jsonb, %s, 0, %s::xid8, %s, 1, %s, %s)
-                    ON CONFLICT (id) DO NOTHING
-                    """
-                ).format(dead_letters=self.table.dead_letters),
-                (
-                    r.id,
-                    r.message_id.decode(),
-                    r.topic,
-                    None if r.key is None else r.key.decode(),
-                    None if r.type is None else r.type.decode(),
-                    None if r.binary else r.payload.decode(),
-                    r.payload if r.binary else None,
-                    r.headers,
-                    max(r.partition, 0),
-                    r.transaction_id,
-                    _timestamp(r.created_at),
-                    failure.error,
-                    self.worker_id,
-                ),
-            )
-            self.stats.dead_lettered += 1
+    def _release(self, leader: SlotLeader) -> None:
+        """Publish the messages held behind keys an operator released, in order, and let those keys flow again (with
+        no batch in Kafka: a released key's later messages are still held, and go after these)."""
+        now = time.monotonic()
+        if not self.holds.keys or now < self._releases_due:
+            return
+        self._releases_due = now + RELEASE_CHECK_INTERVAL_S
+        conn = leader.connection
+        for topic, key in self.holds.released(conn):
+            records = self.holds.held(conn, topic, key)
+            outcome = self.publisher.publish(records)
+            self.stats.published += len(outcome.delivered)
+            if outcome.failed:
+                log.warning(
+                    "%d of the %d messages held behind key %r of %s were not published (%s); trying again",
+                    len(outcome.failed),
+                    len(records),
+                    key,
+                    topic,
+                    outcome.failed[0].error,
+                )
+                continue
+            self.holds.end(conn, topic, key, [r.id for r in records])
+            log.info("key %r of %s released: %d held messages published", key, topic, len(records))
 
     def _back_off(self, stream: ReplicationStream, failures: int) -> None:
         """Wait before publishing again, answering the walsender meanwhile."""
@@ -251,7 +280,8 @@ class WalRelay:
         except MalformedMessage as exc:
             # Bytes under our prefix another writer made: kept as a dead letter (payload_bytes), never published.
             failure = DeliveryFailure(_malformed(event, xid), f"not an outbox message: {exc}", "permanent")
-            self._dead_letter(leader.connection, [failure])
+            self.holds.dead_letter(leader.connection, [failure])
+            self.stats.dead_lettered += 1
             return None
         return OutboxRecord(
             event.lsn,
@@ -277,10 +307,3 @@ def _malformed(event: Message, xid: str) -> OutboxRecord:
 
 
 _NO_ID = b"00000000-0000-0000-0000-000000000000"
-
-
-def _timestamp(micros: int) -> dt.datetime | str:
-    try:
-        return _PG_EPOCH + dt.timedelta(microseconds=micros)
-    except OverflowError:
-        return "infinity" if micros > 0 else "-infinity"

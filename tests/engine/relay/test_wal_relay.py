@@ -10,6 +10,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
+from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
 from outbox_pipeline.store.wal.slot import slot_state
 from tests.kit.kafka import KafkaProbe, Record
 from tests.kit.probes import wait_until
@@ -155,3 +156,61 @@ def test_a_waiting_relay_takes_over_when_the_streaming_one_stops(
     threads[1].join(10.0)
 
     assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}', b'{"n": 2}']
+
+
+def _write(db: psycopg.Connection, table: OutboxTable, topic: str, *messages: tuple[str, object]) -> None:
+    with db.transaction():
+        for key, payload in messages:
+            enqueue(db, topic, payload, key=key, table=table)
+
+
+SMALL = {"message.max.bytes": 2000}  # a 5,000-byte message is one Kafka will never take
+POISON = {"pad": "x" * 5000}
+
+
+def test_a_poison_message_holds_only_its_key_until_an_operator_retries_it(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    _write(db, wal_outbox, topic, ("a", {"n": 1}), ("b", POISON), ("b", {"n": 2}))
+    _write(db, wal_outbox, topic, ("a", {"n": 3}), ("b", {"n": 4}))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
+
+    assert by_key(kafka.consume(topic)) == {b"a": [b'{"n": 1}', b'{"n": 3}']}
+    held = db.execute(sql.SQL("SELECT payload FROM {} ORDER BY id").format(wal_outbox.held)).fetchall()
+    assert held == [({"n": 2},), ({"n": 4},)]
+
+    [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+    assert retry_dead_letters(db, wal_outbox, ids=[dead_letter]) == 1
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()  # Kafka takes it now
+
+    assert [len(v or b"") > 5000 or v for v in by_key(kafka.consume(topic))[b"b"]] == [True, b'{"n": 2}', b'{"n": 4}']
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(wal_outbox.holds)).fetchone() == (0,)
+
+
+def test_discarding_the_dead_letter_publishes_what_its_key_held_without_it(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    _write(db, wal_outbox, topic, ("b", POISON), ("b", {"n": 2}))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
+    [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+
+    discard_dead_letters(db, wal_outbox, [dead_letter], reason="a test")
+    _write(db, wal_outbox, topic, ("b", {"n": 3}))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
+
+    assert by_key(kafka.consume(topic)) == {b"b": [b'{"n": 2}', b'{"n": 3}']}
+
+
+def test_with_skip_a_poison_message_leaves_a_hole_and_its_key_flows_on(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    _write(db, wal_outbox, topic, ("b", {"n": 1}), ("b", POISON), ("b", {"n": 3}))
+
+    relay = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL, on_poison="skip")
+    relay.run()
+
+    assert by_key(kafka.consume(topic)) == {b"b": [b'{"n": 1}', b'{"n": 3}']}
+    assert relay.stats.dead_lettered == 1
