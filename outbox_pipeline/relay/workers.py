@@ -81,7 +81,11 @@ def build_relay(
 
 
 def build_wal_relay(
-    spec: WorkerSpec, stop: threading.Event | None = None, *, publisher: KafkaPublisher | None = None
+    spec: WorkerSpec,
+    stop: threading.Event | None = None,
+    *,
+    publisher: KafkaPublisher | None = None,
+    observer: Callable[[PublishOutcome], None] | None = None,
 ) -> WalRelay:
     """The wal strategy's relay (relay/wal/), from the same spec: one process streams the slot, others wait."""
     return WalRelay(
@@ -94,6 +98,7 @@ def build_wal_relay(
         stop,
         worker_id=spec.worker_id or default_worker_id(),
         on_poison=spec.config.on_poison,
+        observer=observer,
     )
 
 

@@ -24,12 +24,16 @@ import psycopg
 
 from .. import server
 from ..observe.lag import PartitionLag, partition_lag
+from ..relay.loop import Relay
 from ..relay.publisher import KafkaPublisher
 from ..relay.relay_settings import RelaySettings
 from ..relay.stats import RelayInstruments, RelayStats
-from ..relay.workers import WorkerSpec, build_relay
-from ..strategies.base import PublishOutcome, StrategyConfig
+from ..relay.wal.relay import WalRelay
+from ..relay.workers import WorkerSpec, build_relay, build_wal_relay
+from ..strategies import WAL
+from ..strategies.base import OutboxRecord, PublishOutcome, StrategyConfig
 from ..strategies.sharing import deal
+from .wal_partitions import WalPartitions
 
 Pair = tuple[str, int]
 # Per-partition count cap of the lag read at each report: exact below it, "at least" above.
@@ -72,18 +76,21 @@ class StreamReport:
 
 
 class _Tally:
-    """Per-partition counts, written by the relay's thread and taken by the reporting one."""
+    """Per-partition counts, written by the relay's thread and taken by the reporting one. ``routing``: where a
+    record's partition comes from when it carries none (the wal strategy's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, routing: WalPartitions | None = None) -> None:
+        self._routing = routing
         self._lock = threading.Lock()
         self._published: Counter[Pair] = Counter()
         self._failed: Counter[Pair] = Counter()
         self._errors: dict[Pair, str] = {}
 
     def observe(self, outcome: PublishOutcome) -> None:
-        published = Counter((r.topic, r.partition) for r in outcome.delivered)
-        failed = Counter((f.record.topic, f.record.partition) for f in outcome.failed)
-        errors = {(f.record.topic, f.record.partition): f.error for f in outcome.failed}
+        at = self._routing.of if self._routing is not None else _own_partition
+        published = Counter(at(r) for r in outcome.delivered)
+        failed = Counter(at(f.record) for f in outcome.failed)
+        errors = {at(f.record): f.error for f in outcome.failed}
         with self._lock:
             self._published.update(published)
             self._failed.update(failed)
@@ -94,6 +101,10 @@ class _Tally:
             taken = self._published, self._failed, self._errors
             self._published, self._failed, self._errors = Counter(), Counter(), {}
         return taken
+
+
+def _own_partition(record: OutboxRecord) -> Pair:
+    return record.topic, record.partition
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,13 @@ class StreamRun:
             config,
             worker_id=config.worker_id,
         )
-        self.relay = build_relay(spec, publisher=publisher, instruments=instruments, observer=self._tally.observe)
+        self.relay: Relay | WalRelay
+        if strategy == WAL:
+            # One relay streams the slot; each message's partition is its key's, as the SQL routing has it.
+            self._tally = _Tally(WalPartitions(dsn, config.table))
+            self.relay = build_wal_relay(spec, publisher=publisher, observer=self._tally.observe)
+        else:
+            self.relay = build_relay(spec, publisher=publisher, instruments=instruments, observer=self._tally.observe)
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         # Set when the relay thread has finished (deregistered). Waited on instead of Thread.join: a join
@@ -218,17 +235,19 @@ class StreamRun:
         table = self.config.table
         lags = {}
         # The database is read before the tally is taken: a read that fails loses no count.
-        if conn is not None:
+        if conn is not None and self.strategy != WAL:  # a wal outbox's lag is its slot's, not a partition's
             lags = {
                 (lag.topic, lag.partition): lag for lag in partition_lag(conn, table, self.strategy, cap=REPORT_LAG_CAP)
             }
-        if conn is not None and self.config.partitions is None and not final:
+        if conn is not None and self.config.partitions is None and not final and self.strategy != WAL:
             # While registered it is dealt its share; before it registers and once it has deregistered
             # (the final report) it keeps the share it had, so no partition is reported by two workers.
             home = deal(conn, table, self.config.worker_id, self.config.lease_s)
             if not home.everywhere:
                 self._dealt = set(zip(home.topics or [], home.partitions or [], strict=True))
         published, failed, errors = self._tally.take()
+        if self.strategy == WAL:  # one relay streams every partition: each one it has published to, from then on
+            self._dealt |= set(published) | set(failed)
         dealt = self._dealt
         pairs = sorted(dealt | set(published) | set(failed))
         return StreamReport(

@@ -27,7 +27,7 @@ from ...config import OutboxTable
 from ...store.wal.format import MalformedMessage, decode
 from ...store.wal.objects import names_of
 from ...store.wal.slot import require_streamable
-from ...strategies.base import DeliveryFailure, OutboxRecord
+from ...strategies.base import DeliveryFailure, OutboxRecord, PublishOutcome
 from ...strategies.quarantine import OnPoison
 from ..publisher import KafkaPublisher, PendingBatch
 from ..stats import RelayStats
@@ -103,6 +103,7 @@ class WalRelay:
         *,
         worker_id: str = "wal",
         on_poison: OnPoison = "quarantine",
+        observer: Callable[[PublishOutcome], None] | None = None,
     ) -> None:
         self.dsn = dsn
         self.table = table
@@ -114,6 +115,8 @@ class WalRelay:
         self._names = names_of(table)
         self._prefix = self._names.prefix.encode()
         self.holds = WalHolds(table, on_poison, worker_id)
+        self.observer = observer
+        self.registered = threading.Event()  # set while this relay streams the slot (a run's tag, a test's wait)
         self._releases_due = 0.0
 
     def run(self) -> RelayStats:
@@ -143,6 +146,12 @@ class WalRelay:
         return self.stats
 
     def _stream(self, leader: SlotLeader, deadline: float | None) -> bool:
+        try:
+            return self._stream_slot(leader, deadline)
+        finally:
+            self.registered.clear()
+
+    def _stream_slot(self, leader: SlotLeader, deadline: float | None) -> bool:
         """Stream until stopped (True: the run is over) or the stream breaks (an OperationalError).
 
         One batch at a time is in Kafka, and the stream is read while it is: a backlog's next batch is decoded while
@@ -160,6 +169,7 @@ class WalRelay:
         holds.load(leader.connection)
         with ReplicationStream.open(self.dsn, self._names.slot, self._names.publication) as stream:
             log.info("streaming the slot %s", self._names.slot)
+            self.registered.set()
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 sending = len(in_flight.records) if in_flight is not None else 0
                 busy = in_flight is not None or len(batch.records) > sending
@@ -222,6 +232,8 @@ class WalRelay:
         self.stats.claimed += len(records)
         self.stats.published += len(outcome.delivered)
         self.stats.busy_s += time.monotonic() - pending.started
+        if self.observer is not None:
+            self.observer(outcome)
         if not outcome.failed:
             return len(records), False
         failed = {f.record.id: f for f in outcome.failed}
@@ -254,6 +266,8 @@ class WalRelay:
             records = self.holds.held(conn, topic, key)
             outcome = self.publisher.publish(records)
             self.stats.published += len(outcome.delivered)
+            if self.observer is not None:
+                self.observer(outcome)
             if outcome.failed:
                 log.warning(
                     "%d of the %d messages held behind key %r of %s were not published (%s); trying again",
