@@ -17,9 +17,9 @@ from outbox_pipeline.drain.engine import backlog_at_least, drain_leases, plan_dr
 from outbox_pipeline.drain.values import (
     DEFAULT_FETCH_ROWS,
     DEFAULT_LEASE_S,
-    DRAIN_STRATEGIES,
     OWNER_PREFIX,
     drain_owner,
+    no_drain,
 )
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.observe.lag import explain_pending
@@ -74,11 +74,8 @@ def bulk_drain(
             strategy = orchestration.strategy_of(conn, table, config.strategy or None)
         except OutboxError as exc:
             raise dg.Failure(description=str(exc)) from None
-    if strategy not in DRAIN_STRATEGIES:
-        raise dg.Failure(
-            description=f"a bulk drain serves the position strategies ({', '.join(DRAIN_STRATEGIES)}); this outbox is "
-            f"relayed with {strategy!r}, whose delivery state is on every row: its backlog is the relay's to publish"
-        )
+    if (why := no_drain(strategy)) is not None:
+        raise dg.Failure(description=why)
     owner = drain_owner(context.run.run_id)
     # Registered for as long as this driver runs: if it dies, any relay worker frees its leases in a second.
     with present(postgres.dsn, table, owner, kind="drain", liveness=liveness_from_env()):

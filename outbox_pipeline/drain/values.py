@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..config import OutboxTable
 from ..errors import OutboxError
-from ..strategies import strategy_class
+from ..strategies import WAL, strategy_class
 from ..strategies.positions import PositionStrategy
 
 OWNER_PREFIX = "bulk-drain:"
@@ -43,12 +43,26 @@ def drain_owner(run_id: str) -> str:
     return f"{OWNER_PREFIX}{run_id}"
 
 
-def position_class(strategy: str) -> type[PositionStrategy]:
-    if strategy not in DRAIN_STRATEGIES:
-        raise DrainError(
-            f"bulk drain works with the position strategies ({', '.join(DRAIN_STRATEGIES)}), not {strategy!r}: "
-            "row strategies keep delivery state on every row, so drain those with the online relay"
+def no_drain(strategy: str) -> str | None:
+    """Why an outbox relayed by ``strategy`` gets no bulk drain (None: it does); one copy for the engine, the Spark
+    asset and the drain sensor."""
+    if strategy in DRAIN_STRATEGIES:
+        return None
+    if strategy == WAL:
+        return (
+            f"a bulk drain serves the position strategies ({', '.join(DRAIN_STRATEGIES)}), not wal: a wal outbox keeps "
+            "no rows, its backlog is in the replication slot, which one relay streams (`outbox relay`; a backlog "
+            "drain's speed is in docs/performance.md)"
         )
+    return (
+        f"a bulk drain serves the position strategies ({', '.join(DRAIN_STRATEGIES)}), not {strategy!r}: row "
+        "strategies keep delivery state on every row, so drain those with the online relay"
+    )
+
+
+def position_class(strategy: str) -> type[PositionStrategy]:
+    if (why := no_drain(strategy)) is not None:
+        raise DrainError(why)
     cls = strategy_class(strategy)
     assert issubclass(cls, PositionStrategy)
     return cls

@@ -224,3 +224,10 @@ def test_a_commit_moves_no_position_whose_lease_was_lost(
 def test_bulk_drain_refuses_row_strategies(strategy: str, db: psycopg.Connection, table: OutboxTable) -> None:
     with pytest.raises(DrainError, match="position strategies"):
         plan_drain(db, table, strategy=strategy, owner=drain_owner("run-4"))
+
+
+def test_bulk_drain_refuses_a_wal_outbox_and_says_its_backlog_is_the_slots(
+    db: psycopg.Connection, wal_outbox: OutboxTable
+) -> None:
+    with pytest.raises(DrainError, match="keeps no rows, its backlog is in the replication slot"):
+        plan_drain(db, wal_outbox, strategy="wal", owner=drain_owner("run-5"))
