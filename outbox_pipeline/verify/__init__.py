@@ -28,6 +28,8 @@ import psycopg
 
 from ..config import OutboxTable
 from ..errors import OutboxError
+from ..store import strategy_record
+from ..strategies import WAL
 from .checks import ORDERED_STRATEGIES, OrderedStrategy, Workspace
 from .consume import consume_topics, make_consumer
 from .report import Latency, MessageRef, OrderViolation, VerifyReport
@@ -85,6 +87,12 @@ def verify(
         raise OutboxError("--idle-s and --max-seconds must be > 0")
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=dt.UTC)
+    recorded = strategy_record.recorded(conn, table)
+    if ledger_file is None and recorded is not None and recorded.strategy == WAL:
+        raise OutboxError(
+            f"the outbox {table.schema!r} is a wal outbox: it keeps no rows to take the ledger from; give the message "
+            "ids your writers committed as --ledger-file (one per line, as for the delete mode)"
+        )
     starts = dict(start_offsets or {})
     for topic, _partition in starts:
         if topic not in names:

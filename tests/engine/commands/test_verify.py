@@ -17,10 +17,11 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
+from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.store.schema import set_topic_partitions
 from outbox_pipeline.verify import VerifyReport, verify
 from tests.kit.kafka import KafkaProbe
-from tests.kit.relay import drain
+from tests.kit.relay import drain, make_wal_relay
 
 IDLE_S = 1.0
 
@@ -309,3 +310,30 @@ def test_200k_messages_relayed_by_2_partitioned_workers_verify_ok(
     assert (report["ledger_messages"], report["lost"], report["phantom"]) == (count, 0, 0)
     assert report["consumed_records"] >= count
     assert report["order_violations"] == 0
+
+
+def test_a_wal_outbox_is_verified_against_the_writers_ledger_file(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topic = new_topic(partitions=2)
+    with db.transaction():
+        written = enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i % 7}") for i in range(200)], table=wal_outbox)
+    ledger = tmp_path / "ledger.txt"
+    ledger.write_text("".join(f"{w.message_id}\n" for w in written))
+    ledger_with_one_never_written = tmp_path / "more.txt"
+    ledger_with_one_never_written.write_text(ledger.read_text() + f"{uuid.uuid4()}\n")
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    report = _verify(db, wal_outbox, kafka, topic, ledger_file=ledger)
+    short = _verify(db, wal_outbox, kafka, topic, ledger_file=ledger_with_one_never_written)
+
+    assert report.ok
+    assert (report.ledger_messages, report.consumed_records, report.lost, report.phantom) == (200, 200, 0, 0)
+    assert short.lost == 1 and not short.ok
+
+
+def test_a_wal_outbox_without_a_ledger_file_is_refused_with_what_to_give(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    with pytest.raises(OutboxError, match="wal outbox: it keeps no rows .* give the message ids"):
+        _verify(db, wal_outbox, kafka, new_topic())
