@@ -109,6 +109,13 @@ RELAY_LINGER_MS = Setting(
     "never paced (0: claim at every commit)",
     _number,
 )
+WAL_TAKEOVER_S = Setting(
+    "OUTBOX_WAL_TAKEOVER_S",
+    30.0,
+    "wal strategy: a waiting relay ends the sessions of the streaming one when its walsender has heard nothing from "
+    "it this long (a frozen pod, a paused VM); a streaming relay answers every 10 s, Kafka down or not",
+    _number,
+)
 WORKER_ID_WAIT_S = Setting(
     "OUTBOX_WORKER_ID_WAIT_S",
     60.0,
@@ -287,6 +294,7 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     WRITE_TO,
     LIVENESS,
     RELAY_LINGER_MS,
+    WAL_TAKEOVER_S,
     WORKER_ID_WAIT_S,
     ON_POISON,
     CLOUDEVENTS,

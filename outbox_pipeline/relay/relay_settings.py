@@ -41,6 +41,8 @@ class RelaySettings:
     worker_id_wait_s: float = 60.0
     # After a claim that took everything there was, the next one no sooner than this (Pacer).
     min_cycle_s: float = settings.RELAY_LINGER_MS.default / 1000
+    # wal: a waiting relay takes over from a streaming one silent this long (relay/wal/leader.py).
+    wal_takeover_s: float = settings.WAL_TAKEOVER_S.default
 
     def error_backoff_s(self, failures: int) -> float:
         """The wait after the ``failures``-th failure in a row: doubling up to the maximum, jittered by half."""
@@ -49,13 +51,14 @@ class RelaySettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> RelaySettings:
-        """The settings the environment sets (liveness, worker id wait, linger), and ``fields``: what the CLI, the
-        Dagster runs and the bench all build a relay with."""
+        """The settings the environment sets (liveness, worker id wait, linger, wal takeover), and ``fields``: what
+        the CLI, the Dagster runs and the bench all build a relay with."""
         return cls(
             **{
                 "liveness": liveness_from_env(env),
                 "worker_id_wait_s": settings.WORKER_ID_WAIT_S.read(env),
                 "min_cycle_s": settings.RELAY_LINGER_MS.read(env) / 1000,
+                "wal_takeover_s": settings.WAL_TAKEOVER_S.read(env),
                 **fields,
             }
         )

@@ -29,6 +29,7 @@ from .loop import Relay
 from .publisher import KafkaPublisher
 from .relay_settings import RelaySettings
 from .stats import RelayInstruments
+from .wal.leader import LeaderSettings
 from .wal.relay import WalRelay, WalRelaySettings
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,9 @@ def build_wal_relay(
         spec.config.table,
         publisher or KafkaPublisher(spec.kafka_config),
         WalRelaySettings(
-            until_idle=spec.settings.until_empty or spec.settings.until_idle, max_seconds=spec.settings.max_seconds
+            until_idle=spec.settings.until_empty or spec.settings.until_idle,
+            max_seconds=spec.settings.max_seconds,
+            leader=LeaderSettings(takeover_after_s=spec.settings.wal_takeover_s),
         ),
         stop,
         worker_id=spec.worker_id or default_worker_id(),

@@ -38,10 +38,11 @@ BURST = 500  # written before each restart: the relay is busy when the kill come
 MAX_KILL_DELAY_S = 0.3
 
 
-def relay_process(dsn: str, table: OutboxTable, bootstrap: str, log: Path) -> subprocess.Popen[bytes]:
+def relay_process(dsn: str, table: OutboxTable, bootstrap: str, log: Path, **settings: str) -> subprocess.Popen[bytes]:
     """`outbox relay` as a Deployment runs it: a new process, a new identity (hostname-pid) each time."""
     env = {
         **os.environ,
+        **settings,
         "OUTBOX_PG_DSN": dsn,
         "OUTBOX_SCHEMA": table.schema,
         "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
@@ -182,3 +183,38 @@ def test_the_wal_relay_survives_a_server_crash_and_loses_nothing(
     report("wal-pg-crash", "wal", **counted.figures, seconds=0.0)
     assert counted.lost == set() and counted.phantom == set()
     assert out_of_order_keys(before + after, records) == []
+
+
+def test_a_frozen_wal_relay_is_taken_over_and_loses_nothing_when_it_thaws(
+    module_pg: LocalPostgres, wal_table: OutboxTable, proxied_broker: ProxiedBroker, tmp_path: Path
+) -> None:
+    dsn = module_pg.dsn
+    topic = proxied_broker.new_topic()
+    quick = {"OUTBOX_WAL_TAKEOVER_S": "3"}
+    first = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "first.log", **quick)
+    with psycopg.connect(dsn, autocommit=True) as db:
+        wait_until("the first relay streams", lambda: slot_state(db, wal_table).active_pid is not None, 30.0)
+        frozen_walsender = slot_state(db, wal_table).active_pid
+        second = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "second.log", **quick)
+        try:
+            before = write(dsn, wal_table, topic, 10, serialized=False)
+            consume(proxied_broker.bootstrap, [topic], before)
+            os.killpg(first.pid, signal.SIGSTOP)  # a frozen pod: its sessions stay open, it answers nothing
+            during = write(dsn, wal_table, topic, 10, serialized=False)
+            wait_until(
+                "the waiting relay streams",
+                lambda: slot_state(db, wal_table).active_pid not in (None, frozen_walsender),
+                30.0,
+            )
+            consume(proxied_broker.bootstrap, [topic], before + during)
+            os.killpg(first.pid, signal.SIGCONT)  # it thaws to find its sessions ended, and waits
+            after = write(dsn, wal_table, topic, 10, serialized=False)
+            records = consume(proxied_broker.bootstrap, [topic], before + during + after)
+            assert first.poll() is None  # alive, waiting its turn
+        finally:
+            stop(second)
+            stop(first)
+    counted = tally(before + during + after, records)
+    report("wal-frozen", "wal", **counted.figures, seconds=0.0)
+    assert counted.lost == set() and counted.phantom == set()
+    assert out_of_order_keys(before + during + after, records) == []

@@ -34,7 +34,7 @@ from ..stats import RelayStats
 from .holds import WalHolds
 from .leader import LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
-from .stream import ReplicationStream
+from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,11 @@ class WalRelay:
         prefix = self._prefix
         holds = self.holds
         holds.load(leader.connection)
-        with ReplicationStream.open(self.dsn, self._names.slot, self._names.publication) as stream:
+        # Answered often enough that a waiting relay never takes this one for frozen (leader.py).
+        status_s = min(DEFAULT_STATUS_INTERVAL_S, self.settings.leader.takeover_after_s / 3)
+        with ReplicationStream.open(
+            self.dsn, self._names.slot, self._names.publication, status_interval_s=status_s
+        ) as stream:
             log.info("streaming the slot %s", self._names.slot)
             self.registered.set()
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):

@@ -214,3 +214,19 @@ def test_with_skip_a_poison_message_leaves_a_hole_and_its_key_flows_on(
 
     assert by_key(kafka.consume(topic)) == {b"b": [b'{"n": 1}', b'{"n": 3}']}
     assert relay.stats.dead_lettered == 1
+
+
+def test_a_transaction_left_open_on_the_database_holds_back_nothing_committed_after_it(
+    db: psycopg.Connection, connect: object, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    lunch = connect()  # type: ignore[operator]
+    lunch.execute("BEGIN")
+    lunch.execute("SELECT pg_current_xact_id()")  # a psql BEGIN that wrote, left open over lunch
+    lunch.execute("CREATE TEMP TABLE over_lunch (n int)")
+    _write(db, wal_outbox, topic, ("k", {"n": 1}), ("k", {"n": 2}))
+
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}', b'{"n": 2}']
+    lunch.execute("ROLLBACK")

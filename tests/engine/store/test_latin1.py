@@ -14,8 +14,10 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import LocalPostgres
+from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store.wal.objects import drop_slot
 from tests.kit.kafka import KafkaProbe
-from tests.kit.relay import drain
+from tests.kit.relay import drain, make_wal_relay
 
 
 @pytest.fixture
@@ -74,3 +76,35 @@ def test_a_character_the_latin1_database_cannot_hold_is_refused_and_nothing_is_s
                     conn, [Message("orders", {"n": i}, key=k) for i, k in enumerate(["café", "東京"])], table=table
                 )
         assert conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone() == (0,)
+
+
+def test_a_wal_outbox_in_a_latin1_database_publishes_every_writer_forms_key_as_one_kafka_key(
+    latin1_dsn: str, new_topic: Callable[..., str], kafka: KafkaProbe
+) -> None:
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    topic = new_topic("latin1", partitions=4)
+    with psycopg.connect(latin1_dsn, autocommit=True) as conn:
+        init_db(conn, table, strategies=["wal"])
+        try:
+            with conn.transaction():
+                enqueue(conn, topic, {"n": 0}, key="café", table=table)
+                enqueue_many(conn, [Message(topic, {"n": 1}, key="café")], table=table)
+                conn.execute(
+                    sql.SQL("SELECT {}(topic => %s, payload => '{{\"n\": 2}}', key => 'café')").format(
+                        table.ident("enqueue")
+                    ),
+                    (topic,),
+                )
+                conn.execute(
+                    sql.SQL("INSERT INTO {} (topic, key, payload) VALUES (%s, 'café', '{{\"n\": 3}}')").format(
+                        table.messages
+                    ),
+                    (topic,),
+                )
+            make_wal_relay(latin1_dsn, table, kafka.bootstrap_servers).run()
+        finally:
+            drop_slot(conn, table)  # a database with a slot cannot be dropped
+
+    records = kafka.consume(topic, expect=4)
+    assert [r.value for r in records] == [b'{"n": %d}' % n for n in range(4)]
+    assert {r.key for r in records} == {"café".encode()}
