@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import psycopg
 
 from ...config import OutboxTable
-from ...store.wal.format import MalformedMessage, decode
+from ...store.wal.format import MalformedMessage
+from ...store.wal.format import record as wal_record
 from ...store.wal.objects import names_of
 from ...store.wal.slot import require_streamable
 from ...strategies.base import DeliveryFailure, OutboxRecord, PublishOutcome
@@ -294,28 +295,13 @@ class WalRelay:
 
     def _record(self, event: Message, xid: str, leader: SlotLeader) -> OutboxRecord | None:
         try:
-            m = decode(event.content)
+            return wal_record(event.content, event.lsn, xid)
         except MalformedMessage as exc:
             # Bytes under our prefix another writer made: kept as a dead letter (payload_bytes), never published.
             failure = DeliveryFailure(_malformed(event, xid), f"not an outbox message: {exc}", "permanent")
             self.holds.dead_letter(leader.connection, [failure])
             self.stats.dead_lettered += 1
             return None
-        return OutboxRecord(
-            event.lsn,
-            m.topic,
-            m.key,
-            m.payload,
-            m.headers,
-            m.message_id,
-            str(event.lsn).encode(),
-            m.created_at,
-            m.type,
-            m.partition,
-            xid,
-            0,
-            m.binary,
-        )
 
 
 def _malformed(event: Message, xid: str) -> OutboxRecord:
