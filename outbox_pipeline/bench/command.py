@@ -6,6 +6,8 @@
     outbox bench --latency 2000 --strategies all --dagster
     outbox bench --writers --runs 5
     outbox bench --strategy serialized --held 0,10000
+    outbox bench --strategy wal --messages 1000000 --runs 3
+    outbox bench --latency 2000 --strategies partitioned,wal --seconds 80 --hold-open 60
 
 Results go to stdout as they come and as a table at the end; README quotes medians of such runs.
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from .. import settings
 from ..config import check_dsn
-from ..strategies import STRATEGY_NAMES
+from ..strategies import RECORDED_NAMES, STRATEGY_NAMES, WAL
 from . import header_floor, held, retained, writers
 from .baselines.comparison import (
     HEADLINE,
@@ -39,6 +41,7 @@ from .baselines.comparison import (
 )
 from .latency import latency_cli
 from .runner import RunSpec, Servers
+from .wal_outbox import WAL_BATCH
 
 # The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
 TALK_TABLE = {
@@ -63,8 +66,15 @@ BENCH_PG_SETTINGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", default="partitioned", choices=STRATEGY_NAMES)
-    parser.add_argument("--workers", type=int, help="relay workers (default 2; the latency bench: 1)")
+    parser.add_argument(
+        "--strategy",
+        default="partitioned",
+        choices=RECORDED_NAMES,
+        help="the relay strategy (default partitioned); wal: the slot's backlog drain, beside partitioned's",
+    )
+    parser.add_argument(
+        "--workers", type=int, help="relay workers (default 2; the latency bench: 1; wal streams with one)"
+    )
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--payload-bytes", type=int, default=256)
@@ -226,13 +236,15 @@ def run(args: argparse.Namespace) -> int:
                 transactions=args.transactions,
                 rows=args.messages,
                 runs=args.runs,
-                index_sets=args.strategies or writers.DEFAULT_INDEX_SETS,
+                index_sets=args.strategies or writers.default_index_sets(found.dsn),
             )
             print("\n" + results.render())
             return 0
     rows = args.rows_per_transaction or [100]
     if len(rows) > 1:
         raise SystemExit("outbox bench: several --rows-per-transaction are for --latency and --writers only")
+    if args.strategy == WAL and (args.held is not None or args.retained is not None or args.matrix):
+        raise SystemExit("outbox bench: --held, --retained and --matrix time a table's claims; a wal outbox has none")
     base = RunSpec(
         strategy=args.strategy,
         workers=2 if args.workers is None else args.workers,
@@ -292,10 +304,14 @@ _WHAT = {
 def render_comparison(base: RunSpec, c: Comparison, runs: int) -> str:
     """The results table: medians, ratios against the headline baseline, shares of both ceilings."""
     traced = (", traced" + ("" if base.relay_spans else ", no relay spans")) if base.trace_headers else ""
+    relay = f"{base.strategy}, {base.workers} worker(s)"
+    batch = f"ours batch {base.batch_size}"
+    if base.strategy == WAL:  # one relay streams the slot, in batches of its own; partitioned beside it
+        relay = f"wal (one relay streams the slot) beside partitioned ({base.workers} worker(s))"
+        batch = f"batch wal up to {WAL_BATCH:,}, partitioned {base.batch_size}"
     head = [
-        f"{base.strategy}, {base.workers} worker(s), {base.messages:,} x {base.payload_bytes} B "
-        f"{'bytes' if base.binary else 'JSON'}{traced}, "
-        f"{base.topics} topics x {base.partitions} partition(s), ours batch {base.batch_size}, "
+        f"{relay}, {base.messages:,} x {base.payload_bytes} B {'bytes' if base.binary else 'JSON'}{traced}, "
+        f"{base.topics} topics x {base.partitions} partition(s), {batch}, "
         f"medians of {runs} interleaved round(s); "
         f"{platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}",
         "| line | what | msg/s | x talk v1 | % of produce-only | % of read-only | verified |",

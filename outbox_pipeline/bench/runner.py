@@ -5,6 +5,11 @@ that start together on a signal (spawn and connection set-up are not timed). Dra
 that signal to the last delivery confirmed; CPU seconds are read for the relay workers, PostgreSQL
 (postmaster, live backends and reaped ones) and the broker. Speed is never asserted here: results are
 printed, medians of repeated runs are what the README quotes.
+
+A wal outbox is loaded the same way (its trigger turns every COPY row into a message in the WAL, no row), with no
+relay streaming its slot, and drained by one worker running what `outbox relay --strategy wal --until-empty` runs
+until the slot is caught up with the WAL written before it started; its connections and the stream's start are
+timed (the slot's first decoding is part of a backlog's cost). The slot is dropped with the schema, error or not.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ..relay.publisher import KafkaPublisher
 from ..relay.relay_settings import RelaySettings
 from ..relay.workers import WorkerSpec, build_relay
 from ..store.schema import init_db, set_topic_partitions
+from ..strategies import WAL
 from ..strategies.base import PublishOutcome, StrategyConfig
 from ..verify import verify
 from .baselines.ceilings import ConfirmingPublisher, count_back, produce_all, read_share
@@ -38,6 +44,7 @@ from .baselines.naive import NAIVE_BATCH, prepare_naive_schema, run_naive
 from .baselines.talk_table import add_talk_offsets, create_talk_table, index_talk_table
 from .procstat import own_cpu_s, own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .statements import reset_statements, top_statements
+from .wal_outbox import WAL_BATCH, drain_wal, drop_outbox, table_for
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,7 @@ class RunSpec:
 
     @property
     def label(self) -> str:
-        batch = NAIVE_BATCH if self.naive else self.batch_size
+        batch = NAIVE_BATCH if self.naive else WAL_BATCH if self.strategy == WAL else self.batch_size
         return f"{self.strategy} {self.kind} w={self.workers} b={batch}"
 
 
@@ -143,7 +150,7 @@ def _worker(
     out: Queue[_WorkerReport],
 ) -> None:
     """One benchmark worker process: set up, say it is ready, wait for the start signal, drain, report."""
-    table = OutboxTable(schema=schema)
+    table = table_for(schema, spec.strategy)
 
     started_cpu = [0.0]  # the worker's CPU when the drain starts: set-up and imports are not the drain's
 
@@ -167,6 +174,11 @@ def _worker(
             start_line()
             # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
             published = produce_all(publisher, records, max(1, len(records)))
+        elif spec.strategy == WAL:
+            confirmed = _LastConfirmed()
+            read_only = spec.kind == "read-only"
+            published = drain_wal(dsn, table, bootstrap, f"bench-{index}", read_only, confirmed, start_line)
+            ended = confirmed.at
         else:
             if spec.trace_headers and spec.relay_spans and spec.kind == "ours":
                 _record_spans()
@@ -215,7 +227,7 @@ def prepare(
 ) -> tuple[OutboxTable, list[str], float]:
     """A fresh schema and topics, loaded with ``spec.messages`` rows: (table, topics, load seconds)."""
     run_id = uuid.uuid4().hex[:8]
-    table = OutboxTable(schema=f"bench_{run_id}")
+    table = table_for(f"bench_{run_id}", spec.strategy)
     topics = [f"bench-{run_id}-topic-{i + 1}" for i in range(spec.topics)]
     talk = spec.kind in TALK_TABLE_KINDS
     if talk and spec.partitions > 1 and spec.strategy in ("partitioned", "serialized"):
@@ -223,6 +235,16 @@ def prepare(
     admin = AdminClient({"bootstrap.servers": servers.bootstrap})
     for future in admin.create_topics([NewTopic(t, spec.partitions, 1) for t in topics]).values():
         future.result()
+    try:
+        load_s = _load(servers, spec, table, topics, talk=talk)
+    except BaseException:
+        drop_table(servers, table)  # a wal outbox's slot too
+        raise
+    progress(f"  loaded {spec.messages:,} rows in {load_s:.1f} s ({spec.messages / load_s:,.0f} rows/s)")
+    return table, topics, load_s
+
+
+def _load(servers: Servers, spec: RunSpec, table: OutboxTable, topics: list[str], *, talk: bool) -> float:
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
         if talk:
             create_talk_table(conn, table, spec.strategy)
@@ -232,7 +254,8 @@ def prepare(
                 set_topic_partitions(conn, table, topic, spec.partitions)
             # The wake-up trigger costs each committing transaction 0.7-2 ms (README, Performance): a third
             # to half of a 100-rows-per-transaction load. Nobody listens on this fresh schema yet, so the
-            # load goes without it; the drain runs with it back on, as a service's table has it.
+            # load goes without it; the drain runs with it back on, as a service's table has it (a wal outbox
+            # has it off: nobody listens to it).
             conn.execute(sql.SQL("ALTER TABLE {} DISABLE TRIGGER outbox_messages_notify").format(table.messages))
     load_s = load(
         servers.dsn,
@@ -251,7 +274,7 @@ def prepare(
             index_talk_table(conn, table, spec.strategy)
             if spec.strategy in ("partitioned", "serialized"):
                 add_talk_offsets(conn, table, topics, spec.partitions)
-        else:
+        elif spec.strategy != WAL:
             conn.execute(sql.SQL("ALTER TABLE {} ENABLE TRIGGER outbox_messages_notify").format(table.messages))
             if spec.kind == "naive":
                 prepare_naive_schema(conn, table, spec.strategy)
@@ -263,8 +286,7 @@ def prepare(
                 ).format(table.offsets),
                 (topics, spec.partitions - 1),
             )
-    progress(f"  loaded {spec.messages:,} rows in {load_s:.1f} s ({spec.messages / load_s:,.0f} rows/s)")
-    return table, topics, load_s
+    return load_s
 
 
 def _write_ledger(servers: Servers, table: OutboxTable) -> Path:
@@ -278,8 +300,21 @@ def _write_ledger(servers: Servers, table: OutboxTable) -> Path:
 
 
 def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = print) -> RunResult:
-    table, topics, load_s = prepare(servers, spec, progress)
-    ledger = _write_ledger(servers, table) if spec.verify and spec.kind == "ours" else None
+    prepared = prepare(servers, spec, progress)
+    try:
+        result = _drain(servers, spec, prepared, progress)
+    finally:
+        drop_table(servers, prepared[0])  # a wal outbox's slot too
+    progress("  " + format_result(result))
+    return result
+
+
+def _drain(
+    servers: Servers, spec: RunSpec, prepared: tuple[OutboxTable, list[str], float], progress: Callable[[str], None]
+) -> RunResult:
+    table, topics, load_s = prepared
+    # A wal outbox keeps no message_ids to write a ledger from: its messages are counted back from Kafka.
+    ledger = _write_ledger(servers, table) if spec.verify and spec.kind == "ours" and spec.strategy != WAL else None
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Semaphore(0)
     go = ctx.Event()
@@ -324,7 +359,7 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
         verified = distinct == spec.messages
         if not verified:
             progress(f"  counted back {distinct:,} of {spec.messages:,} messages ({records:,} records)")
-    result = RunResult(
+    return RunResult(
         spec=spec,
         published=published,
         drain_s=max(r.ended for r in reports) - started,
@@ -336,9 +371,6 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
         verified=verified,
         note="; ".join(e for e in errors if e) or ("" if published >= spec.messages else "INCOMPLETE"),
     )
-    drop_table(servers, table)
-    progress("  " + format_result(result))
-    return result
 
 
 def _verify(servers: Servers, table: OutboxTable, topics: list[str], ledger: Path) -> bool:
@@ -351,8 +383,7 @@ def _verify(servers: Servers, table: OutboxTable, topics: list[str], ledger: Pat
 
 
 def drop_table(servers: Servers, table: OutboxTable) -> None:
-    with psycopg.connect(servers.dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+    drop_outbox(servers.dsn, table)
 
 
 def format_result(r: RunResult) -> str:

@@ -8,11 +8,16 @@ transaction size (``--rows-per-transaction``, default 1, 10 and 100 rows) and pe
 Python ``enqueue_many`` (routes in Python, one statement), a plain INSERT into the outbox that names each row's
 partition and one that leaves routing to the trigger, and the SQL ``<schema>.enqueue()`` once per row; for
 ``serialized`` the Python and SQL writers enqueue serialized (its writers take the partition's lock: part of what it
-costs). One session each, ``synchronous_commit = off`` (a durable commit would time the disk's flush, the same for
-every writer), every cell in a fresh schema, cells interleaved in every run. Reported: rows/s and PostgreSQL's CPU
-per row (the server's processes, from /proc; then the writer session's backend alone), each as a ratio to the
-baseline's in the same run, medians of ``--runs``. Then bulk: ``outbox load`` (COPY) with the partition computed in
-Python against COPY without the partition column (the trigger on every row).
+costs). ``wal`` (in the default set when the server can hold it: 14+, ``wal_level = logical``) has no indexes: its
+outbox keeps no rows, and its lines are ``enqueue_many`` emitting (``write_to="wal"``) and the plain INSERT a Java
+writer makes, which its trigger turns into the same message (and no row). One session each, ``synchronous_commit =
+off`` (a durable commit would time the disk's flush, the same for every writer), every cell in a fresh schema (a wal
+outbox's slot dropped with it), cells interleaved in every run. Reported: rows/s, PostgreSQL's CPU per row (the
+server's processes, from /proc; then the writer session's backend alone), each as a ratio to the baseline's in the
+same run, and the WAL bytes per row (the server's insert position before and after: every session's WAL, the
+writer's and anything else running meanwhile, such as autovacuum), medians of ``--runs``. Then bulk: ``outbox load``
+(COPY) with the partition computed in Python against COPY without the partition column (the trigger on every row),
+into the first table strategy's outbox.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from ..localstack.demo import load
 from ..partitioning import partition_for
 from ..store.enqueue import Message, enqueue_many
 from ..store.schema import init_db, set_topic_partitions
+from ..strategies import WAL
 from .procstat import parent_pid, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .runner import Servers
+from .wal_outbox import drop_outbox, emitted_messages, insert_lsn, table_for, why_not_wal
 
 TOPIC = "writers"
 PARTITIONS = 12
@@ -45,7 +52,7 @@ DEFAULT_ROWS_PER_CELL = 10_000
 
 # Writes rows ``first .. first + count - 1`` in the caller's open transaction; serialized or not.
 Writer = Callable[[psycopg.Connection, OutboxTable, int, int, bool], None]
-DEFAULT_INDEX_SETS = ("partitioned", "serialized")
+DEFAULT_INDEX_SETS = ("partitioned", "serialized", WAL)
 
 
 def _keys(first: int, count: int) -> list[str]:
@@ -108,6 +115,8 @@ WRITERS: dict[str, Writer] = {
     "INSERT without partition (trigger)": _insert_routed_by_trigger,
     "SQL enqueue(), a call per row": _sql_enqueue,
 }
+# A wal outbox's writers: the Python one, and the plain INSERT of a writer in another language (its trigger emits).
+WAL_WRITERS = ("Python enqueue_many()", "INSERT without partition (trigger)")
 BULK = {"outbox load, partition from Python": False, "outbox load --route-in-db (trigger)": True}
 
 
@@ -119,6 +128,7 @@ class Cell:
     rates: list[float] = field(default_factory=list)
     pg_us_per_row: list[float | None] = field(default_factory=list)
     backend_us_per_row: list[float | None] = field(default_factory=list)
+    wal_bytes_per_row: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -133,8 +143,8 @@ class WriterResults:
         runs = len(self.cells[(BASELINE, self.sizes[0], "")].rates)
         lines = [
             f"| writer | indexes of | rows per transaction | rows/s (median of {runs}) | x baseline "
-            "| PostgreSQL CPU us/row | x baseline | its backend us/row | x baseline |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| PostgreSQL CPU us/row | x baseline | its backend us/row | x baseline | WAL bytes/row | x baseline |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for size in self.sizes:
             base = self.cells[(BASELINE, size, "")]
@@ -145,9 +155,11 @@ class WriterResults:
                 rate_x = statistics.median(r / b for r, b in zip(cell.rates, base.rates, strict=True))
                 cpu, cpu_x = _cpu(cell.pg_us_per_row, base.pg_us_per_row)
                 backend, backend_x = _cpu(cell.backend_us_per_row, base.backend_us_per_row)
+                wal, wal_x = _cpu(cell.wal_bytes_per_row, base.wal_bytes_per_row)
                 lines.append(
                     f"| {name} | {index_set or '-'} | {size} | {rate:,.0f} | {rate_x:.2f} | {_fmt(cpu, '.1f')} "
-                    f"| {_fmt(cpu_x, '.2f')} | {_fmt(backend, '.1f')} | {_fmt(backend_x, '.2f')} |"
+                    f"| {_fmt(cpu_x, '.2f')} | {_fmt(backend, '.1f')} | {_fmt(backend_x, '.2f')} "
+                    f"| {_fmt(wal, ',.0f')} | {_fmt(wal_x, '.2f')} |"
                 )
         bulk_base = statistics.median(self.bulk[next(iter(BULK))])
         lines += ["", f"| bulk load, {self.bulk_rows:,} rows, commits every 100 | rows/s | x first |", "|---|---|---|"]
@@ -172,8 +184,21 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _cells(index_sets: Sequence[str]) -> list[tuple[str, str]]:
-    """(writer, index set) in the order they run: the baseline once, then every outbox writer per index set."""
-    return [(BASELINE, "")] + [(name, i) for i in index_sets for name in WRITERS if name != BASELINE]
+    """(writer, index set) in the order they run: the baseline once, then every outbox writer per index set (a wal
+    outbox's own writers for ``wal``)."""
+    return [(BASELINE, "")] + [
+        (name, i) for i in index_sets for name in (WAL_WRITERS if i == WAL else WRITERS) if name != BASELINE
+    ]
+
+
+def default_index_sets(dsn: str) -> tuple[str, ...]:
+    """DEFAULT_INDEX_SETS, without ``wal`` where the server cannot hold a wal outbox (said on stdout)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        why = why_not_wal(conn)
+    if why:
+        print(f"writers: no wal lines on this server: {why}")
+        return tuple(i for i in DEFAULT_INDEX_SETS if i != WAL)
+    return DEFAULT_INDEX_SETS
 
 
 def measure(
@@ -185,24 +210,27 @@ def measure(
     runs: int,
     index_sets: Sequence[str] = DEFAULT_INDEX_SETS,
 ) -> WriterResults:
-    """``transactions`` per writer and size (None: ROWS_PER_CELL); ``rows`` per bulk load (with the first index
-    set's indexes)."""
+    """``transactions`` per writer and size (None: ROWS_PER_CELL); ``rows`` per bulk load (with the first table
+    strategy's indexes)."""
     cells = {(name, size, i): Cell() for size in sizes for name, i in _cells(index_sets)}
+    bulk_set = next((i for i in index_sets if i != WAL), DEFAULT_INDEX_SETS[0])
     bulk: dict[str, list[float]] = {name: [] for name in BULK}
     for run in range(runs):
         for size in sizes:
             for name, index_set in _cells(index_sets):
                 cell_rows = size * transactions if transactions else ROWS_PER_CELL.get(size, DEFAULT_ROWS_PER_CELL)
-                rate, cpu, backend = _write(found, WRITERS[name], size, cell_rows, index_set)
-                cells[(name, size, index_set)].rates.append(rate)
-                cells[(name, size, index_set)].pg_us_per_row.append(cpu)
-                cells[(name, size, index_set)].backend_us_per_row.append(backend)
+                rate, cpu, backend, wal = _write(found, WRITERS[name], size, cell_rows, index_set)
+                cell = cells[(name, size, index_set)]
+                cell.rates.append(rate)
+                cell.pg_us_per_row.append(cpu)
+                cell.backend_us_per_row.append(backend)
+                cell.wal_bytes_per_row.append(wal)
                 print(
                     f"run {run + 1}: {name} ({index_set or 'no outbox'}) x {size}: {rate:,.0f} rows/s, "
-                    f"PostgreSQL {_fmt(cpu, '.1f')} us/row"
+                    f"PostgreSQL {_fmt(cpu, '.1f')} us/row, WAL {wal:,.0f} bytes/row"
                 )
         for name, route_in_db in BULK.items():
-            table = _fresh_outbox(found.dsn, index_sets[0])
+            table = _fresh_outbox(found.dsn, bulk_set)
             try:
                 elapsed = load(
                     found.dsn, table, rows, topics=[TOPIC], rows_per_transaction=100, route_in_db=route_in_db
@@ -216,11 +244,11 @@ def measure(
 
 def _write(
     found: Servers, writer: Writer, size: int, rows: int, index_set: str
-) -> tuple[float, float | None, float | None]:
-    """(rows/s, PostgreSQL CPU us per row, the session's backend's us per row) of ``rows`` rows in transactions of
-    ``size``. All of the server's processes is what the issue measured; they include background work (autovacuum
-    analyzing the fresh tables, the WAL writer) that lands in some cells and not others. The backend alone is what
-    the service's own transactions cost, and steadier."""
+) -> tuple[float, float | None, float | None, float]:
+    """(rows/s, PostgreSQL CPU us per row, the session's backend's us per row, WAL bytes per row) of ``rows`` rows in
+    transactions of ``size``. All of the server's processes is what the issue measured; they include background work
+    (autovacuum analyzing the fresh tables, the WAL writer) that lands in some cells and not others. The backend alone
+    is what the service's own transactions cost, and steadier."""
     table = _fresh_outbox(found.dsn, index_set or DEFAULT_INDEX_SETS[0])
     try:
         with psycopg.connect(found.dsn, autocommit=True) as conn:
@@ -232,11 +260,13 @@ def _write(
             backend = conn.info.backend_pid if server else None
             backend_before = process_cpu_s(backend) if backend else 0.0
             cpu_before = tree_cpu_s(server) if server else 0.0
+            wal_before = insert_lsn(conn)
             started = time.perf_counter()
             for t in range(transactions):
                 with conn.transaction():
                     writer(conn, table, t * size, size, index_set == "serialized")
             elapsed = time.perf_counter() - started
+            wal_bytes = insert_lsn(conn) - wal_before
             # This session's backend is live: its CPU so far is in the server's tree now.
             cpu = tree_cpu_s(server) - cpu_before if server else None
             backend_cpu = process_cpu_s(backend) - backend_before if backend else None
@@ -248,13 +278,24 @@ def _write(
             written / elapsed,
             None if cpu is None else cpu * 1e6 / written,
             None if backend_cpu is None else backend_cpu * 1e6 / written,
+            wal_bytes / written,
         )
     finally:
         _drop(found.dsn, table)
 
 
 def _check(conn: psycopg.Connection, table: OutboxTable, writer: Writer, expected: int) -> None:
-    """Every writer stored every row; the outbox's writers each in the partition Kafka's partitioner picks."""
+    """Every writer stored every row; the outbox's writers each in the partition Kafka's partitioner picks; a wal
+    outbox's writers stored none and emitted every message."""
+    if table.write_to == "wal" and writer is not _plain_table:
+        stored = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages)).fetchone()
+        emitted = emitted_messages(conn, table)
+        if (stored, emitted) != ((0,), expected):
+            raise RuntimeError(
+                f"writers bench: {stored} rows stored and {emitted} messages emitted into the wal outbox, expected "
+                f"(0,) and {expected}"
+            )
+        return
     if writer is _plain_table:
         query = sql.SQL("SELECT count(*), 0 FROM {}").format(table.ident("plain"))
     else:
@@ -268,19 +309,22 @@ def _check(conn: psycopg.Connection, table: OutboxTable, writer: Writer, expecte
 
 def _fresh_outbox(dsn: str, strategy: str) -> OutboxTable:
     """An outbox as `outbox init-db --strategy S` makes it, and beside it the baseline's table: a primary key and
-    nothing else."""
-    table = OutboxTable(schema=f"bench_writers_{uuid.uuid4().hex[:8]}")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        init_db(conn, table, strategies=[strategy])
-        set_topic_partitions(conn, table, TOPIC, PARTITIONS)
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE {} (id bigserial PRIMARY KEY, topic text NOT NULL, key text, payload jsonb NOT NULL)"
-            ).format(table.ident("plain"))
-        )
+    nothing else. A wal outbox is written the wal way; whatever fails here drops what was made (its slot too)."""
+    table = table_for(f"bench_writers_{uuid.uuid4().hex[:8]}", strategy)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            init_db(conn, table, strategies=[strategy])
+            set_topic_partitions(conn, table, TOPIC, PARTITIONS)
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {} (id bigserial PRIMARY KEY, topic text NOT NULL, key text, payload jsonb NOT NULL)"
+                ).format(table.ident("plain"))
+            )
+    except BaseException:
+        _drop(dsn, table)
+        raise
     return table
 
 
 def _drop(dsn: str, table: OutboxTable) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+    drop_outbox(dsn, table)

@@ -58,6 +58,10 @@ class ConfirmingPublisher(KafkaPublisher):
     def finish(self, pending: PendingBatch) -> PublishOutcome:
         return PublishOutcome(pending.records, [], 0.0)
 
+    def settled(self) -> bool:
+        """Every batch is settled the moment it is handed over (a relay that pipelines asks before it waits)."""
+        return True
+
     def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
         return self.finish(self.start(records))
 

@@ -8,8 +8,10 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from ...strategies import WAL
 from ..runner import RunResult, RunSpec, Servers, run_once
 from ..server_jit import JIT_SUFFIX, set_server_jit
+from ..wal_outbox import WAL_WORKERS
 from .handwritten import HAND_WRITTEN
 
 
@@ -42,12 +44,15 @@ HEADLINE = "talk v1"  # the talk's variant 1 on the talk's own table: what a use
 OURS = "ours"
 PRODUCE_ONLY = "produce-only"
 READ_ONLY = "read-only"
+BESIDE_WAL = "partitioned"  # the table strategy a wal drain is shown beside
 
 
 def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = None) -> dict[str, RunSpec]:
     """Ours and both ceilings; with ``baseline`` first the talk's variant 1 and the strategy's own naive form on
     the talk's table (the headline) and on ours (the second line), and for the ordered strategies the
-    hand-written tuned variant (what our machinery and headers cost)."""
+    hand-written tuned variant (what our machinery and headers cost). ``wal`` has no naive form: see ``wal_lines``."""
+    if spec.strategy == WAL:
+        return wal_lines(spec, baseline=baseline)
     lines: dict[str, RunSpec] = {}
     if baseline:
         variant = naive_strategy or spec.strategy
@@ -60,6 +65,20 @@ def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = N
     lines[OURS] = spec
     lines[PRODUCE_ONLY] = replace(spec, kind="produce-only")
     lines[READ_ONLY] = replace(spec, kind="read-only")
+    return lines
+
+
+def wal_lines(spec: RunSpec, *, baseline: bool) -> dict[str, RunSpec]:
+    """A wal backlog drained by one relay (one streams a slot) beside ``partitioned``'s relay draining the same load
+    (``spec.workers``), and the ceilings: produce-only from a partitioned outbox's rows (a wal outbox has none to
+    read beforehand), read-only the wal relay with Kafka confirming at once (the slot's stream and decoding alone);
+    ``baseline``: the talk's variant 1 first, the headline."""
+    wal = replace(spec, workers=WAL_WORKERS)
+    lines = {HEADLINE: replace(spec, kind="talk", strategy="locking")} if baseline else {}
+    lines[OURS] = wal
+    lines[f"{OURS} {BESIDE_WAL}"] = replace(spec, strategy=BESIDE_WAL)
+    lines[PRODUCE_ONLY] = replace(spec, kind="produce-only", strategy=BESIDE_WAL)
+    lines[READ_ONLY] = replace(wal, kind="read-only")
     return lines
 
 

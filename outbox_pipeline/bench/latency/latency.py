@@ -5,8 +5,10 @@ own (none shares a GIL with another or with the bench): writer processes commit 
 message right after its COMMIT (bench/traffic.py); the relay under test is `outbox relay` (bench/relays.py) or
 `dagster dev` driving it (`--dagster`, bench/orchestrated.py), logged in as a role of its own so its statements can
 be counted; the observer stamps each message when ``poll()`` returns it (bench/observer.py). Scenarios
-(bench/scenarios.py): a curve over rates and transaction sizes, and the hot-key scenario; each strategy's relay
-also idles for a while, with and without the observer, so what the relay and the observer cost at rest is known.
+(bench/scenarios.py): a curve over rates and transaction sizes, the hot-key scenario, and (``--hold-open``) each
+curve point again with a transaction held open on the database; each strategy's relay also idles for a while, with
+and without the observer, so what the relay and the observer cost at rest is known. A ``wal`` outbox is made by
+``init-db --strategy wal``, written with ``write_to="wal"`` and dropped with its slot.
 ``--runs N`` repeats it all in interleaved rounds; the report gives medians (bench/latency_report.py) and a JSON
 file keeps every number.
 """
@@ -26,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
-from psycopg import sql
 
 from ... import settings
-from ...config import OutboxTable
 from ...store.schema import init_db
+from ...strategies import WAL
 from ..runner import Servers
 from ..server_jit import JIT_SUFFIX, set_server_jit
+from ..wal_outbox import drop_outbox, table_for
 from .gauges import relay_dsn, with_local_pids
 from .orchestrated import DagsterRelay
 from .relays import CliRelay, RelayUnderTest
@@ -62,9 +64,14 @@ class LatencyOptions:
     traced: bool = False
     # Each relay once per value of the server's own jit (ALTER SYSTEM), interleaved: a server with JIT against itself.
     server_jit: tuple[str, ...] = ()
+    # Each curve point again with a transaction held open this long from the warm-up's end (0: not).
+    hold_open_s: float = 0.0
 
     def scenarios(self) -> list[Scenario]:
         curve = [Scenario("curve", rate, rows) for rows in self.rows for rate in self.rates]
+        if self.hold_open_s:  # each right after the same point without it: they share the machine's minute
+            held = [dataclasses.replace(s, kind="held-open", hold_open_s=self.hold_open_s) for s in curve]
+            curve = [s for pair in zip(curve, held, strict=True) for s in pair]
         return curve + [Scenario("hot-key", rate, quiet_keys=self.quiet_keys) for rate in self.hot_rates]
 
 
@@ -117,7 +124,8 @@ def _relays(options: LatencyOptions, strategy: str, budget_s: float, scratch: Pa
         return CliRelay(strategy, options.workers, budget_s, log, checkout)
 
     others: list[RelayUnderTest] = [cli(Path(c)) for c in options.relay_checkouts]
-    return [DagsterRelay(strategy), cli(), *others] if options.dagster else [cli(), *others]
+    # Dagster's run for wal is not the bench's to drive yet: its CLI relay only.
+    return [DagsterRelay(strategy), cli(), *others] if options.dagster and strategy != WAL else [cli(), *others]
 
 
 def run(
@@ -141,9 +149,13 @@ def run(
                     if jit is not None:
                         set_server_jit(servers.dsn, jit)
                     progress(f"\n== round {n + 1}/{options.runs}: {strategy}, {relay.name}{label} relay")
-                    table = OutboxTable(schema=f"bench_latency_{uuid.uuid4().hex[:8]}")
-                    with psycopg.connect(servers.dsn, autocommit=True) as conn:
-                        init_db(conn, table, strategies=[strategy])  # as `init-db --strategy` makes it
+                    table = table_for(f"bench_latency_{uuid.uuid4().hex[:8]}", strategy)
+                    try:
+                        with psycopg.connect(servers.dsn, autocommit=True) as conn:
+                            init_db(conn, table, strategies=[strategy])  # as `init-db --strategy` makes it
+                    except BaseException:
+                        drop_outbox(servers.dsn, table)  # a wal outbox's slot too
+                        raise
                     session = Session(
                         servers, relay, table, strategy, n + 1, Path(scratch), options.seconds, options.observe,
                         options.fetch_wait_ms, why, options.traced, label,
@@ -158,8 +170,7 @@ def run(
                             progress(run_lines(bench.scenarios[-1]))
                     finally:
                         relay.stop()
-                        with psycopg.connect(servers.dsn, autocommit=True) as conn:
-                            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+                        drop_outbox(servers.dsn, table)  # a wal outbox's slot too
     if options.server_jit:
         set_server_jit(servers.dsn, None)  # back to the server's own configuration
     return bench

@@ -4,6 +4,7 @@
     outbox bench --hot-key 0,2000,4000 --strategies all
     outbox bench --latency 2000 --dagster
     outbox bench --latency 2000 --no-observer --idle-seconds 0
+    outbox bench --latency 2000 --strategies partitioned,wal --seconds 80 --hold-open 60
 
 `--strategy`, `--workers` (default 1 here), `--rows-per-transaction`, `--seconds` and `--runs` are shared with the
 other benches (bench/command.py).
@@ -19,6 +20,7 @@ from pathlib import Path
 from ...strategies import strategy_list
 from ..runner import Servers
 from . import latency, latency_report
+from .scenarios import WARMUP_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet-keys", type=int, default=7, help="--hot-key: quiet keys (default 7)")
     parser.add_argument("--seconds", type=float, default=20.0, help="latency bench: how long each scenario writes")
+    parser.add_argument(
+        "--hold-open",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="latency bench: each --latency point again with a transaction (one row written to a table of its own) "
+        f"held open on the database for SECONDS from the warm-up's end; --seconds must be at least SECONDS + "
+        f"{WARMUP_S:.0f}",
+    )
     parser.add_argument(
         "--strategies",
         type=strategy_list,
@@ -87,6 +98,13 @@ def rates(text: str) -> list[float]:
 
 def run(found: Servers, args: argparse.Namespace) -> int:
     """The latency bench: its tables at the end, every number in a JSON file; 1 if a message went missing."""
+    if args.hold_open and not args.latency:
+        raise SystemExit("outbox bench: --hold-open repeats the --latency points: give --latency RATE")
+    if args.hold_open and args.seconds < args.hold_open + WARMUP_S:
+        raise SystemExit(
+            f"outbox bench: --hold-open {args.hold_open:g} needs --seconds {args.hold_open + WARMUP_S:g} or more (the "
+            f"transaction opens after the {WARMUP_S:g} s warm-up and ends before the writers stop)"
+        )
     options = latency.LatencyOptions(
         strategies=tuple(args.strategies or [args.strategy]),
         rates=tuple(args.latency or ()),
@@ -103,6 +121,7 @@ def run(found: Servers, args: argparse.Namespace) -> int:
         relay_checkouts=tuple(args.relay_checkout),
         traced=args.trace_headers is not None,
         server_jit=tuple(args.server_jit or ()),
+        hold_open_s=args.hold_open,
     )
     command = shlex.join(["outbox", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "outbox bench (from Python)"
     bench = latency.run(found, options, command)

@@ -17,6 +17,7 @@ from .scenarios import WARMUP_S, ClassLatency, IdleResult, ScenarioResult
 
 T = TypeVar("T")
 P99_CEILING_MS = 250.0  # "the highest rate with p99 <= 250 ms"
+HELD_OPEN_TARGET = 1.5  # issue 42: every other transaction's p99 within 1.5x of the run without the open one
 
 
 def _median(items: Iterable[T], value: Callable[[T], float | None]) -> float | None:
@@ -69,7 +70,8 @@ def render(bench: LatencyBench) -> str:
                     f"{_f(_median(cs, lambda c: c.max_ms))} | {_f(arrived, 0)} / "
                     f"{_f(_median(cs, lambda c: c.committed), 0)} | {sum(r.missing for r in runs):,} |"
                 )
-        lines += ["", *_resources(grouped), *_hot_key(grouped), *highest_rates(bench.scenarios), *_dagster(grouped)]
+        lines += ["", *_resources(grouped), *_hot_key(grouped), *held_open(grouped), *highest_rates(bench.scenarios)]
+        lines += _dagster(grouped)
     if bench.idle:
         lines += ["", *_idle(bench.idle)]
     return "\n".join(lines)
@@ -119,6 +121,37 @@ def _hot_key(grouped: dict[tuple[str, str, str], list[ScenarioResult]]) -> list[
             f"{_f(_median(runs, lambda r: r.relay_us_per_message), 0)} |"
         )
     return lines
+
+
+def held_open(grouped: dict[tuple[str, str, str], list[ScenarioResult]]) -> list[str]:
+    """Each held-open run's p99 against the curve run of the same strategy, relay, rate and size without it."""
+    without = {(s, relay, runs[0].rate, runs[0].rows): runs for (s, relay, _), runs in grouped.items()
+               if runs[0].kind == "curve"}  # fmt: skip
+    lines = []
+    for (strategy, relay, _), runs in grouped.items():
+        base = without.get((strategy, relay, runs[0].rate, runs[0].rows))
+        if runs[0].kind != "held-open" or base is None:
+            continue
+        p99 = _median(_class(runs, "all"), lambda c: c.p99_ms)
+        p99_base = _median(_class(base, "all"), lambda c: c.p99_ms)
+        ratio = p99 / p99_base if p99 is not None and p99_base else None
+        within = "-" if ratio is None else "yes" if ratio <= HELD_OPEN_TARGET else "NO"
+        lines.append(
+            f"| {strategy} | {relay} | {runs[0].rate:,.0f} x {runs[0].rows} | {runs[0].hold_open_s:,.0f} | "
+            f"{_f(p99_base)} | {_f(p99)} | {_f(_median(_class(runs, 'all'), lambda c: c.max_ms))} | "
+            f"{_f(ratio, 2)} | {within} |"
+        )
+    if not lines:
+        return []
+    return [
+        "",
+        "A transaction held open on the database (one row written, no commit) from the warm-up's end, against the "
+        f"same traffic without it; target: p99 within {HELD_OPEN_TARGET}x:",
+        "| strategy | relay | msg/s x rows | open s | p99 without | p99 with | max with | x without "
+        f"| within {HELD_OPEN_TARGET}x |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *lines,
+    ]
 
 
 def highest_rates(results: Sequence[ScenarioResult]) -> list[str]:

@@ -3,7 +3,10 @@
 `outbox relay` (``CliRelay``) runs in its own process group with LISTEN/NOTIFY wake-ups and ``--metrics-port``
 (its published and batch counters); `dagster dev` driving it is bench/orchestrated.py. Both log in with the DSN
 they are given: the bench gives them a role of their own, so PostgreSQL can count the relay's statements apart
-from the writers'.
+from the writers'. `outbox relay --strategy wal` streams the slot and registers no worker: it is started once a
+walsender holds the slot; it feeds no relay counters to its metrics (relay/wal/relay.py takes no instruments), so it
+runs without ``--metrics-port`` and the bench counts its messages as committed (or, without an observer, waits for
+the slot to confirm them).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from ... import settings
 from ...config import OutboxTable
 from ...localstack.ports import free_port
 from ...observe.liveness import live_workers
+from ...strategies import WAL
 from ..procstat import tree_cpu_s
 from ..runner import Servers
+from ..wal_outbox import wait_streaming
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class CliRelay:
         self.strategy, self.workers, self.max_seconds, self.log = strategy, workers, max_seconds, log
         self.checkout = checkout
         self.name = "cli" if checkout is None else f"cli@{checkout.resolve().name}"
-        self.port = free_port()
+        self.port = None if strategy == WAL else free_port()
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self, servers: Servers, table: OutboxTable) -> None:
@@ -76,14 +81,18 @@ class CliRelay:
             env["PYTHONPATH"] = str(self.checkout.resolve())
         command = [sys.executable, "-m", "outbox_pipeline.cli", "relay", "--schema", table.schema]
         command += ["--strategy", self.strategy, "--workers", str(self.workers)]
-        command += ["--max-seconds", f"{self.max_seconds:.0f}", "--metrics-port", str(self.port)]
+        command += ["--max-seconds", f"{self.max_seconds:.0f}"]
+        command += ["--metrics-port", str(self.port)] if self.port is not None else []
         # Its log goes to a file: its periodic summaries would interleave with the bench's lines.
         with open(self.log or os.devnull, "ab") as log:
             self._process = subprocess.Popen(
                 command, env=env, cwd=self.checkout, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         try:
-            wait_until_registered(servers.dsn, table, 60.0, self._process)
+            if self.strategy == WAL:
+                wait_streaming(servers.dsn, table, 60.0, self._process.poll)
+            else:
+                wait_until_registered(servers.dsn, table, 60.0, self._process)
         except RuntimeError as exc:
             tail = self.log.read_text(errors="replace")[-2000:] if self.log else ""
             raise RuntimeError(f"{exc}; its log ends:\n{tail}") from None
@@ -102,6 +111,8 @@ class CliRelay:
         return {"relay": tree_cpu_s(self._process.pid) if self._process else 0.0}
 
     def counters(self) -> RelayCounters | None:
+        if self.port is None:
+            return None
         published = batches = 0.0
         for n in range(self.workers):
             text = scrape(self.port + n)

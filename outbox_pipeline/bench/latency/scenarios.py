@@ -5,7 +5,10 @@
 - ``hot-key``: one topic of ``quiet_keys + 1`` partitions; a quiet key in each of the first ones (10 msg/s in
   single-row transactions each, key class ``quiet``) and a hot key in the last (``rate`` msg/s in 10-row
   transactions, key class ``hot``; 0 is the quiet-only baseline). Every message names its partition, and each key
-  is one whose hash picks the same Kafka partition, so a key class is one outbox partition and one Kafka partition.
+  is one whose hash picks the same Kafka partition, so a key class is one outbox partition and one Kafka partition;
+- ``held-open``: the curve's traffic, and a transaction held open on the same database for ``hold_open_s`` from the
+  warm-up's end (open_transaction.py): what every other transaction's latency becomes meanwhile, against the curve
+  run of the same rate without it.
 """
 
 from __future__ import annotations
@@ -35,23 +38,26 @@ def key_for(partition: int, partitions: int, prefix: str) -> str:
 
 @dataclass(frozen=True)
 class Scenario:
-    kind: str  # "curve" or "hot-key"
-    rate: float  # curve: all of it; hot-key: the hot key's
+    kind: str  # "curve", "hot-key" or "held-open"
+    rate: float  # curve, held-open: all of it; hot-key: the hot key's
     rows: int = HOT_ROWS
     quiet_keys: int = 7
+    hold_open_s: float = 0.0  # held-open: how long the transaction stays open
 
     @property
     def name(self) -> str:
         if self.kind == "curve":
             return f"{self.rate:,.0f} msg/s x {self.rows}"
+        if self.kind == "held-open":
+            return f"{self.rate:,.0f} msg/s x {self.rows}, a transaction open {self.hold_open_s:,.0f} s"
         return f"hot key {self.rate:,.0f} msg/s"
 
     @property
     def partitions(self) -> int:
-        return CURVE_PARTITIONS if self.kind == "curve" else self.quiet_keys + 1
+        return self.quiet_keys + 1 if self.kind == "hot-key" else CURVE_PARTITIONS
 
     def streams(self, topic: str) -> list[Stream]:
-        if self.kind == "curve":
+        if self.kind != "hot-key":
             return [Stream("all", topic, "k", self.rate, self.rows, keys=CURVE_KEYS)]
         n = self.partitions
         streams = [
@@ -71,10 +77,11 @@ def writer_plans(
     *,
     serialized: bool = False,
     traced: bool = False,
+    write_to: str = "table",
 ) -> list[WriterPlan]:
     """Per key class, as many writer processes as its transactions and messages a second need (each takes every
     n-th transaction); ``serialized``: they write as strategy `serialized` requires; ``traced``: each transaction in a
-    span, so its rows carry a traceparent."""
+    span, so its rows carry a traceparent; ``write_to``: "wal" for a wal outbox."""
     plans = []
     for key_class in dict.fromkeys(s.key_class for s in streams):
         mine = tuple(s for s in streams if s.key_class == key_class)
@@ -85,7 +92,16 @@ def writer_plans(
         )
         plans += [
             WriterPlan(
-                schema, mine, seconds, WARMUP_S, str(scratch / f"writer-{key_class}-{i}.tsv"), i, n, serialized, traced
+                schema,
+                mine,
+                seconds,
+                WARMUP_S,
+                str(scratch / f"writer-{key_class}-{i}.tsv"),
+                i,
+                n,
+                serialized,
+                traced,
+                write_to,
             )
             for i in range(n)
         ]
@@ -180,6 +196,7 @@ class ScenarioResult:
     duplicates: int = 0
     runs_launched: int | None = None
     runs_queued: int | None = None
+    hold_open_s: float = 0.0  # held-open: how long a transaction stayed open from the warm-up's end
 
     @property
     def complete(self) -> bool:

@@ -3,7 +3,8 @@
 Order of a run: a fresh topic; the observer (if any) assigned to it; the writers connected; then all writers start
 together at ``t0``. The window for CPU, batches and statements is ``[t0 + warm-up, t0 + seconds]``, read at those
 two instants (the traffic is steady in between, so work started before it and finished after it even out); the
-latencies are those of every message committed after the warm-up, measured once everything committed arrived.
+latencies are those of every message committed after the warm-up, measured once everything committed arrived. A
+``held-open`` scenario opens its transaction at the warm-up's end and ends it ``hold_open_s`` later.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +23,14 @@ from ... import settings
 from ...config import OutboxTable
 from ...observe.lag import partition_lag
 from ...store.schema import set_topic_partitions
+from ...strategies import WAL
 from ..children import Child, sleep_until
 from ..runner import Servers
+from ..wal_outbox import wait_confirmed
 from . import observer as observing
 from . import traffic
 from .gauges import CpuReading, read_cpu, relay_sessions, relay_statements, reset_statements
+from .open_transaction import transaction_held_open
 from .relays import RelayCounters, RelayUnderTest
 from .scenarios import WARMUP_S, IdleResult, Scenario, ScenarioResult, class_latency, percentile, writer_plans
 
@@ -90,7 +95,10 @@ def _reading(session: Session, sessions: list[int], observer: Child | None) -> C
 
 def _wait_published(session: Session, topic: str, before: RelayCounters | None, expected: int, timeout_s: float) -> int:
     """Without an observer: until the relay published ``expected`` more (its counter), or nothing of ``topic`` is
-    pending (no counter: Dagster). Polling another process's state; returns how many are missing."""
+    pending (no counter: Dagster), or (wal, no counter) the slot confirmed everything committed so far, else all
+    ``expected`` count as missing (the slot tells no count). Polling another process's state; how many are missing."""
+    if before is None and session.strategy == WAL:
+        return 0 if wait_confirmed(session.servers.dsn, session.table, timeout_s) else expected
     deadline = time.monotonic() + timeout_s
     while True:
         now = session.relay.counters()
@@ -116,10 +124,12 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
         session.scratch,
         serialized=session.strategy == "serialized",
         traced=session.traced,
+        write_to=session.table.write_to,
     )
     observer = _observer(session, topic, scenario.partitions, probe=True) if session.observe else None
     watcher = observer[0] if observer else None
     writers: list[Child] = []
+    held = ExitStack()
     try:
         env = {settings.PG_DSN.name: servers.dsn}
         writers = [Child("outbox_pipeline.bench.latency.traffic", plan.to_json(), env) for plan in plans]
@@ -131,9 +141,14 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
         for writer in writers:
             writer.say(f"go {t0!r}")
         sleep_until(t0 + WARMUP_S)
+        if scenario.hold_open_s:
+            held.enter_context(transaction_held_open(servers.dsn, session.table))
         why = session.statements_why or reset_statements(servers.dsn)
         sessions = relay_sessions(servers.dsn)
         counted_from, cpu_from = relay.counters(), _reading(session, sessions, watcher)
+        if scenario.hold_open_s:
+            sleep_until(t0 + WARMUP_S + scenario.hold_open_s)
+            held.close()  # the transaction ends (rolled back)
         sleep_until(t0 + seconds)
         cpu_to, counted_to = _reading(session, sessions, watcher), relay.counters()
         statements = relay_statements(servers.dsn, why)
@@ -158,6 +173,7 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
         else:
             missing = _wait_published(session, topic, before, len(committed), drain_s)
     finally:
+        held.close()
         for child in writers + ([watcher] if watcher else []):
             child.kill()
     cores, machine = cpu_from.cores(cpu_to)
@@ -209,6 +225,7 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
         duplicates=header.duplicates if header else 0,
         runs_launched=runs[0] if runs else None,
         runs_queued=runs[1] if runs else None,
+        hold_open_s=scenario.hold_open_s,
     )
 
 

@@ -68,6 +68,7 @@ class WriterPlan:
     # concurrent writer processes commit ids out of order and the relay passes rows it has not read.
     serialized: bool = False
     traced: bool = False  # each transaction in a span (an OpenTelemetry SDK here): its rows carry a traceparent
+    write_to: str = "table"  # "wal": enqueue_many emits (a wal outbox: OutboxTable.write_to)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -120,7 +121,7 @@ def _transaction_spans() -> Callable[[], AbstractContextManager[object]]:
 def _schedule(
     conn: psycopg.Connection, plan: WriterPlan, t0: float
 ) -> tuple[WriterHeader, list[tuple[str, float, str]]]:
-    table = OutboxTable(schema=plan.schema)
+    table = OutboxTable(schema=plan.schema, write_to=plan.write_to)
     end = t0 + plan.seconds
     due: list[tuple[float, int, int]] = []  # (due time, stream, transaction number)
     scheduled = 0

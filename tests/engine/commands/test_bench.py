@@ -252,12 +252,13 @@ def test_bench_writers_compares_each_writer_per_strategys_indexes_with_a_plain_t
     for writer, index_set in [(w, i) for w in writers for i in ("partitioned", "serialized")]:
         for size in (1, 10):
             # rows/s and its ratio, PostgreSQL's CPU per row (the server runs on this machine) and its ratio, the
-            # writer's backend's and its ratio
+            # writer's backend's and its ratio, WAL bytes per row and its ratio
             cpu = r"\d+\.\d \| \d+\.\d\d"
-            row = rf"^\| {re.escape(writer)} \| {index_set} \| {size} \| [\d,]+ \| \d+\.\d\d \| {cpu} \| {cpu} \|$"
+            rate, wal = r"[\d,]+ \| \d+\.\d\d", r"[\d,]+ \| \d+\.\d\d"
+            row = rf"^\| {re.escape(writer)} \| {index_set} \| {size} \| {rate} \| {cpu} \| {cpu} \| {wal} \|$"
             assert re.search(row, out, re.MULTILINE), out
     assert re.search(
-        r"^\| plain table, one INSERT \(baseline\) \| - \| 10 \| [\d,]+ \| 1\.00 (\| [\d.]+ \| 1\.00 ){2}\|$",
+        r"^\| plain table, one INSERT \(baseline\) \| - \| 10 \| [\d,]+ \| 1\.00 (\| [\d.,]+ \| 1\.00 ){3}\|$",
         out,
         re.M,
     )
