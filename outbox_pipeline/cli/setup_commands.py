@@ -43,9 +43,9 @@ def cmd_init_db(args: argparse.Namespace) -> int:
             "changes it)"
         )
     if relayed_by is not None and relayed_by.strategy == WAL:
-        names = names_of(table)
+        wal = names_of(table)
         print(
-            f"wal: replication slot {names.slot!r}, publication {names.publication!r}; writers emit with "
+            f"wal: replication slot {wal.slot!r}, publication {wal.publication!r}; writers emit with "
             f"{settings.WRITE_TO.name}=wal (an INSERT into the message table emits too, at the cost of the INSERT)"
         )
     return 0
