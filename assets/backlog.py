@@ -10,10 +10,12 @@ import dagster as dg
 
 from outbox_pipeline.observe.horizon import find_horizon
 from outbox_pipeline.observe.lag import DeadLetterBacklog, dead_letter_backlog, held_keys, partition_lag
-from outbox_pipeline.observe.lag_slo import LagVerdict, evaluate_lag
+from outbox_pipeline.observe.lag_slo import LagVerdict, evaluate_lag, evaluate_wal_lag
 from outbox_pipeline.observe.status import markdown, partition_status
+from outbox_pipeline.observe.wal_lag import wal_lag
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.strategies import WAL
 from resources.postgres import PostgresResource
 
 BACKLOG_KEY = dg.AssetKey("outbox_backlog")
@@ -22,9 +24,12 @@ DEAD_LETTER_CHECK = "outbox_dead_letters"
 
 
 def read_lag(postgres: PostgresResource, settings: OrchestrationSettings) -> LagVerdict:
-    """The lag verdict, held keys (quarantine) included: they count as lag and are named in it."""
+    """The lag verdict, held keys (quarantine) included: they count as lag and are named in it. A wal outbox's is
+    its slot's: retained WAL, the oldest unpublished commit, a missing or lost slot (observe/wal_lag.py)."""
     with postgres.connect() as conn:
         strategy = settings.strategy_of(conn, postgres.table)
+        if strategy == WAL:
+            return evaluate_wal_lag(wal_lag(conn, postgres.table), settings.thresholds)
         lags = partition_lag(conn, postgres.table, strategy, cap=settings.lag_cap)
         held = tuple(key.describe() for key in held_keys(conn, postgres.table) if key.rows and not key.released)
         horizon = find_horizon(conn, postgres.table) if strategy == "partitioned" else None
@@ -41,7 +46,16 @@ def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
         for lag in verdict.worst
     ]
     table = "| partition | pending | oldest age s | leased by | last error |\n|---|---|---|---|---|\n" + "\n".join(rows)
+    wal: dict[str, dg.MetadataValue] = {}
+    if verdict.wal is not None:
+        slot = verdict.wal.slot
+        wal = {
+            "wal_slot": dg.MetadataValue.text(verdict.wal.describe()),
+            "retained_wal_bytes": dg.MetadataValue.int(slot.retained_bytes or 0),
+            "unconfirmed_wal_bytes": dg.MetadataValue.int(slot.unconfirmed_bytes or 0),
+        }
     return {
+        **wal,
         "pending_rows": dg.MetadataValue.int(verdict.total_pending),
         "oldest_pending_age_s": dg.MetadataValue.float(round(verdict.oldest_pending_age_s or 0.0, 3)),
         "lagging_partitions": dg.MetadataValue.int(verdict.lagging_partitions),
@@ -55,7 +69,8 @@ def backlog_metadata(verdict: LagVerdict) -> dict[str, dg.MetadataValue]:
         ),
         "thresholds": dg.MetadataValue.text(
             f"warn: age > {t.warn_age_s:g} s or pending > {t.warn_pending}; "
-            f"error: age > {t.error_age_s:g} s or pending > {t.error_pending}"
+            f"error: age > {t.error_age_s:g} s or pending > {t.error_pending}; a wal outbox's slot retaining "
+            f"> {t.warn_retained_bytes} bytes of WAL warns, > {t.error_retained_bytes} or missing or lost errs"
         ),
     }
 
@@ -90,7 +105,9 @@ def outbox_backlog(
     asset=BACKLOG_KEY,
     name=LAG_SLO_CHECK,
     description="WARN/ERROR when the oldest pending row or the pending row count is above its threshold "
-    "(OUTBOX_LAG_WARN_AGE_S, OUTBOX_LAG_ERROR_AGE_S, OUTBOX_LAG_WARN_PENDING, OUTBOX_LAG_ERROR_PENDING).",
+    "(OUTBOX_LAG_WARN_AGE_S, OUTBOX_LAG_ERROR_AGE_S, OUTBOX_LAG_WARN_PENDING, OUTBOX_LAG_ERROR_PENDING); a wal outbox: "
+    "the oldest unpublished commit's age and the WAL its slot retains (OUTBOX_WAL_RETAINED_WARN_BYTES, "
+    "OUTBOX_WAL_RETAINED_ERROR_BYTES), ERROR when the slot is missing or lost.",
 )
 def outbox_lag_slo(postgres: PostgresResource, orchestration: OrchestrationSettings) -> dg.AssetCheckResult:
     verdict = read_lag(postgres, orchestration)

@@ -138,6 +138,20 @@ LAG_WARN_PENDING = Setting("OUTBOX_LAG_WARN_PENDING", 10_000, "lag SLO: WARN abo
 LAG_ERROR_PENDING = Setting(
     "OUTBOX_LAG_ERROR_PENDING", 100_000, "lag SLO: ERROR above this many pending rows", _integer
 )
+WAL_RETAINED_WARN_BYTES = Setting(
+    "OUTBOX_WAL_RETAINED_WARN_BYTES",
+    1 << 30,
+    "lag SLO of a wal outbox: WARN when its replication slot keeps more than this many bytes of WAL on the server "
+    "(from the slot's restart point to the current WAL position; 1 GiB)",
+    _integer,
+)
+WAL_RETAINED_ERROR_BYTES = Setting(
+    "OUTBOX_WAL_RETAINED_ERROR_BYTES",
+    10 << 30,
+    "lag SLO of a wal outbox: ERROR above this many bytes of WAL kept by its slot (10 GiB; a missing or lost slot, "
+    "or one PostgreSQL is about to invalidate (wal_status 'unreserved'), is an ERROR whatever it keeps)",
+    _integer,
+)
 HOME = Setting("OUTBOX_HOME", ".outbox", "local state: the dev stack's servers, bench scratch, default archive", _text)
 
 # -- Dagster: the control plane ----------------------------------------------------------------------
@@ -303,6 +317,8 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     LAG_ERROR_AGE_S,
     LAG_WARN_PENDING,
     LAG_ERROR_PENDING,
+    WAL_RETAINED_WARN_BYTES,
+    WAL_RETAINED_ERROR_BYTES,
     HOME,
     RELAY_STRATEGY,
     LAG_SENSOR_INTERVAL_S,

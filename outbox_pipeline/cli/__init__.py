@@ -143,10 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "status",
-        help="why a partition is not moving: owner, position, pending, held, backoff, dead letters, blocker",
+        help="why a partition is not moving: owner, position, pending, held, backoff, dead letters, blocker (a wal "
+        "outbox: its slot, one line)",
     )
     add_db_args(p)
-    p.add_argument("--strategy", choices=STRATEGY_NAMES, help="as this strategy sees the outbox (default: its own)")
+    p.add_argument("--strategy", choices=RECORDED_NAMES, help="as this strategy sees the outbox (default: its own)")
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--show-query",
@@ -159,9 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_settings)
 
-    p = sub.add_parser("lag", help="pending rows per topic and virtual partition")
+    p = sub.add_parser(
+        "lag", help="pending rows per topic and virtual partition (a wal outbox: its slot's WAL and oldest commit)"
+    )
     add_db_args(p)
-    p.add_argument("--strategy", choices=STRATEGY_NAMES, help="pending as this strategy sees it (default: its own)")
+    p.add_argument("--strategy", choices=RECORDED_NAMES, help="pending as this strategy sees it (default: its own)")
     p.add_argument("--cap", type=int, help="count at most this many rows per partition (cheap on huge backlogs)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_lag)

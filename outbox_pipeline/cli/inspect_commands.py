@@ -1,4 +1,7 @@
-"""Engine room (CLI): looking without touching: `outbox lag`, `outbox status` and `outbox settings`."""
+"""Engine room (CLI): looking without touching: `outbox lag`, `outbox status` and `outbox settings`.
+
+Both exit 0 once they have read the outbox, whatever its lag (the lag objective's verdict is printed, not returned),
+and 2 on what a user fixes (main): a wal outbox's missing or lost slot is a state they report, with its procedure."""
 
 from __future__ import annotations
 
@@ -7,12 +10,17 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
+import psycopg
+
 from ..config import settings_in_effect
 from ..errors import OutboxError
 from ..observe.horizon import find_horizon
-from ..observe.lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
+from ..observe.lag import PartitionLag, dead_letter_backlog, describe_holders, held_keys, holders, partition_lag
+from ..observe.lag_slo import LagThresholds, evaluate_wal_lag
 from ..observe.liveness import holders_alive
+from ..observe.wal_lag import NO_PARTITIONS, wal_lag
 from ..store import strategy_record
+from ..strategies import WAL
 from .common import connect, table_of
 
 
@@ -21,6 +29,8 @@ def cmd_lag(args: argparse.Namespace) -> int:
         raise OutboxError("--cap must be >= 1")
     with connect(args) as conn:
         strategy = strategy_record.resolve(conn, table_of(args), args.strategy)
+        if strategy == WAL:
+            return _print_wal(conn, args)
         lags = partition_lag(conn, table_of(args), strategy, cap=args.cap)
         alive = holders_alive(conn, table_of(args), holders(lags))
         held = [key for key in held_keys(conn, table_of(args)) if key.rows or not key.released]
@@ -53,11 +63,30 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with connect(args) as conn:
         strategy = strategy_record.resolve(conn, table_of(args), args.strategy)
+        if strategy == WAL:
+            return _print_wal(conn, args, dead_letters=True)
         statuses = status.partition_status(conn, table_of(args), strategy, show_query=args.show_query)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in statuses]))
     else:
         print(status.render(statuses))
+    return 0
+
+
+def _print_wal(conn: psycopg.Connection, args: argparse.Namespace, *, dead_letters: bool = False) -> int:
+    """A wal outbox: one line for its slot, and the lag objective's verdict on it (observe/wal_lag.py)."""
+    lag = wal_lag(conn, table_of(args))
+    verdict = evaluate_wal_lag(lag, LagThresholds.from_env())
+    waiting = dead_letter_backlog(conn, table_of(args)).open if dead_letters else None
+    if args.json:
+        extra = {} if waiting is None else {"dead_letters": waiting}
+        print(json.dumps({**lag.as_json(), "severity": verdict.severity, "reasons": list(verdict.reasons), **extra}))
+        return 0
+    print(lag.describe())
+    print(f"({NO_PARTITIONS})")
+    if waiting:
+        print(f"{waiting} dead letters wait for an operator (outbox dead-letters list)")
+    print(f"lag objective: {verdict.severity.upper()}" + (f": {'; '.join(verdict.reasons)}" if verdict.reasons else ""))
     return 0
 
 

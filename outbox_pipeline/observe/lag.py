@@ -17,7 +17,8 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..strategies import strategy_class
+from ..errors import OutboxError
+from ..strategies import WAL, strategy_class
 from ..strategies.offsets import partition_pairs
 from ..strategies.positions import PositionStrategy
 from .liveness import holders_alive
@@ -204,6 +205,8 @@ def partition_lag(
     """
     if cap is not None and cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
+    if strategy == WAL:
+        raise OutboxError("a wal outbox keeps no rows per partition: its lag is its slot's (observe/wal_lag.py)")
     cls = strategy_class(strategy)
     pairs = partition_pairs(table)
     params: dict[str, object] = {"cap": cap}

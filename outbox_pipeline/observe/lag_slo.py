@@ -4,7 +4,9 @@ The verdict is computed here, not in the Dagster check, so that the check run fr
 that evaluates it every tick and anything else (a CLI, a test) agree on what "lagging" means. The
 whole outbox is judged: the oldest pending row of any partition against the age thresholds, and the
 total pending rows against the count thresholds; a value strictly above a threshold breaches it. Rows
-held behind a dead letter (quarantine) are lag like pending ones, and each held key is named.
+held behind a dead letter (quarantine) are lag like pending ones, and each held key is named. A wal outbox has no
+rows: its slot is judged (``evaluate_wal_lag``): the oldest unpublished commit against the age thresholds, the WAL
+the slot retains against the retained-bytes ones, and a missing, lost or unreserved slot is an ERROR.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .. import settings
 from ..errors import ConfigurationError
 from .horizon import Horizon
 from .lag import PartitionLag
+from .wal_lag import WalLag
 
 Severity = Literal["ok", "warn", "error"]
 
@@ -29,11 +32,19 @@ class LagThresholds:
     error_age_s: float = settings.LAG_ERROR_AGE_S.default
     warn_pending: int = settings.LAG_WARN_PENDING.default
     error_pending: int = settings.LAG_ERROR_PENDING.default
+    # A wal outbox: bytes of WAL its slot keeps (wal_lag.py).
+    warn_retained_bytes: int = settings.WAL_RETAINED_WARN_BYTES.default
+    error_retained_bytes: int = settings.WAL_RETAINED_ERROR_BYTES.default
 
     def __post_init__(self) -> None:
-        if min(self.warn_age_s, self.error_age_s) < 0 or min(self.warn_pending, self.error_pending) < 0:
+        counts = (self.warn_pending, self.error_pending, self.warn_retained_bytes, self.error_retained_bytes)
+        if min(self.warn_age_s, self.error_age_s) < 0 or min(counts) < 0:
             raise ConfigurationError(f"lag thresholds must be >= 0: {self}")
-        if self.warn_age_s > self.error_age_s or self.warn_pending > self.error_pending:
+        if (
+            self.warn_age_s > self.error_age_s
+            or self.warn_pending > self.error_pending
+            or self.warn_retained_bytes > self.error_retained_bytes
+        ):
             raise ConfigurationError(f"lag warn thresholds must not exceed the error thresholds: {self}")
 
     @classmethod
@@ -43,6 +54,8 @@ class LagThresholds:
             error_age_s=settings.LAG_ERROR_AGE_S.read(env),
             warn_pending=settings.LAG_WARN_PENDING.read(env),
             error_pending=settings.LAG_ERROR_PENDING.read(env),
+            warn_retained_bytes=settings.WAL_RETAINED_WARN_BYTES.read(env),
+            error_retained_bytes=settings.WAL_RETAINED_ERROR_BYTES.read(env),
         )
 
 
@@ -66,12 +79,17 @@ class LagVerdict:
     held_back: int = 0
     # `outbox status` of the partitions, as a Markdown table (status.markdown); empty when not read.
     status_table: str = ""
+    # A wal outbox: its slot (no partitions, no rows: the counts above are 0).
+    wal: WalLag | None = None
 
     @property
     def passed(self) -> bool:
         return self.severity == "ok"
 
     def summary(self) -> str:
+        if self.wal is not None:
+            head = self.wal.describe()
+            return head if self.passed else f"{self.severity.upper()}: {head} ({'; '.join(self.reasons)})"
         oldest = f"{self.oldest_pending_age_s:.1f} s" if self.oldest_pending_age_s is not None else "none"
         head = (
             f"{self.total_pending} pending in {self.lagging_partitions}/{self.partitions} partitions, oldest {oldest}"
@@ -131,4 +149,44 @@ def evaluate_lag(
         horizon=tuple(horizon.describe()) if horizon else (),
         held_back=held_back,
         status_table=status_table,
+    )
+
+
+def evaluate_wal_lag(wal: WalLag, thresholds: LagThresholds) -> LagVerdict:
+    """Judge a wal outbox's slot: ERROR when it is missing or lost (the relay cannot stream), or ``unreserved``
+    (PostgreSQL removes the WAL it needs at the next checkpoint); else the bytes of WAL it keeps against the retained
+    thresholds and the oldest unpublished commit against the age thresholds, as for the table strategies."""
+    slot = wal.slot
+    severity: Severity = "ok"
+    reasons: list[str] = []
+    if wal.problem is not None:
+        severity, reasons = "error", ["the slot cannot stream"]
+    elif slot.wal_status == "unreserved":
+        severity = "error"
+        reasons = [f"slot {slot.slot} is unreserved: the next checkpoint removes WAL it needs (max_slot_wal_keep_size)"]
+    else:
+        levels: tuple[tuple[Severity, float, int], ...] = (
+            ("error", thresholds.error_age_s, thresholds.error_retained_bytes),
+            ("warn", thresholds.warn_age_s, thresholds.warn_retained_bytes),
+        )
+        age = wal.oldest_unpublished_age_s
+        for level, age_limit, bytes_limit in levels:
+            found = []
+            if age is not None and age > age_limit:
+                found.append(f"oldest unpublished commit {age:.1f} s > {level} {age_limit:g} s")
+            if slot.retained_bytes is not None and slot.retained_bytes > bytes_limit:
+                found.append(f"slot {slot.slot} retains {slot.retained_bytes} bytes of WAL > {level} {bytes_limit}")
+            if found:
+                severity, reasons = level, found
+                break
+    return LagVerdict(
+        severity=severity,
+        total_pending=0,
+        oldest_pending_age_s=wal.oldest_unpublished_age_s,
+        partitions=0,
+        lagging_partitions=0,
+        worst=(),
+        reasons=tuple(reasons),
+        thresholds=thresholds,
+        wal=wal,
     )

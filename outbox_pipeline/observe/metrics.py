@@ -3,8 +3,9 @@
 Three parts, each on a registry of the worker's own (no global registry: two workers in one process, as the
 tests run them, do not share counters):
 - ``RelayMetrics``: what the relay loop does (counters, latency histograms), fed by the loop's hooks;
-- ``LagSampler``: pending rows and oldest age per partition, held rows and the xmin horizon's age, read by a
-  thread once per ``interval_s`` and served from that snapshot, so a scrape costs no query however often
+- ``LagSampler``: pending rows and oldest age per partition, held rows and the xmin horizon's age (a wal outbox:
+  its slot's retained and unconfirmed WAL, the oldest unpublished commit's age, whether the slot can stream), read
+  by a thread once per ``interval_s`` and served from that snapshot, so a scrape costs no query however often
   Prometheus (or several of them) scrapes;
 - ``MetricsServer``: ``/metrics`` and ``/healthz`` (200 while the loop turns, its database session answers and
   Kafka takes what it publishes; 503 with the reason otherwise: a Kubernetes liveness probe).
@@ -27,9 +28,11 @@ from prometheus_client.registry import Collector
 
 from .. import server
 from ..config import OutboxTable
+from ..strategies import WAL
 from ..strategies.base import AckResult, PublishOutcome
 from .horizon import find_horizon
 from .lag import partition_lag
+from .wal_lag import WalLag, wal_lag
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,7 @@ class _LagSnapshot:
     pending: tuple[tuple[str, int, int, float | None, int], ...]  # topic, partition, pending, oldest age, held
     horizon_age_s: float
     read_at: float
+    wal: WalLag | None = None  # a wal outbox's slot (no partitions)
 
 
 class LagSampler(Collector):
@@ -147,6 +151,10 @@ class LagSampler(Collector):
         self._thread.join(timeout=10)
 
     def sample(self) -> None:
+        if self.strategy == WAL:
+            with server.connect(self.dsn, autocommit=True, application_name="outbox metrics") as conn:
+                self._snapshot = _LagSnapshot((), 0.0, time.time(), wal_lag(conn, self.table))
+            return
         with server.connect(self.dsn, autocommit=True, application_name="outbox metrics") as conn:
             lags = partition_lag(conn, self.table, self.strategy, cap=self.cap)
             horizon_age = 0.0
@@ -172,6 +180,12 @@ class LagSampler(Collector):
         snapshot = self._snapshot
         if snapshot is None:
             return
+        if snapshot.wal is not None:
+            yield from _wal_gauges(snapshot.wal)
+            yield GaugeMetricFamily(
+                "outbox_lag_sample_age_seconds", "How old the lag figures are", value=time.time() - snapshot.read_at
+            )
+            return
         labels = ["topic", "partition"]
         pending = GaugeMetricFamily("outbox_pending_rows", "Rows still to publish, per partition", labels=labels)
         oldest = GaugeMetricFamily(
@@ -194,6 +208,26 @@ class LagSampler(Collector):
         yield GaugeMetricFamily(
             "outbox_lag_sample_age_seconds", "How old the lag figures are", value=time.time() - snapshot.read_at
         )
+
+
+def _wal_gauges(wal: WalLag) -> Iterator[Metric]:
+    """A wal outbox's slot, labelled by its name; a byte count or age the slot cannot give is left out."""
+    slot = wal.slot
+    families = (
+        ("outbox_wal_retained_bytes", "Bytes of WAL the slot keeps on the server (from its restart point)",
+         slot.retained_bytes),
+        ("outbox_wal_unconfirmed_bytes", "Bytes of WAL after the position the relay last confirmed to the slot",
+         slot.unconfirmed_bytes),
+        ("outbox_wal_oldest_unpublished_age_seconds", "Age of the oldest commit with a message Kafka has not "
+         "confirmed (observe/wal_lag.py says how it is measured)", wal.oldest_unpublished_age_s),
+        ("outbox_wal_slot_usable", "1 while the slot exists and is not lost; 0: the relay cannot stream (see "
+         "`outbox status`)", 0.0 if wal.problem else 1.0),
+    )  # fmt: skip
+    for name, doc, value in families:
+        if value is not None:
+            family = GaugeMetricFamily(name, doc, labels=["slot"])
+            family.add_metric([slot.slot], float(value))
+            yield family
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -75,13 +75,14 @@ def lag_alert(verdict: LagVerdict, state: AlertState) -> Alert | None:
     """The alert this verdict calls for, given what was announced: a new incident or a recovery."""
     if not verdict.passed and state.announced == "ok":
         worst = ", ".join(partition_key(lag.topic, lag.partition) for lag in verdict.worst) or "-"
+        where = "" if verdict.wal is not None else f"; worst partitions: {worst}"  # a wal outbox has none
         return Alert(
             alert=LAG_SLO_CHECK,
             status="firing",
             severity=verdict.severity.upper(),
-            text=f"outbox lag {verdict.summary()}; worst partitions: {worst}",
+            text=f"outbox lag {verdict.summary()}{where}",
             partitions=_partitions(verdict),
-            details={"total_pending": verdict.total_pending, "oldest_pending_age_s": verdict.oldest_pending_age_s},
+            details=_details(verdict),
         )
     if verdict.passed and state.announced != "ok":
         return Alert(
@@ -89,7 +90,7 @@ def lag_alert(verdict: LagVerdict, state: AlertState) -> Alert | None:
             status="resolved",
             severity="OK",
             text=f"outbox lag recovered: {verdict.summary()} (incident since {state.since})",
-            details={"total_pending": verdict.total_pending, "oldest_pending_age_s": verdict.oldest_pending_age_s},
+            details=_details(verdict),
         )
     return None
 
@@ -121,6 +122,23 @@ def _check_sensor(
         return evaluate(cfg, context, postgres, alerts)
 
     return check_sensor
+
+
+def _details(verdict: LagVerdict) -> dict[str, object]:
+    details: dict[str, object] = {
+        "total_pending": verdict.total_pending,
+        "oldest_pending_age_s": verdict.oldest_pending_age_s,
+    }
+    if verdict.wal is not None:
+        slot = verdict.wal.slot
+        details.update(
+            slot=slot.slot,
+            retained_bytes=slot.retained_bytes,
+            unconfirmed_bytes=slot.unconfirmed_bytes,
+            wal_status=slot.wal_status,
+            problem=verdict.wal.problem,
+        )
+    return details
 
 
 def _evaluate_lag(

@@ -15,7 +15,9 @@ and the registry, registers partitions Dagster has not seen (dynamic partitions)
   run starting against an outbox written before it), so lag is not yet a sign that the runs are too few.
 
 An outbox a run would refuse (its strategy's indexes missing, another strategy's positions) gets no run: the
-tick is skipped with the reason, naming the command that fixes it.
+tick is skipped with the reason, naming the command that fixes it. A wal outbox has no partitions and `relay_stream`
+runs relay the table strategies only: the tick reports its slot (observe/wal_lag.py; a missing or lost one with its
+procedure, as a warning) and requests nothing; `outbox relay` streams the slot.
 
 A run launched but not yet registered counts as an owner for START_GRACE_S, so no tick queues a second run
 for covered partitions; a run whose registered worker died covers nothing at once. The run key is the
@@ -33,7 +35,9 @@ from outbox_pipeline.drain.values import OWNER_PREFIX
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.observe.lag import PartitionLag, partition_lag
 from outbox_pipeline.observe.liveness import LiveWorker, live_workers
+from outbox_pipeline.observe.wal_lag import wal_lag
 from outbox_pipeline.store.relayable import require_relayable
+from outbox_pipeline.strategies import WAL
 from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
 from resources.postgres import PostgresResource
 
@@ -135,6 +139,14 @@ def build_outbox_lag_sensor(
             except OutboxError as exc:
                 context.log.warning("no relay run: %s", exc)
                 return dg.SkipReason(f"no relay run: {exc}")
+            if strategy == WAL:
+                slot = wal_lag(conn, postgres.table, measure_age=False)  # ticks every few seconds: nothing decoded
+                if slot.problem is not None:
+                    context.log.warning("%s", slot.describe())
+                return dg.SkipReason(
+                    f"{slot.describe()}; no relay run: relay_stream runs relay the table strategies, `outbox relay` "
+                    "streams a wal outbox's slot"
+                )
             lags = partition_lag(conn, postgres.table, strategy, cap=cfg.lag_cap)
             owners = [w for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND]
         by_key: dict[str, PartitionLag] = {}

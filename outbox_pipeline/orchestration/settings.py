@@ -41,6 +41,8 @@ FIELDS: dict[str, Setting[Any]] = {
     "lag_error_age_s": catalogue.LAG_ERROR_AGE_S,
     "lag_warn_pending": catalogue.LAG_WARN_PENDING,
     "lag_error_pending": catalogue.LAG_ERROR_PENDING,
+    "wal_retained_warn_bytes": catalogue.WAL_RETAINED_WARN_BYTES,
+    "wal_retained_error_bytes": catalogue.WAL_RETAINED_ERROR_BYTES,
 }
 
 
@@ -69,6 +71,8 @@ class OrchestrationSettings(dg.ConfigurableResource):
     lag_error_age_s: float = _field("lag_error_age_s")
     lag_warn_pending: int = _field("lag_warn_pending")
     lag_error_pending: int = _field("lag_error_pending")
+    wal_retained_warn_bytes: int = _field("wal_retained_warn_bytes")
+    wal_retained_error_bytes: int = _field("wal_retained_error_bytes")
 
     @model_validator(mode="after")
     def _check(self) -> "OrchestrationSettings":
@@ -104,6 +108,8 @@ class OrchestrationSettings(dg.ConfigurableResource):
             lag_error_age_s=thresholds.error_age_s,
             lag_warn_pending=thresholds.warn_pending,
             lag_error_pending=thresholds.error_pending,
+            wal_retained_warn_bytes=thresholds.warn_retained_bytes,
+            wal_retained_error_bytes=thresholds.error_retained_bytes,
             **values,
         )
 
@@ -114,7 +120,14 @@ class OrchestrationSettings(dg.ConfigurableResource):
 
     @property
     def thresholds(self) -> LagThresholds:
-        return LagThresholds(self.lag_warn_age_s, self.lag_error_age_s, self.lag_warn_pending, self.lag_error_pending)
+        return LagThresholds(
+            self.lag_warn_age_s,
+            self.lag_error_age_s,
+            self.lag_warn_pending,
+            self.lag_error_pending,
+            self.wal_retained_warn_bytes,
+            self.wal_retained_error_bytes,
+        )
 
     @property
     def poison(self) -> OnPoison:

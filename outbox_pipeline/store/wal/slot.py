@@ -49,20 +49,28 @@ def slot_state(conn: psycopg.Connection, table: OutboxTable) -> SlotState:
     return SlotState(name, True, *row)
 
 
-def require_streamable(conn: psycopg.Connection, table: OutboxTable) -> SlotState:
-    state = slot_state(conn, table)
+def unusable_reason(table: OutboxTable, state: SlotState) -> str | None:
+    """What is wrong with a missing or lost slot and what an operator does about it; None while it streams. One copy
+    of these words: the relay refuses with them, and status, lag and the alerts report them."""
     if not state.exists:
-        raise SlotUnusable(
+        return (
             f"the outbox {table.schema!r} is a wal outbox without its replication slot {state.slot!r}: a slot "
             "dropped (or a server restored from a backup, which keeps no slots) has lost the messages it had not "
             "confirmed. Run `outbox init-db --strategy wal` to create it again; it streams what commits from then "
-            "on (docs/operations.md, The wal strategy: a lost slot)"
+            "on (docs/operations.md, The wal strategy: the slot)"
         )
     if state.wal_status == "lost":
-        raise SlotUnusable(
+        return (
             f"the replication slot {state.slot!r} is lost (wal_status = 'lost'): it fell behind by more than "
             "max_slot_wal_keep_size and PostgreSQL removed the WAL it needed, with the messages it had not "
             "confirmed. Drop it (SELECT pg_drop_replication_slot(...)) and run `outbox init-db --strategy wal`; "
-            "then republish what was lost from its source (docs/operations.md, The wal strategy: a lost slot)"
+            "then republish what was lost from its source (docs/operations.md, The wal strategy: the slot)"
         )
+    return None
+
+
+def require_streamable(conn: psycopg.Connection, table: OutboxTable) -> SlotState:
+    state = slot_state(conn, table)
+    if (reason := unusable_reason(table, state)) is not None:
+        raise SlotUnusable(reason)
     return state

@@ -1,0 +1,199 @@
+"""Engine room: a wal outbox's lag, read from its replication slot (it keeps no rows: nothing is pending per partition).
+
+The slot says, without decoding anything (``store/wal/slot.py``): the WAL it keeps on the server (``retained_bytes``,
+from its restart point to the current WAL position: the disk it costs), the WAL after the position the relay last
+confirmed (``unconfirmed_bytes``: an upper bound of what is left to publish, other tables' WAL included), its
+``wal_status`` and ``safe_wal_size`` (how far it is from ``max_slot_wal_keep_size`` invalidating it), and whether a
+relay streams it (``active_pid``). A missing or lost slot is reported with slot.py's words and procedure.
+
+The age of the oldest unpublished commit is not in the catalog: the WAL does not say when a position was written
+(``track_commit_timestamp`` is usually off and would not say it for an LSN either), and a wal outbox has no rows with
+a ``created_at``. So it is decoded, as the relay would, from a temporary copy of the slot
+(``pg_copy_logical_replication_slot``: the slot itself is untouched, and stays free for a relay to take or streamed
+by one): the copy is peeked to the first transaction after the confirmed position that carries a message of this
+outbox, and that transaction's commit time (pgoutput's Begin carries it, whatever ``track_commit_timestamp``) gives
+the age, exact, in PostgreSQL's clock. Nothing is read when the slot's confirmed position covers all WAL written
+(``caught up``). The server decodes from the slot's restart point (usually some seconds of WAL behind the confirmed
+position; more behind a long transaction), so a read is bounded (``DECODE_TIMEOUT_S``, ``DECODE_ROWS``) and skipped
+by callers that need no age (the lag sensor, every few seconds); past a bound, or for a role without the REPLICATION
+attribute, the age is reported as not measured, and why.
+
+Rejected, tried or weighed:
+- ``pg_stat_replication.flush_lag`` of the relay's walsender: free, but PostgreSQL samples a logical walsender's
+  progress at most once a second, at commits, so a commit that follows another within that second is never sampled
+  and the figure stays at the last one computed: a relay stuck behind Kafka with one message read 0.01 s for as long
+  as it was stuck. It also counts from when the walsender sent a transaction, not from its commit;
+- the relay recording its progress in a table: a write per confirm on the hot path, and nothing new while the relay
+  is down, which is when the age matters;
+- the time since the slot became inactive (PostgreSQL 17's ``inactive_since``): an upper bound that grows with no
+  message pending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from ..config import OutboxTable
+from ..store.wal.objects import names_of
+from ..store.wal.slot import SlotState, slot_state, unusable_reason
+
+# A status or lag read decodes at most this long, and stops after the first transaction that brings the output to
+# this many rows (pgoutput's Begin, Message and Commit; other outboxes' messages count too).
+DECODE_TIMEOUT_S = 2.0
+DECODE_ROWS = 10_000
+
+# How the age was measured (WalLag.age_measured_by); anything else is why it was not.
+CAUGHT_UP = "caught up"
+DECODED = "decoded"
+
+NO_PARTITIONS = (
+    "a wal outbox keeps no rows: its messages wait in the slot's WAL, in commit order, so there is no per-partition "
+    "pending, position or owner to show"
+)
+
+# The first committed transaction after the copy's confirmed position that carries a transactional message under the
+# outbox's prefix, and its commit time's age in seconds. pgoutput's frames (protocol 1): Begin is 'B', final LSN (8),
+# commit time (8: microseconds since 2000-01-01); Message is 'M', flags (1: transactional), LSN (8), the prefix
+# NUL-terminated, then the content. Rows come in commit order; ``count`` says whether the output reached the bound.
+_FIRST_UNPUBLISHED = """
+    WITH changes AS MATERIALIZED (
+        SELECT c.xid, c.data, c.n
+        FROM pg_logical_slot_peek_binary_changes(
+                 %(copy)s, NULL, %(rows)s, 'proto_version', '1', 'publication_names', %(publication)s,
+                 'messages', 'true') WITH ORDINALITY AS c(lsn, xid, data, n)
+    ), ours AS (
+        SELECT xid FROM changes
+        WHERE get_byte(data, 0) = 77 AND get_byte(data, 1) = 1 AND substr(data, 11, %(prefix_len)s) = %(prefix)s
+        ORDER BY n LIMIT 1
+    )
+    SELECT (SELECT count(*) FROM changes),
+           (SELECT extract(epoch FROM clock_timestamp() - timestamptz '2000-01-01 00:00:00+00')::float8
+                   - ('x' || encode(substr(b.data, 10, 8), 'hex'))::bit(64)::bigint / 1e6::float8
+            FROM changes b JOIN ours USING (xid)
+            WHERE get_byte(b.data, 0) = 66
+            ORDER BY b.n LIMIT 1)
+"""
+
+
+@dataclass(frozen=True)
+class WalLag:
+    """A wal outbox's slot as status, lag, the lag objective and the metrics report it."""
+
+    slot: SlotState
+    # The age of the oldest commit with a message not confirmed by Kafka; None: not measured (age_measured_by says why).
+    oldest_unpublished_age_s: float | None
+    age_measured_by: str
+    # A missing or lost slot: what it is and the procedure (store/wal/slot.py); None while it can stream.
+    problem: str | None
+
+    @property
+    def streamed_by(self) -> int | None:
+        """The walsender's pid while a relay streams the slot."""
+        return self.slot.active_pid
+
+    def describe(self) -> str:
+        """One line for a terminal, an alert or a skip reason."""
+        s = self.slot
+        if self.problem is not None:
+            return f"wal slot {s.slot}: {self.problem}"
+        age = (
+            f"oldest unpublished commit {self.oldest_unpublished_age_s:.1f} s ({self.age_measured_by})"
+            if self.oldest_unpublished_age_s is not None
+            else f"oldest unpublished commit not measured ({self.age_measured_by})"
+        )
+        safe = "no max_slot_wal_keep_size" if s.safe_wal_size is None else f"safe_wal_size {_bytes(s.safe_wal_size)}"
+        relay = f"streamed by pid {s.active_pid}" if s.active_pid is not None else "no relay streams it"
+        return (
+            f"wal slot {s.slot}: {_bytes(s.retained_bytes)} of WAL retained, {_bytes(s.unconfirmed_bytes)} not "
+            f"confirmed, {age}, wal_status {s.wal_status}, {safe}, {relay}"
+        )
+
+    def as_json(self) -> dict[str, object]:
+        s = self.slot
+        return {
+            "strategy": "wal",
+            "slot": s.slot,
+            "exists": s.exists,
+            "wal_status": s.wal_status,
+            "retained_bytes": s.retained_bytes,
+            "unconfirmed_bytes": s.unconfirmed_bytes,
+            "safe_wal_size": s.safe_wal_size,
+            "active_pid": s.active_pid,
+            "oldest_unpublished_age_s": self.oldest_unpublished_age_s,
+            "age_measured_by": self.age_measured_by,
+            "problem": self.problem,
+            "partitions": None,
+            "note": NO_PARTITIONS,
+        }
+
+
+def wal_lag(
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    *,
+    measure_age: bool = True,
+    decode_timeout_s: float = DECODE_TIMEOUT_S,
+    decode_rows: int = DECODE_ROWS,
+) -> WalLag:
+    """The slot's state and the oldest unpublished commit's age (see the module docstring for how it is measured).
+    ``measure_age`` False: the slot only, nothing decoded (a caller that ticks every few seconds and needs no age)."""
+    state = slot_state(conn, table)
+    problem = unusable_reason(table, state)
+    if problem is not None:
+        return WalLag(state, None, "the slot cannot stream", problem)
+    if state.unconfirmed_bytes is not None and state.unconfirmed_bytes <= 0:
+        return WalLag(state, 0.0, CAUGHT_UP, None)
+    if not measure_age:
+        return WalLag(state, None, "not asked for", None)
+    age, how = _decoded_age(conn, table, decode_timeout_s, decode_rows)
+    return WalLag(state, age, how, None)
+
+
+def _decoded_age(conn: psycopg.Connection, table: OutboxTable, timeout_s: float, rows: int) -> tuple[float | None, str]:
+    """The age from a temporary copy of the slot, peeked (module docstring); (None, why) when it cannot be read."""
+    names = names_of(table)
+    prefix = names.prefix.encode() + b"\x00"
+    try:
+        with conn.transaction():
+            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(f"{int(timeout_s * 1000)}ms")))
+            copy = f"outbox_peek_{conn.info.backend_pid}"
+            # Temporary: PostgreSQL drops it with this session, or at once if a statement below fails.
+            conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s, true)", (names.slot, copy))
+            found = conn.execute(
+                _FIRST_UNPUBLISHED,
+                {
+                    "copy": copy,
+                    "rows": rows,
+                    "publication": '"' + names.publication.replace('"', '""') + '"',
+                    "prefix": prefix,
+                    "prefix_len": len(prefix),
+                },
+            ).fetchone()
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (copy,))
+    except psycopg.errors.QueryCanceled:
+        return None, f"not decoded within {timeout_s:g} s (a large backlog, or a long transaction before it)"
+    except (
+        psycopg.errors.InsufficientPrivilege,
+        psycopg.errors.ConfigurationLimitExceeded,  # max_replication_slots, all in use
+        psycopg.errors.ObjectNotInPrerequisiteState,  # lost, or a relay's walsender moved it meanwhile
+        psycopg.errors.UndefinedObject,  # dropped meanwhile
+    ) as exc:
+        return None, f"not decoded: {str(exc).strip().splitlines()[0]}"
+    count, age = found if found is not None else (0, None)
+    if age is not None:
+        return max(0.0, float(age)), DECODED
+    if int(count) >= rows:
+        return None, f"not decoded: more than {rows} changes of other writers come first"
+    return 0.0, DECODED
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "? bytes"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
