@@ -15,9 +15,11 @@ and the registry, registers partitions Dagster has not seen (dynamic partitions)
   run starting against an outbox written before it), so lag is not yet a sign that the runs are too few.
 
 An outbox a run would refuse (its strategy's indexes missing, another strategy's positions) gets no run: the
-tick is skipped with the reason, naming the command that fixes it. A wal outbox has no partitions and `relay_stream`
-runs relay the table strategies only: the tick reports its slot (observe/wal_lag.py; a missing or lost one with its
-procedure, as a warning) and requests nothing; `outbox relay` streams the slot.
+tick is skipped with the reason, naming the command that fixes it. A wal outbox is streamed by one relay at a time:
+the sensor keeps one `relay_stream` run on it (none in flight: one; the one in flight ending its window: a
+successor, which waits for the slot and takes over as the first stops), and none while a relay it did not launch
+(`outbox relay`) streams the slot. Each tick reports the slot (observe/wal_lag.py; a missing or lost one with its
+procedure, as a warning).
 
 A run launched but not yet registered counts as an owner for START_GRACE_S, so no tick queues a second run
 for covered partitions; a run whose registered worker died covers nothing at once. The run key is the
@@ -100,6 +102,23 @@ def coverage(
     return Coverage(tuple(owners), warming, tuple(starting), tuple(ending), active)
 
 
+def wal_run_needed(
+    instance: dg.DagsterInstance, job_name: str, cfg: OrchestrationSettings, now: float, *, streamed: int | None
+) -> str | None:
+    """Why a wal outbox needs one more run ("uncovered", "successor"), or None: one run streams its slot, a second
+    only waits to take over, so a run is requested when none is in flight (and no relay launched elsewhere streams
+    the slot), or when the one in flight is ending its window (its successor waits for the slot meanwhile)."""
+    records = instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=IN_FLIGHT_STATUSES))
+    if not records:
+        return None if streamed is not None else "uncovered"
+    if len(records) > 1:
+        return None
+    run = records[0].dagster_run
+    began = records[0].start_time or records[0].create_timestamp.timestamp()
+    window_s = float(run.tags.get(WINDOW_TAG) or cfg.relay_window_s)
+    return "successor" if began + window_s - now < cfg.handover_s else None
+
+
 def _retried(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     """Whether the instance already created the retry of ``run`` (then the retry itself is counted)."""
     return bool(instance.get_runs(dg.RunsFilter(tags={"dagster/parent_run_id": run.run_id}), limit=1))
@@ -143,9 +162,25 @@ def build_outbox_lag_sensor(
                 slot = wal_lag(conn, postgres.table, measure_age=False)  # ticks every few seconds: nothing decoded
                 if slot.problem is not None:
                     context.log.warning("%s", slot.describe())
-                return dg.SkipReason(
-                    f"{slot.describe()}; no relay run: relay_stream runs relay the table strategies, `outbox relay` "
-                    "streams a wal outbox's slot"
+                    return dg.SkipReason(f"{slot.describe()}; no relay run")
+                why = wal_run_needed(context.instance, relay_job.name, cfg, time.time(), streamed=slot.streamed_by)
+                if why is None:
+                    return dg.SkipReason(slot.describe())
+                previous = context.instance.get_runs(dg.RunsFilter(job_name=relay_job.name), limit=1)
+                context.log.info("relay run (%s) for the wal outbox: %s", why, slot.describe())
+                return dg.SensorResult(
+                    run_requests=[
+                        dg.RunRequest(
+                            job_name=relay_job.name,
+                            run_key=f"relay-stream/{why}/after:{previous[0].run_id if previous else 'none'}",
+                            run_config=dg.RunConfig(
+                                ops={
+                                    "relay_outbox_stream": RelayStreamConfig(strategy=WAL, window_s=cfg.relay_window_s)
+                                }
+                            ),
+                            tags={WINDOW_TAG: f"{cfg.relay_window_s:g}", "outbox/reason": why},
+                        )
+                    ]
                 )
             lags = partition_lag(conn, postgres.table, strategy, cap=cfg.lag_cap)
             owners = [w for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND]

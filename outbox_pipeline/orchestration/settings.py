@@ -19,7 +19,7 @@ from outbox_pipeline.errors import ConfigurationError
 from outbox_pipeline.observe.lag_slo import LagThresholds
 from outbox_pipeline.settings import Setting
 from outbox_pipeline.store import strategy_record
-from outbox_pipeline.strategies import STRATEGY_NAMES
+from outbox_pipeline.strategies import RECORDED_NAMES
 from outbox_pipeline.strategies.quarantine import ON_POISON_CHOICES, OnPoison
 
 # The settings this resource carries, by field name.
@@ -76,9 +76,9 @@ class OrchestrationSettings(dg.ConfigurableResource):
 
     @model_validator(mode="after")
     def _check(self) -> "OrchestrationSettings":
-        if self.strategy and self.strategy not in STRATEGY_NAMES:
+        if self.strategy and self.strategy not in RECORDED_NAMES:
             raise ConfigurationError(
-                f"{catalogue.RELAY_STRATEGY.name}={self.strategy!r}: choose one of {', '.join(STRATEGY_NAMES)}"
+                f"{catalogue.RELAY_STRATEGY.name}={self.strategy!r}: choose one of {', '.join(RECORDED_NAMES)}"
             )
         if self.sensor_interval_s < 1 or self.check_interval_s < 1:
             raise ConfigurationError("sensor intervals must be >= 1 s")

@@ -87,6 +87,7 @@ def build_wal_relay(
     *,
     publisher: KafkaPublisher | None = None,
     observer: Callable[[PublishOutcome], None] | None = None,
+    instruments: RelayInstruments | None = None,
 ) -> WalRelay:
     """The wal strategy's relay (relay/wal/), from the same spec: one process streams the slot, others wait."""
     return WalRelay(
@@ -102,6 +103,7 @@ def build_wal_relay(
         worker_id=spec.worker_id or default_worker_id(),
         on_poison=spec.config.on_poison,
         observer=observer,
+        instruments=instruments,
     )
 
 
@@ -150,7 +152,7 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
             spec.metrics_port + spec.index, spec.dsn, table, spec.strategy, sample_lag=spec.index == 0
         )
     relay: Relay | WalRelay = (
-        build_wal_relay(relay_spec, stop)
+        build_wal_relay(relay_spec, stop, instruments=served.metrics if served else None)
         if spec.strategy == WAL
         else build_relay(relay_spec, stop, instruments=served.metrics if served else None)
     )

@@ -152,7 +152,9 @@ class StreamRun:
         if strategy == WAL:
             # One relay streams the slot; each message's partition is its key's, as the SQL routing has it.
             self._tally = _Tally(WalPartitions(dsn, config.table))
-            self.relay = build_wal_relay(spec, publisher=publisher, observer=self._tally.observe)
+            self.relay = build_wal_relay(
+                spec, publisher=publisher, observer=self._tally.observe, instruments=instruments
+            )
         else:
             self.relay = build_relay(spec, publisher=publisher, instruments=instruments, observer=self._tally.observe)
         self._failure: BaseException | None = None

@@ -1,7 +1,9 @@
-"""The Dagster sensors on a wal outbox (issue 42): the lag sensor reports the slot and requests no run (relay_stream
-runs relay the table strategies), and the lag objective's sensor judges the WAL the slot retains and a missing slot."""
+"""The Dagster sensors on a wal outbox (issue 42): the lag sensor keeps one relay_stream run streaming the slot and
+reports it, and the lag objective's sensor judges the WAL the slot retains and a missing slot."""
 
 from __future__ import annotations
+
+import threading
 
 import dagster as dg
 import psycopg
@@ -16,6 +18,7 @@ from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.store.wal.objects import names_of
 from resources import AlertResource, KafkaResource, PostgresResource
 from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import make_wal_relay
 
 from .lag_ticks import requested, skip_message, tick
 
@@ -40,15 +43,36 @@ def _lag_check(
     return evaluation
 
 
-def test_the_lag_sensor_on_a_wal_outbox_reports_its_slot_and_requests_no_run(
-    instance: dg.DagsterInstance, wal_resources: dict[str, dg.ConfigurableResource], wal_outbox: OutboxTable
+def test_the_lag_sensor_requests_one_relay_stream_run_for_a_wal_outbox_nobody_streams(
+    instance: dg.DagsterInstance, wal_resources: dict[str, dg.ConfigurableResource]
 ) -> None:
-    result = tick(build_outbox_lag_sensor(relay_stream_job), instance, wal_resources)
+    [request] = requested(tick(build_outbox_lag_sensor(relay_stream_job), instance, wal_resources))
+
+    assert request.tags["outbox/reason"] == "uncovered"
+    assert request.run_config["ops"]["relay_outbox_stream"]["config"]["strategy"] == "wal"
+
+
+def test_the_lag_sensor_requests_no_run_while_another_relay_streams_the_slot_and_reports_it(
+    dsn: str,
+    instance: dg.DagsterInstance,
+    wal_resources: dict[str, dg.ConfigurableResource],
+    wal_outbox: OutboxTable,
+    kafka: KafkaProbe,
+) -> None:
+    stop = threading.Event()
+    relay = make_wal_relay(dsn, wal_outbox, kafka.bootstrap_servers, stop=stop, until_idle=False)
+    streaming = threading.Thread(target=relay.run)
+    streaming.start()
+    try:
+        assert relay.registered.wait(10.0)
+        result = tick(build_outbox_lag_sensor(relay_stream_job), instance, wal_resources)
+    finally:
+        stop.set()
+        streaming.join(10.0)
 
     assert requested(result) == []
     message = skip_message(result)
     assert message.startswith(f"wal slot {names_of(wal_outbox).slot}: ") and "of WAL retained" in message
-    assert "`outbox relay` streams a wal outbox's slot" in message
 
 
 def test_the_lag_check_of_a_wal_outbox_warns_when_its_slot_retains_more_wal_than_the_threshold(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
@@ -50,10 +51,13 @@ class SlotLeader:
         self._slot = names_of(table).slot
         self._conn: psycopg.Connection | None = None
 
-    def acquire(self) -> bool:
-        """Wait until this relay holds the lock (True) or ``stop`` is set (False)."""
+    def acquire(self, waiting: Callable[[], None] | None = None) -> bool:
+        """Wait until this relay holds the lock (True) or ``stop`` is set (False); ``waiting`` is called at each try
+        (a waiting relay is healthy: its liveness probe must not restart it)."""
         logged = False
         while not self._stop.is_set():
+            if waiting is not None:
+                waiting()
             conn = self._connection()
             row = conn.execute(
                 "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (WAL_LEADER_LOCK_CLASS, self._table.schema)

@@ -28,10 +28,10 @@ from ...store.wal.format import MalformedMessage
 from ...store.wal.format import record as wal_record
 from ...store.wal.objects import names_of
 from ...store.wal.slot import require_streamable
-from ...strategies.base import DeliveryFailure, OutboxRecord, PublishOutcome
+from ...strategies.base import AckResult, DeliveryFailure, OutboxRecord, PublishOutcome
 from ...strategies.quarantine import OnPoison
 from ..publisher import KafkaPublisher, PendingBatch
-from ..stats import RelayStats
+from ..stats import RelayInstruments, RelayStats
 from .holds import WalHolds
 from .leader import LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
@@ -105,6 +105,7 @@ class WalRelay:
         worker_id: str = "wal",
         on_poison: OnPoison = "quarantine",
         observer: Callable[[PublishOutcome], None] | None = None,
+        instruments: RelayInstruments | None = None,
     ) -> None:
         self.dsn = dsn
         self.table = table
@@ -117,6 +118,7 @@ class WalRelay:
         self._prefix = self._names.prefix.encode()
         self.holds = WalHolds(table, on_poison, worker_id)
         self.observer = observer
+        self.instruments = instruments  # /metrics and /healthz (observe/metrics.py), as for the table relay
         self.registered = threading.Event()  # set while this relay streams the slot (a run's tag, a test's wait)
         self._releases_due = 0.0
 
@@ -128,7 +130,7 @@ class WalRelay:
         try:
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 try:
-                    if not leader.acquire():
+                    if not leader.acquire(self._alive):
                         break
                     require_streamable(leader.connection, self.table)
                     if self._stream(leader, deadline):
@@ -137,6 +139,8 @@ class WalRelay:
                 except psycopg.OperationalError as exc:
                     failures += 1
                     self.stats.errors += 1
+                    if self.instruments is not None:
+                        self.instruments.error()
                     log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
                     leader.release()
                     self.stop.wait(
@@ -176,6 +180,7 @@ class WalRelay:
             log.info("streaming the slot %s", self._names.slot)
             self.registered.set()
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                self._alive()
                 sending = len(in_flight.records) if in_flight is not None else 0
                 busy = in_flight is not None or len(batch.records) > sending
                 events = stream.read(0.0 if busy else self.settings.read_timeout_s)
@@ -239,6 +244,14 @@ class WalRelay:
         self.stats.busy_s += time.monotonic() - pending.started
         if self.observer is not None:
             self.observer(outcome)
+        if self.instruments is not None:
+            dead = sum(1 for f in outcome.failed if f.kind != "transport")
+            self.instruments.acked_batch(
+                time.monotonic() - pending.started,
+                0.0,
+                outcome,
+                AckResult(acked=len(outcome.delivered), dead_lettered=dead),
+            )
         if not outcome.failed:
             return len(records), False
         failed = {f.record.id: f for f in outcome.failed}
@@ -258,6 +271,12 @@ class WalRelay:
         done = {r.id for r in records[:settled]}  # the rest stays in the batch, where withhold() takes the held
         self.holds.keep(leader.connection, [r for r in withheld if r.id in done])
         return settled, bool(transport)
+
+    def _alive(self) -> None:
+        """The loop turns and the database answers (the last statement or read did not raise): /healthz."""
+        if self.instruments is not None:
+            self.instruments.loop()
+            self.instruments.database_ok()
 
     def _release(self, leader: SlotLeader) -> None:
         """Publish the messages held behind keys an operator released, in order, and let those keys flow again (with

@@ -20,7 +20,7 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import free_port
 from outbox_pipeline.observe.metrics import LagSampler, MetricsServer, RelayMetrics
 from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay
+from outbox_pipeline.relay.workers import WorkerSpec, build_relay, build_wal_relay
 from outbox_pipeline.strategies.base import StrategyConfig
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
@@ -173,3 +173,29 @@ def test_healthz_answers_503_with_the_reason_when_the_relay_cannot_reach_kafka(
 
     assert not ok and "Kafka" in why, why
     assert relay.stats.published == 0 and relay.stats.batches > 0
+
+
+def test_a_wal_relay_streaming_or_waiting_to_stream_stays_healthy_and_counts_what_it_publishes(
+    dsn: str, wal_outbox: OutboxTable, kafka: KafkaProbe, db: psycopg.Connection
+) -> None:
+    streaming, waiting = RelayMetrics("wal", stall_after_s=1.0), RelayMetrics("wal", stall_after_s=1.0)
+    stop = threading.Event()
+    spec = WorkerSpec(
+        dsn, "wal", {"bootstrap.servers": kafka.bootstrap_servers}, RelaySettings(), StrategyConfig(table=wal_outbox)
+    )
+    relays = [build_wal_relay(spec, stop, instruments=m) for m in (streaming, waiting)]
+    threads = [threading.Thread(target=r.run) for r in relays]
+    for t in threads:
+        t.start()
+    try:
+        enqueue_many(db, [Message("orders", {"n": n}, key=f"k{n}") for n in range(5)], table=wal_outbox)
+        wait_until("the messages are published", lambda: sum(r.stats.published for r in relays) == 5, 20)
+        time.sleep(3.5)  # past stall_after_s: a loop that stopped turning (a waiting relay's too) would show now
+        health = streaming.healthy(), waiting.healthy()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+
+    assert health == ((True, "ok"), (True, "ok"))
+    assert streaming.published._value.get() + waiting.published._value.get() == 5  # type: ignore[attr-defined]
