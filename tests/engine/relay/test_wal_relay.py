@@ -7,11 +7,13 @@ import threading
 from collections import defaultdict
 
 import psycopg
+import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
-from outbox_pipeline.store.wal.slot import slot_state
+from outbox_pipeline.store.wal.objects import names_of
+from outbox_pipeline.store.wal.slot import SlotUnusable, slot_state
 from tests.kit.kafka import KafkaProbe, Record
 from tests.kit.probes import wait_until
 from tests.kit.relay import make_wal_relay
@@ -230,3 +232,12 @@ def test_a_transaction_left_open_on_the_database_holds_back_nothing_committed_af
 
     assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}', b'{"n": 2}']
     lunch.execute("ROLLBACK")
+
+
+def test_a_relay_refuses_a_wal_outbox_whose_slot_is_gone_and_says_how_to_recover(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe
+) -> None:
+    db.execute("SELECT pg_drop_replication_slot(%s)", (names_of(wal_outbox).slot,))
+
+    with pytest.raises(SlotUnusable, match=r"without its replication slot .* `outbox init-db --strategy wal`"):
+        make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
