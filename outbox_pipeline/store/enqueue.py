@@ -211,7 +211,10 @@ def _emit(conn: psycopg.Connection, table: OutboxTable, rows: list[Row], ids: li
     ]
     with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
         try:
-            cur.execute(_emit_sql(table), (contents,))
+            if len(contents) == 1:
+                cur.execute(_emit_one_sql(table), contents)
+            else:
+                cur.execute(_emit_sql(table), (contents,))
         except (psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName):
             raise SchemaError(
                 f"{settings.WRITE_TO.name}=wal, but the outbox {table.schema!r} is not a wal outbox (made by `outbox "
@@ -220,6 +223,11 @@ def _emit(conn: psycopg.Connection, table: OutboxTable, rows: list[Row], ids: li
             ) from None
         lsns = [lsn for (lsn,) in cur.fetchall()]
     return [Enqueued(lsn, mid) for lsn, mid in zip(lsns, ids, strict=True)]
+
+
+@functools.cache
+def _emit_one_sql(table: OutboxTable) -> bytes:
+    return sql.SQL("SELECT {}(%b::bytea)").format(table.ident("outbox_emit_one")).as_bytes(None)
 
 
 @functools.cache

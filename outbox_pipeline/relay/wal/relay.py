@@ -39,6 +39,8 @@ from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream
 
 log = logging.getLogger(__name__)
 
+# The least time between two positions confirmed to the slot while messages flow (_Confirms).
+CONFIRM_INTERVAL_S = 0.05
 # How often a relay with held keys looks for keys an operator released.
 RELEASE_CHECK_INTERVAL_S = 1.0
 
@@ -87,6 +89,31 @@ class _Batch:
         """Forget the first ``settled`` records and the commits they complete."""
         self.records = self.records[settled:]
         self.commits = [(count - settled, end) for count, end in self.commits if count > settled]
+
+
+class _Confirms:
+    """Positions confirmed to the slot at most every CONFIRM_INTERVAL_S under steady traffic (each is a message the
+    walsender handles; 200 batches a second need not be 200 of them); the last one always goes before the relay waits,
+    backs off or stops. A crash between two loses nothing: what comes again is at most that interval's messages."""
+
+    def __init__(self, stream: ReplicationStream) -> None:
+        self._stream = stream
+        self._pending: int | None = None
+        self._sent = 0
+        self._due = 0.0
+
+    def confirm(self, lsn: int) -> None:
+        if lsn <= self._sent:
+            return
+        self._pending = lsn if self._pending is None else max(self._pending, lsn)
+        if time.monotonic() >= self._due:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            self._stream.confirm(self._pending)
+            self._sent, self._pending = self._pending, None
+            self._due = time.monotonic() + CONFIRM_INTERVAL_S
 
 
 class WalRelay:
@@ -179,10 +206,13 @@ class WalRelay:
         ) as stream:
             log.info("streaming the slot %s", self._names.slot)
             self.registered.set()
+            confirms = _Confirms(stream)
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 self._alive()
                 sending = len(in_flight.records) if in_flight is not None else 0
                 busy = in_flight is not None or len(batch.records) > sending
+                if not busy:
+                    confirms.flush()  # before the relay waits: the slot holds nothing it need not
                 events = stream.read(0.0 if busy else self.settings.read_timeout_s)
                 records = batch.records
                 held: list[OutboxRecord] = []
@@ -199,7 +229,7 @@ class WalRelay:
                     elif type(event) is Keepalive:
                         reached = max(reached, event.wal_end)
                         if not records and not batch.commits and in_flight is None:
-                            stream.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
+                            confirms.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
                 holds.keep(leader.connection, held)  # before the slot is confirmed past them
                 unsent = len(records) - sending
                 if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
@@ -208,12 +238,13 @@ class WalRelay:
                     settled, down = self._settle(in_flight, leader)
                     in_flight = None
                     if (lsn := batch.confirmable(settled)) is not None:
-                        stream.confirm(lsn)
+                        confirms.confirm(lsn)
                     batch.drop(settled)
                     if holds.keys:  # a key held now: its messages not yet published wait in outbox_held
                         holds.keep(leader.connection, batch.withhold(holds.holds))
                     if down:
                         failures += 1
+                        confirms.flush()
                         self._back_off(stream, failures)
                         continue
                     failures = 0
@@ -222,15 +253,19 @@ class WalRelay:
                     in_flight = self.publisher.start(batch.records[:batch_max])
                     continue
                 self._release(leader)
-                if batch.commits:  # transactions with nothing of ours
-                    stream.confirm(batch.commits[-1][1])
-                    batch.commits.clear()
+                # Nothing unsent, nothing in Kafka: all the server sent is settled, up to its last keepalive too (a
+                # slot confirmed only to its last commit of ours would keep the WAL written since, for nothing).
+                batch.commits.clear()
+                if reached:
+                    confirms.confirm(reached)
                 if idle_at is not None and reached >= idle_at:
+                    confirms.flush()
                     return True
             if in_flight is not None:  # stopping: confirm what Kafka took
                 settled, _ = self._settle(in_flight, leader)
                 if (lsn := batch.confirmable(settled)) is not None:
-                    stream.confirm(lsn)
+                    confirms.confirm(lsn)
+            confirms.flush()
         return True
 
     def _settle(self, pending: PendingBatch, leader: SlotLeader) -> tuple[int, bool]:
