@@ -109,6 +109,14 @@ RELAY_LINGER_MS = Setting(
     "never paced (0: claim at every commit)",
     _number,
 )
+WAL_LINGER_MS = Setting(
+    "OUTBOX_WAL_LINGER_MS",
+    10.0,
+    "wal strategy: OUTBOX_RELAY_LINGER_MS for the wal relay, the least time between two batches handed to Kafka "
+    "under steady traffic (scaled as there): each produce request carries several commits, for the broker's sake "
+    "and the relay's; a backlog is never paced (0: a batch at every commit)",
+    _number,
+)
 WAL_TAKEOVER_S = Setting(
     "OUTBOX_WAL_TAKEOVER_S",
     30.0,
@@ -308,6 +316,7 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     WRITE_TO,
     LIVENESS,
     RELAY_LINGER_MS,
+    WAL_LINGER_MS,
     WAL_TAKEOVER_S,
     WORKER_ID_WAIT_S,
     ON_POISON,

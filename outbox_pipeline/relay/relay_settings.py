@@ -43,6 +43,8 @@ class RelaySettings:
     min_cycle_s: float = settings.RELAY_LINGER_MS.default / 1000
     # wal: a waiting relay takes over from a streaming one silent this long (relay/wal/leader.py).
     wal_takeover_s: float = settings.WAL_TAKEOVER_S.default
+    # wal: min_cycle_s of the wal relay's Pacer.
+    wal_linger_s: float = settings.WAL_LINGER_MS.default / 1000
 
     def error_backoff_s(self, failures: int) -> float:
         """The wait after the ``failures``-th failure in a row: doubling up to the maximum, jittered by half."""
@@ -51,7 +53,7 @@ class RelaySettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> RelaySettings:
-        """The settings the environment sets (liveness, worker id wait, linger, wal takeover), and ``fields``: what
+        """The settings the environment sets (liveness, worker id wait, lingers, wal takeover), and ``fields``: what
         the CLI, the Dagster runs and the bench all build a relay with."""
         return cls(
             **{
@@ -59,6 +61,7 @@ class RelaySettings:
                 "worker_id_wait_s": settings.WORKER_ID_WAIT_S.read(env),
                 "min_cycle_s": settings.RELAY_LINGER_MS.read(env) / 1000,
                 "wal_takeover_s": settings.WAL_TAKEOVER_S.read(env),
+                "wal_linger_s": settings.WAL_LINGER_MS.read(env) / 1000,
                 **fields,
             }
         )
@@ -73,6 +76,8 @@ class Pacer:
     row: a twentieth of the linger) and a backlog is never paced."""
 
     min_cycle_s: float
+    # The rows from which a claim is followed by the whole linger (the wal relay's is 1: its linger is short already).
+    full_rows: int = LINGER_FULL_ROWS
     _at: float = float("-inf")  # the last claim: when it began,
     _rows: int = 0  # how many rows it took,
     _took_all: bool = False  # and whether that was everything there was
@@ -83,5 +88,5 @@ class Pacer:
     def pause_s(self) -> float:
         if not self._took_all:
             return 0.0
-        share = min(1.0, self._rows / LINGER_FULL_ROWS)
+        share = min(1.0, self._rows / self.full_rows)
         return self._at + self.min_cycle_s * share - time.monotonic()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import psycopg
 
+from ... import settings
 from ...config import OutboxTable
 from ...store.wal.format import MalformedMessage
 from ...store.wal.format import record as wal_record
@@ -31,6 +32,7 @@ from ...store.wal.slot import require_streamable
 from ...strategies.base import AckResult, DeliveryFailure, OutboxRecord, PublishOutcome
 from ...strategies.quarantine import OnPoison
 from ..publisher import KafkaPublisher, PendingBatch
+from ..relay_settings import Pacer
 from ..stats import RelayInstruments, RelayStats
 from .holds import WalHolds
 from .leader import LeaderSettings, SlotLeader
@@ -49,6 +51,7 @@ RELEASE_CHECK_INTERVAL_S = 1.0
 class WalRelaySettings:
     batch_max: int = 20_000  # messages handed to Kafka at once (a backlog's batch; steady traffic sends what came)
     read_timeout_s: float = 0.5  # the longest wait for the stream when nothing is pending
+    linger_s: float = settings.WAL_LINGER_MS.default / 1000  # the Pacer's min_cycle_s (OUTBOX_WAL_LINGER_MS)
     until_idle: bool = False  # stop once everything written before the stream opened is published (tests, drains)
     max_seconds: float | None = None
     error_backoff_s: float = 1.0
@@ -207,13 +210,18 @@ class WalRelay:
             log.info("streaming the slot %s", self._names.slot)
             self.registered.set()
             confirms = _Confirms(stream)
+            pacer = Pacer(self.settings.linger_s, full_rows=1)
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 self._alive()
                 sending = len(in_flight.records) if in_flight is not None else 0
-                busy = in_flight is not None or len(batch.records) > sending
-                if not busy:
+                if in_flight is not None:
+                    timeout = 0.0
+                elif batch.records:  # lingering (the Pacer): what commits meanwhile goes in the same batch
+                    timeout = max(0.0, pacer.pause_s())
+                else:
                     confirms.flush()  # before the relay waits: the slot holds nothing it need not
-                events = stream.read(0.0 if busy else self.settings.read_timeout_s)
+                    timeout = self.settings.read_timeout_s
+                events = stream.read(timeout)
                 records = batch.records
                 held: list[OutboxRecord] = []
                 for event in events:
@@ -250,6 +258,11 @@ class WalRelay:
                     failures = 0
                     self._release(leader)
                 if batch.records:
+                    if len(batch.records) < batch_max and pacer.pause_s() > 0:
+                        continue  # the read above waits out the linger
+                    pacer.claimed(
+                        time.monotonic(), min(len(batch.records), batch_max), took_all=len(batch.records) < batch_max
+                    )
                     in_flight = self.publisher.start(batch.records[:batch_max])
                     continue
                 self._release(leader)
