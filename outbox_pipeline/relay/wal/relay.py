@@ -118,6 +118,7 @@ class WalRelay:
         self.observer = observer
         self.registered = threading.Event()  # set while this relay streams the slot (a run's tag, a test's wait)
         self._releases_due = 0.0
+        self._heartbeat_due = 0.0
 
     def run(self) -> RelayStats:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
@@ -127,7 +128,12 @@ class WalRelay:
         try:
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 try:
-                    if not leader.acquire():
+                    if not leader.acquire(deadline):
+                        if not self.stop.is_set():  # max_seconds passed first: say why nothing was published
+                            self.stats.remaining = [
+                                f"another relay streams the slot {self._names.slot}: this one waited for it until "
+                                "its --max-seconds"
+                            ]
                         break
                     require_streamable(leader.connection, self.table)
                     if self._stream(leader, deadline):
@@ -158,7 +164,7 @@ class WalRelay:
         the producer sends the last one; steady traffic goes out as soon as a read finds nothing more waiting."""
         batch = _Batch([], [])
         in_flight: PendingBatch | None = None
-        xid = "0"
+        commit = "0"  # the transaction being read: its commit position (a record's transaction_id, holds.py)
         failures = 0
         row = leader.connection.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
         idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
@@ -167,14 +173,13 @@ class WalRelay:
         prefix = self._prefix
         holds = self.holds
         holds.load(leader.connection)
-        # Answered often enough that a waiting relay never takes this one for frozen (leader.py).
-        status_s = min(DEFAULT_STATUS_INTERVAL_S, self.settings.leader.takeover_after_s / 3)
         with ReplicationStream.open(
-            self.dsn, self._names.slot, self._names.publication, status_interval_s=status_s
+            self.dsn, self._names.slot, self._names.publication, status_interval_s=self._alive_every_s
         ) as stream:
             log.info("streaming the slot %s", self._names.slot)
             self.registered.set()
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                self._heartbeat(leader)
                 sending = len(in_flight.records) if in_flight is not None else 0
                 busy = in_flight is not None or len(batch.records) > sending
                 events = stream.read(0.0 if busy else self.settings.read_timeout_s)
@@ -183,10 +188,10 @@ class WalRelay:
                 for event in events:
                     if type(event) is Message:
                         if event.transactional and event.prefix == prefix:
-                            if (record := self._record(event, xid, leader)) is not None:
+                            if (record := self._record(event, commit, leader)) is not None:
                                 (held if holds.keys and holds.holds(record) else records).append(record)
                     elif type(event) is Begin:
-                        xid = str(event.xid)
+                        commit = str(event.final_lsn)
                     elif type(event) is Commit:
                         batch.commits.append((len(records), event.end_lsn))
                         reached = max(reached, event.end_lsn)
@@ -208,7 +213,7 @@ class WalRelay:
                         holds.keep(leader.connection, batch.withhold(holds.holds))
                     if down:
                         failures += 1
-                        self._back_off(stream, failures)
+                        self._back_off(stream, leader, failures)
                         continue
                     failures = 0
                     self._release(leader)
@@ -260,7 +265,9 @@ class WalRelay:
 
     def _release(self, leader: SlotLeader) -> None:
         """Publish the messages held behind keys an operator released, in order, and let those keys flow again (with
-        no batch in Kafka: a released key's later messages are still held, and go after these)."""
+        no batch in Kafka: a released key's later messages are still held, and go after these). From the first one
+        Kafka did not take, the key stays held: behind it as its new dead letter if Kafka refused it (holds.py),
+        to be tried again if Kafka was down."""
         now = time.monotonic()
         if not self.holds.keys or now < self._releases_due:
             return
@@ -272,32 +279,53 @@ class WalRelay:
             self.stats.published += len(outcome.delivered)
             if self.observer is not None:
                 self.observer(outcome)
-            if outcome.failed:
-                log.warning(
-                    "%d of the %d messages held behind key %r of %s were not published (%s); trying again",
-                    len(outcome.failed),
-                    len(records),
-                    key,
-                    topic,
-                    outcome.failed[0].error,
-                )
+            if not outcome.failed:
+                self.holds.end(conn, topic, key, [r.id for r in records])
+                log.info("key %r of %s released: %d held messages published", key, topic, len(records))
                 continue
-            self.holds.end(conn, topic, key, [r.id for r in records])
-            log.info("key %r of %s released: %d held messages published", key, topic, len(records))
+            failed = {f.record.id: f for f in outcome.failed}
+            first = next(i for i, r in enumerate(records) if r.id in failed)
+            stopped = failed[records[first].id]
+            self.holds.published(conn, [r.id for r in records[:first]])
+            if stopped.kind != "transport":
+                self.holds.dead_letter_held(conn, stopped)
+                self.stats.dead_lettered += 1
+                continue
+            log.warning(
+                "%d of the %d messages held behind key %r of %s were not published (%s); trying again",
+                len(records) - first,
+                len(records),
+                key,
+                topic,
+                stopped.error,
+            )
 
-    def _back_off(self, stream: ReplicationStream, failures: int) -> None:
+    def _back_off(self, stream: ReplicationStream, leader: SlotLeader, failures: int) -> None:
         """Wait before publishing again, answering the walsender meanwhile."""
         until = time.monotonic() + min(self.settings.error_backoff_s * 2 ** (failures - 1), self.settings.max_backoff_s)
         while not self.stop.is_set() and (left := until - time.monotonic()) > 0:
             stream.confirm(stream.confirmed)  # a status update: the walsender hears from its relay
+            self._heartbeat(leader)
             self.stop.wait(min(left, 1.0))
 
-    def _record(self, event: Message, xid: str, leader: SlotLeader) -> OutboxRecord | None:
+    @property
+    def _alive_every_s(self) -> float:
+        """How often the streamer says it is alive: often enough that a waiting relay never takes it for frozen."""
+        return min(DEFAULT_STATUS_INTERVAL_S, self.settings.leader.takeover_after_s / 3)
+
+    def _heartbeat(self, leader: SlotLeader) -> None:
+        """Its ordinary session's sign of life (leader.py: a waiting relay may not see the walsender's replies)."""
+        now = time.monotonic()
+        if now >= self._heartbeat_due:
+            leader.heartbeat()
+            self._heartbeat_due = now + self._alive_every_s
+
+    def _record(self, event: Message, commit: str, leader: SlotLeader) -> OutboxRecord | None:
         try:
             m = decode(event.content)
         except MalformedMessage as exc:
             # Bytes under our prefix another writer made: kept as a dead letter (payload_bytes), never published.
-            failure = DeliveryFailure(_malformed(event, xid), f"not an outbox message: {exc}", "permanent")
+            failure = DeliveryFailure(_malformed(event, commit), f"not an outbox message: {exc}", "permanent")
             self.holds.dead_letter(leader.connection, [failure])
             self.stats.dead_lettered += 1
             return None
@@ -312,15 +340,15 @@ class WalRelay:
             m.created_at,
             m.type,
             m.partition,
-            xid,
+            commit,
             0,
             m.binary,
         )
 
 
-def _malformed(event: Message, xid: str) -> OutboxRecord:
+def _malformed(event: Message, commit: str) -> OutboxRecord:
     return OutboxRecord(
-        event.lsn, "(malformed)", None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, xid, 0, True
+        event.lsn, "(malformed)", None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, commit, 0, True
     )
 
 
