@@ -34,7 +34,7 @@ from ..stats import RelayStats
 from .holds import WalHolds
 from .leader import LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
-from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream
+from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class WalRelay:
         self.registered = threading.Event()  # set while this relay streams the slot (a run's tag, a test's wait)
         self._releases_due = 0.0
         self._heartbeat_due = 0.0
+        self._resume: Resume | None = None  # where this relay's last stream ended (stream.py)
 
     def run(self) -> RelayStats:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
@@ -162,74 +163,87 @@ class WalRelay:
 
         One batch at a time is in Kafka, and the stream is read while it is: a backlog's next batch is decoded while
         the producer sends the last one; steady traffic goes out as soon as a read finds nothing more waiting."""
+        row = leader.connection.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
+        idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
+        self.holds.load(leader.connection)
+        with ReplicationStream.open(
+            self.dsn,
+            self._names.slot,
+            self._names.publication,
+            status_interval_s=self._alive_every_s,
+            resume=self._resume,
+        ) as stream:
+            log.info("streaming the slot %s", self._names.slot)
+            self.registered.set()
+            try:
+                return self._stream_events(stream, leader, deadline, idle_at)
+            finally:
+                self._resume = stream.resume  # a crash of the server may send the slot back: start after it again
+
+    def _stream_events(
+        self, stream: ReplicationStream, leader: SlotLeader, deadline: float | None, idle_at: int | None
+    ) -> bool:
+        """The stream's events, published in order (``_stream_slot``)."""
         batch = _Batch([], [])
         in_flight: PendingBatch | None = None
         commit = "0"  # the transaction being read: its commit position (a record's transaction_id, holds.py)
         failures = 0
-        row = leader.connection.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
-        idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
         reached = 0
         batch_max = self.settings.batch_max
         prefix = self._prefix
         holds = self.holds
-        holds.load(leader.connection)
-        with ReplicationStream.open(
-            self.dsn, self._names.slot, self._names.publication, status_interval_s=self._alive_every_s
-        ) as stream:
-            log.info("streaming the slot %s", self._names.slot)
-            self.registered.set()
-            while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                self._heartbeat(leader)
-                sending = len(in_flight.records) if in_flight is not None else 0
-                busy = in_flight is not None or len(batch.records) > sending
-                events = stream.read(0.0 if busy else self.settings.read_timeout_s)
-                records = batch.records
-                held: list[OutboxRecord] = []
-                for event in events:
-                    if type(event) is Message:
-                        if event.transactional and event.prefix == prefix:
-                            if (record := self._record(event, commit, leader)) is not None:
-                                (held if holds.keys and holds.holds(record) else records).append(record)
-                    elif type(event) is Begin:
-                        commit = str(event.final_lsn)
-                    elif type(event) is Commit:
-                        batch.commits.append((len(records), event.end_lsn))
-                        reached = max(reached, event.end_lsn)
-                    elif type(event) is Keepalive:
-                        reached = max(reached, event.wal_end)
-                        if not records and not batch.commits and in_flight is None:
-                            stream.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
-                holds.keep(leader.connection, held)  # before the slot is confirmed past them
-                unsent = len(records) - sending
-                if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
-                    continue  # more is waiting: gather it (while Kafka works on what is out)
-                if in_flight is not None:
-                    settled, down = self._settle(in_flight, leader)
-                    in_flight = None
-                    if (lsn := batch.confirmable(settled)) is not None:
-                        stream.confirm(lsn)
-                    batch.drop(settled)
-                    if holds.keys:  # a key held now: its messages not yet published wait in outbox_held
-                        holds.keep(leader.connection, batch.withhold(holds.holds))
-                    if down:
-                        failures += 1
-                        self._back_off(stream, leader, failures)
-                        continue
-                    failures = 0
-                    self._release(leader)
-                if batch.records:
-                    in_flight = self.publisher.start(batch.records[:batch_max])
-                    continue
-                self._release(leader)
-                if batch.commits:  # transactions with nothing of ours
-                    stream.confirm(batch.commits[-1][1])
-                    batch.commits.clear()
-                if idle_at is not None and reached >= idle_at:
-                    return True
-            if in_flight is not None:  # stopping: confirm what Kafka took
-                settled, _ = self._settle(in_flight, leader)
+        while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            self._heartbeat(leader)
+            sending = len(in_flight.records) if in_flight is not None else 0
+            busy = in_flight is not None or len(batch.records) > sending
+            events = stream.read(0.0 if busy else self.settings.read_timeout_s)
+            records = batch.records
+            held: list[OutboxRecord] = []
+            for event in events:
+                if type(event) is Message:
+                    if event.transactional and event.prefix == prefix:
+                        if (record := self._record(event, commit, leader)) is not None:
+                            (held if holds.keys and holds.holds(record) else records).append(record)
+                elif type(event) is Begin:
+                    commit = str(event.final_lsn)
+                elif type(event) is Commit:
+                    batch.commits.append((len(records), event.end_lsn))
+                    reached = max(reached, event.end_lsn)
+                elif type(event) is Keepalive:
+                    reached = max(reached, event.wal_end)
+                    if not records and not batch.commits and in_flight is None:
+                        stream.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
+            holds.keep(leader.connection, held)  # before the slot is confirmed past them
+            unsent = len(records) - sending
+            if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
+                continue  # more is waiting: gather it (while Kafka works on what is out)
+            if in_flight is not None:
+                settled, down = self._settle(in_flight, leader)
+                in_flight = None
                 if (lsn := batch.confirmable(settled)) is not None:
                     stream.confirm(lsn)
+                batch.drop(settled)
+                if holds.keys:  # a key held now: its messages not yet published wait in outbox_held
+                    holds.keep(leader.connection, batch.withhold(holds.holds))
+                if down:
+                    failures += 1
+                    self._back_off(stream, leader, failures)
+                    continue
+                failures = 0
+                self._release(leader)
+            if batch.records:
+                in_flight = self.publisher.start(batch.records[:batch_max])
+                continue
+            self._release(leader)
+            if batch.commits:  # transactions with nothing of ours
+                stream.confirm(batch.commits[-1][1])
+                batch.commits.clear()
+            if idle_at is not None and reached >= idle_at:
+                return True
+        if in_flight is not None:  # stopping: confirm what Kafka took
+            settled, _ = self._settle(in_flight, leader)
+            if (lsn := batch.confirmable(settled)) is not None:
+                stream.confirm(lsn)
         return True
 
     def _settle(self, pending: PendingBatch, leader: SlotLeader) -> tuple[int, bool]:
