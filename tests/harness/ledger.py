@@ -33,9 +33,15 @@ checked otherwise:
   cut off or restarted streamer's producer still sends or that it read ahead from its stream, and the part of one
   transaction split across two batches (the slot is confirmed only at a transaction's end: at most the largest
   transaction less one). So ``IN_FLIGHT_BATCHES`` batches plus the largest transaction per fault, counting one per
-  fault since only the streamer publishes (a drain beside it may take the stream over), plus the held messages a
+  fault since only the streamer publishes (a drain beside it may take the stream over; a broker frozen for longer
+  than the producers' message timeout counts once more per timeout: each batch handed to it may be appended when it
+  thaws), plus the held messages a
   released key published (published again if a fault comes before their hold is ended), plus one batch per failed
-  attempt of a dead-lettered message.
+  attempt of a dead-lettered message. And what a PostgreSQL crash made the slot forget: PostgreSQL writes a slot's
+  confirmed position down only now and then; the streamer resumes from its own, but a relay that takes the stream
+  over before the streamer confirmed again starts from the saved one. The pg-restart fault notes both positions;
+  allowed: the messages between them (their positions are the records' ``outbox_id``) and, for the transactions
+  that had begun before the saved position and committed after it, the largest transaction per writer connection.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from dataclasses import dataclass, field
 from tests.faults.helpers import IN_FLIGHT_BATCHES, TimedRecord
 
 from .context import CliResult, Span, Switch
+from .relays import MESSAGE_TIMEOUT_MS
 from .schedule import POSITION_STRATEGIES, WAL, Setup
 from .silences import STEAL_S, Stall, silences
 from .writers import BAD_ROWS, Written
@@ -142,13 +149,14 @@ def check(ev: Evidence) -> Verdict:
     on_purpose = sum(n for _, n in ev.replayed)
     switched = sum(s.republished for s in ev.switches)
     dupes = sum(n - 1 for m, n in copies.items() if m in committed or m in in_doubt)
+    released = forgotten = 0
     if wal:
         faults = _wal_faults(ev.spans)
         largest = max(Counter((w.writer, w.tx) for w in committed.values()).values(), default=1)
         released = sum(int(n) for text in ev.outputs.values() for n in _RELEASED.findall(text))
         per_fault = IN_FLIGHT_BATCHES * ev.setup.batch_size + largest - 1
-        bound = per_fault * faults + ev.setup.batch_size * attempts + released
-        on_purpose = released
+        forgotten = _forgotten(ev.spans, ev.records, largest * len({w.writer for w in ev.written}))
+        bound = per_fault * faults + ev.setup.batch_size * attempts + released + forgotten
     else:
         faults = _faults(ev.spans, ev.setup.workers) + attempts + sum(s.killed for s in ev.switches)
         bound = IN_FLIGHT_BATCHES * ev.setup.batch_size * faults + on_purpose + switched
@@ -185,6 +193,7 @@ def check(ev: Evidence) -> Verdict:
         "dupes": dupes,
         "dupe_bound": bound,
         "replayed": on_purpose,
+        **({"released": released, "forgotten_by_slot": forgotten} if wal else {}),
         "switches": "[" + ",".join(str(s) for s in ev.switches) + "]",
         "switch_dupes": f"{_across(ev.switches, ev.spans, ev.records)}/{switched}",
         "dead_letters": len(ev.dead),
@@ -218,13 +227,24 @@ def _differs(w: Written, r: TimedRecord) -> list[str]:
     if isinstance(w.payload, bytes):
         if r.value != w.payload:
             wrong.append("bytes value")
-    elif r.value is None or json.loads(r.value) != w.payload:
+    elif r.value is None or _json(r.value) != w.payload:
         wrong.append(f"JSON value {r.value[:60]!r}" if r.value else "null value")
     for name, value in w.headers.items():
         expected = value if isinstance(value, bytes) else value.encode("utf-8")
         if r.headers.get(name) != expected:
             wrong.append(f"header {name}")
     return [f"{w.message_id} ({w.writer}): {'; '.join(wrong)}"] if wrong else []
+
+
+def _json(value: bytes) -> object:
+    """A JSON value as a consumer reads it: UTF-8 text (anything else is not what was written)."""
+    try:
+        return json.loads(value.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+        return _NOT_JSON
+
+
+_NOT_JSON = object()
 
 
 def _bad_rows(written: Iterable[Written], first: dict[str, TimedRecord], dead: dict[str, list[DeadRow]]) -> list[str]:
@@ -333,12 +353,32 @@ def _out_of_commit_order(
 
 
 _RELEASED = re.compile(r"released: (\d+) held messages published")
+_FORGOTTEN = re.compile(r"slot confirmed (\d+) -> (\d+)")
+
+
+def _forgotten(spans: Iterable[Span], records: Sequence[TimedRecord], straddling: int) -> int:
+    """wal: what the slot's saved position was behind its confirmed one after each PostgreSQL restart (the module's
+    docstring), in messages: those whose position lies between, and ``straddling`` for transactions across it."""
+    positions = sorted({int(r.headers["outbox_id"]) for r in records if "outbox_id" in r.headers})
+    total = 0
+    for s in spans:
+        if s.action == "pg-restart" and (found := _FORGOTTEN.search(s.note)):
+            confirmed, saved = int(found[1]), int(found[2])
+            if saved < confirmed:
+                total += bisect.bisect_left(positions, confirmed) - bisect.bisect_left(positions, saved) + straddling
+    return total
 
 
 def _wal_faults(spans: Iterable[Span]) -> int:
     """wal: the faults after which the streaming relay may publish again what it had not confirmed, one each (only it
-    publishes: a fault of a waiting relay costs nothing, and is counted all the same)."""
-    return sum(1 for s in spans if s.action in (*REPUBLISHING, "drain"))
+    publishes: a fault of a waiting relay costs nothing, and is counted all the same); a frozen broker, one per
+    message timeout it was frozen, and one: each batch handed to it meanwhile may be appended when it thaws."""
+    timeout_s = MESSAGE_TIMEOUT_MS / 1000
+    return sum(
+        1 + (int((s.end - s.start) // timeout_s) if s.action == "broker-freeze" else 0)
+        for s in spans
+        if s.action in (*REPUBLISHING, "drain")
+    )
 
 
 def _across(switches: Sequence[Switch], spans: Sequence[Span], records: Sequence[TimedRecord]) -> int:

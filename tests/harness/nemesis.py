@@ -20,6 +20,8 @@ from typing import Literal
 
 import psycopg
 
+from outbox_pipeline.store.wal.objects import names_of
+
 from .cluster import admin, wait_for_server
 from .context import Context, Span
 from .schedule import ALL, WAL, WAL_ONLY, Event, Registered, Registry, Schedule, Setup
@@ -111,13 +113,27 @@ def _terminate_wal(ctx: Context, event: Event) -> str:
 def pg_restart(ctx: Context, event: Event) -> str:
     """Stop PostgreSQL (fast, or immediate: a crash), keep it down for the duration, start it again."""
     mode: Literal["fast", "immediate"] = "immediate" if event.choice % 2 else "fast"
+    before = _slot_confirmed(ctx) if ctx.relaying.strategy == WAL else None
     ctx.servers.pg.stop(mode, force=True)
     try:
         time.sleep(event.duration_s)  # not cut short by the end of the nemesis: the server must come back
     finally:
         ctx.servers.pg.start()
         wait_for_server(ctx.outbox)
-    return mode
+    if before is None:
+        return mode
+    return f"{mode}; slot confirmed {before} -> {_slot_confirmed(ctx)}"
+
+
+def _slot_confirmed(ctx: Context) -> int:
+    """wal: the slot's confirmed position as PostgreSQL holds it (in memory; after a restart, as it last saved it: a
+    relay that takes the stream over before the streamer confirmed again starts there, ledger.py)."""
+    with admin(ctx.outbox) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots WHERE slot_name = %s",
+            (names_of(ctx.outbox.table).slot,),
+        ).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
 
 
 @FAULTS.action("server", 1, strategies=ALL, duration=lambda rng, setup: rng.uniform(0.5, 4.0))

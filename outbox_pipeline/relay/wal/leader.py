@@ -94,7 +94,11 @@ class SlotLeader:
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = server.connect(self._dsn, autocommit=True, application_name="outbox-relay-wal")
+            # UTF-8 whatever the database's encoding, as the table strategies' sessions (strategies/base.py): the
+            # held messages it reads back go to Kafka as the bytes it loads (holds.py).
+            self._conn = server.connect(
+                self._dsn, autocommit=True, application_name="outbox-relay-wal", client_encoding="UTF8"
+            )
         return self._conn
 
     def _free_slot(self, conn: psycopg.Connection) -> None:
