@@ -45,7 +45,7 @@ class Setup:
     seconds: float
     workers: int
     lease_s: float
-    batch_size: int
+    batch_size: int  # the relays' batch (wal: the streamer's batch_max)
     encoding: Literal["UTF8", "LATIN1"]
     mode: Literal["delete", "mark-sent"]  # row strategies: what an ack does (mark-sent allows `outbox replay`)
     bad_rate: float  # share of writer transactions that carry one bad row

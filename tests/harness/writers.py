@@ -42,7 +42,6 @@ from .schedule import Setup
 
 KINDS = ("enqueue", "enqueue_many", "sql", "insert")
 MAX_ROWS_PER_STATEMENT_TX = 3  # rows of a transaction of enqueue, SQL enqueue or INSERT (enqueue_many: 5 to 20)
-MAX_ROWS_PER_TX = 20  # the largest transaction a writer commits
 # What the checker expects of each bad row: refused at enqueue, or dead-lettered with an error matching this.
 BAD_ROWS: dict[str, str | None] = {
     "oversize": r"(?i)too large|MSG_SIZE_TOO_LARGE",
