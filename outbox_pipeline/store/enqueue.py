@@ -148,10 +148,7 @@ def enqueue_many(
                     _encoded(payloads, encoding),
                 )
             except UnicodeEncodeError as exc:
-                raise InvalidMessageError(
-                    f"{exc.object[exc.start : exc.end]!r} cannot be stored in this database's client encoding "
-                    f"{conn.info.encoding}: use a UTF8 database (or client_encoding), or leave such characters out"
-                ) from None
+                raise InvalidMessageError(_UNENCODABLE.format(exc.object[exc.start : exc.end], encoding)) from None
         topic_column, key_column, payload_column = text_columns
         params = (
             wire_arrays.uuid_array(raw_ids),
@@ -195,7 +192,16 @@ def enqueue_many(
 def _emit(conn: psycopg.Connection, table: OutboxTable, rows: list[Row], ids: list[uuid.UUID]) -> list[Enqueued]:
     """A wal outbox's messages (store/wal/): one logical decoding message each, built here; ``Enqueued.id`` is the
     message's LSN. ``serialized`` and ``notify`` change nothing: the slot streams in commit order and wakes the
-    relay."""
+    relay. What the database's encoding cannot hold is refused, as by every other form: the message is no row, but
+    its dead letter or its copy held behind one would be."""
+    if conn.info.encoding not in _UTF8_AS_IS:
+        try:
+            for r in rows:
+                _encoded([r.topic, r.key, r.type, r.headers, r.payload], conn.info.encoding)
+        except UnicodeEncodeError as exc:
+            raise InvalidMessageError(
+                _UNENCODABLE.format(exc.object[exc.start : exc.end], conn.info.encoding)
+            ) from None
     contents = [
         wal_format.encode(
             str(mid).encode(),
@@ -316,6 +322,10 @@ def _insert_sql(table: OutboxTable) -> bytes:
 
 # Client encodings that take UTF-8 bytes as they are: UTF8, and SQL_ASCII (no conversion at all).
 _UTF8_AS_IS = frozenset({"utf-8", "ascii"})
+_UNENCODABLE = (
+    "{!r} cannot be stored in this database's client encoding {}: use a UTF8 database (or client_encoding), or "
+    "leave such characters out"
+)
 
 
 def _encoded(values: Sequence[str | None] | None, encoding: str) -> wire_arrays.TextArray | None:

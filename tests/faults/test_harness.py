@@ -3,8 +3,9 @@ actions per strategy against the real PostgreSQL and broker, with fixed seeds, a
 from today's date (printed, so that a red one can be replayed with ``python -m tests.harness``). Each run checks
 every promise of the ledger (tests/harness/ledger.py): nothing lost or invented, per-key order, duplicates in their
 bound, bad rows refused or dead-lettered, holds with their dead letters, no partition silent past ``lease_s`` plus a
-steal while a worker could serve it, no password in any output; partitioned's schedule switches strategy midway.
-Timing: the silence bound is a measured time."""
+steal while a worker could serve it, no password in any output; partitioned's schedule switches strategy midway,
+wal's freezes its streamer past the takeover time and kills the relay that took over. Timing: the silence bound is a
+measured time."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .helpers import report
 pytestmark = [pytest.mark.faults, pytest.mark.timing]
 
 SECONDS = 20.0
-FIXED_SEEDS = {"locking": 159, "advisory": 538, "lease": 337, "partitioned": 286, "serialized": 176}
+FIXED_SEEDS = {"locking": 159, "advisory": 538, "lease": 337, "partitioned": 286, "serialized": 176, "wal": 777}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,20 @@ def test_a_ci_schedule_switches_strategy_midway() -> None:
     ]
 
     assert switches, "no CI schedule switches strategy"
+
+
+def test_the_wal_ci_schedule_freezes_its_streamer_past_the_takeover_and_kills_the_relay_that_took_over() -> None:
+    """Slot 0 streams first: its freeze past lease_s (wal's takeover time in the harness) hands the slot to slot 1,
+    whose kill hands it back; a poison message needs the higher share of bad rows (a new action in the catalogue of
+    wal changes its schedules: pick a seed that still draws these)."""
+    schedule = schedule_for(FIXED_SEEDS["wal"], "wal", SECONDS)
+    freeze = next(e for e in schedule.events if e.action == "freeze" and e.slot == 0)
+    kill = next(e for e in schedule.events if e.action == "kill")
+
+    assert freeze.duration_s > schedule.setup.lease_s and kill.slot == 1
+    assert freeze.at_s < kill.at_s < freeze.at_s + freeze.duration_s
+    assert schedule.setup.bad_rate == 0.01
+    assert {"long-transaction", "pg-restart", "dead-letter-retry"} <= {e.action for e in schedule.events}
 
 
 def test_a_seed_replays_the_same_schedule() -> None:

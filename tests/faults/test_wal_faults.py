@@ -23,7 +23,7 @@ from psycopg import sql
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.store.schema import init_db
-from outbox_pipeline.store.wal.objects import drop_slot
+from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import slot_state
 from tests.kit.probes import wait_until
 from tests.kit.writer import Writer, write
@@ -218,3 +218,40 @@ def test_a_frozen_wal_relay_is_taken_over_and_loses_nothing_when_it_thaws(
     report("wal-frozen", "wal", **counted.figures, seconds=0.0)
     assert counted.lost == set() and counted.phantom == set()
     assert out_of_order_keys(before + during + after, records) == []
+
+
+def test_a_server_crash_after_the_slot_was_confirmed_publishes_nothing_again(
+    module_pg: LocalPostgres, wal_table: OutboxTable, proxied_broker: ProxiedBroker, tmp_path: Path
+) -> None:
+    """PostgreSQL keeps a slot's confirmed position in memory and writes it down only now and then: a crash sent the
+    slot back, and the relay published again everything it had confirmed since (300 of 300 here), nothing of it in
+    flight. The relay resumes from what it confirmed itself, on the same server and timeline."""
+    dsn = module_pg.dsn
+    topic = proxied_broker.new_topic(partitions=2)
+    relay = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "relay.log")
+    try:
+        before = write(dsn, wal_table, topic, 300, serialized=False)
+        consume(proxied_broker.bootstrap, [topic], before)
+        with psycopg.connect(dsn, autocommit=True) as db:
+            end = db.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
+            wait_until(
+                "the slot is confirmed past every message",
+                lambda: (
+                    db.execute(
+                        "SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots WHERE slot_name = %s",
+                        (end[0] if end else None, names_of(wal_table).slot),
+                    ).fetchone()
+                    == (True,)
+                ),
+                30.0,
+            )
+        module_pg.stop("immediate")
+        module_pg.start()
+        after = write(dsn, wal_table, topic, 10, serialized=False)
+        records = consume(proxied_broker.bootstrap, [topic], before + after, deadline_s=120.0)
+    finally:
+        stop(relay)
+    counted = tally(before + after, records)
+    report("wal-pg-crash-confirmed", "wal", **counted.figures, seconds=0.0)
+    assert counted.lost == set() and counted.phantom == set()
+    assert counted.dupes == 0

@@ -5,6 +5,10 @@ outbox and topics; relay worker processes in slots (a slot's process is replaced
 
 The servers are the test kit's (tests/kit/servers.py, outbox_pipeline.localstack); the workers are
 tests/kit/worker.py processes, run through worker_main.py so their INFO log is kept (and scanned for the password).
+
+A wal run's outbox is made by ``init_db(strategies=["wal"])`` as the application role, which is given REPLICATION
+for it (the relay streams the slot); its writers emit (``OutboxTable(write_to="wal")``). A slot is the server's, not
+the database's, and its name comes from the schema's: the run drops its slot when it ends (``drop_outbox``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +28,11 @@ from psycopg.conninfo import make_conninfo
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, free_port
 from outbox_pipeline.store.schema import init_db, set_topic_partitions
+from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from tests.kit.servers import server_under_test
 
 from .isolation import SelectiveProxy
-from .schedule import Setup
+from .schedule import WAL, Setup
 
 APP_ROLE = "harness_app"
 # Virtual partitions per good topic, and Kafka partitions: a key's rows go to one of each.
@@ -104,10 +109,14 @@ class Servers:
             admin.execute(
                 sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(name), sql.Identifier(APP_ROLE))
             )
+            if setup.strategy == WAL:  # the relay's stream needs it (docs/wal.md); no more than that
+                admin.execute(sql.SQL("ALTER ROLE {} REPLICATION").format(sql.Identifier(APP_ROLE)))
         app = f"postgresql://{APP_ROLE}:{self.secret}@127.0.0.1:{self.pg.spec.port}/{name}"
-        outbox = Outbox(app, self.pg.dsn_for(name), OutboxTable(schema="outbox"), self.bootstrap, name)
+        wal = setup.strategy == WAL
+        table = OutboxTable(schema="outbox", write_to="wal" if wal else "table")
+        outbox = Outbox(app, self.pg.dsn_for(name), table, self.bootstrap, name)
         with psycopg.connect(app, autocommit=True) as conn:
-            init_db(conn, outbox.table)
+            init_db(conn, outbox.table, strategies=[WAL] if wal else None)
             for topic in outbox.topics:
                 set_topic_partitions(conn, outbox.table, topic, VIRTUAL_PARTITIONS)
         self.broker.create_topics(outbox.topics, partitions=KAFKA_PARTITIONS)
@@ -130,6 +139,37 @@ class Outbox:
     def missing_topic(self) -> str:
         """Never created: a row for it fails at every try (a record error) and is dead-lettered."""
         return f"{self.database}-missing"
+
+
+def drop_outbox(outbox: Outbox) -> None:
+    """What of a run outlives its database: a wal outbox's slot (the server's: it would keep WAL, and its name is the
+    next wal run's)."""
+    if outbox.table.write_to == "wal":
+        with admin(outbox) as conn:
+            drop_slot(conn, outbox.table)
+
+
+def wal_backlog(outbox: Outbox) -> Callable[[], int]:
+    """wal: what the relays still have to do, from now on: bytes of the WAL written until now that the slot has not
+    been confirmed past (a wal outbox keeps no rows to count), plus the holds an operator released that the streamer
+    has not published yet. The WAL's end is read once: what is written later (the relay's own dead letters and held
+    rows) is not waited for."""
+    with admin(outbox) as conn:
+        row = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
+    assert row is not None
+    until = row[0]
+    slot = names_of(outbox.table).slot
+    query = sql.SQL(
+        "SELECT greatest(pg_wal_lsn_diff(%s, (SELECT confirmed_flush_lsn FROM pg_replication_slots "
+        "WHERE slot_name = %s)), 0)::bigint + (SELECT count(*) FROM {holds} WHERE released_at IS NOT NULL)"
+    ).format(holds=outbox.table.holds)
+
+    def left() -> int:
+        with admin(outbox) as conn:
+            found = conn.execute(query, (until, slot)).fetchone()
+        return int(found[0]) if found and found[0] is not None else -1
+
+    return left
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from tests.kit.workers import ROOT
 from .cluster import Outbox, Servers
 from .relays import PRODUCER, WorkerPool
 from .schedule import Relaying, Setup
+from .writers import Written
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class Context:
     # Each row's place in the orders (transaction id, id), read before a switch deletes rows an ordered strategy
     # relayed (to a row strategy in delete mode): the checker still checks their order.
     order: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # What the nemesis itself wrote (a long transaction's messages), for the ledger beside the writers'.
+    written: list[Written] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -138,3 +141,8 @@ class Context:
     def replay(self, what: str, rows: int) -> None:
         with self.lock:
             self.replayed.append((what, rows))
+
+    def record(self, written: list[Written]) -> None:
+        """Rows the nemesis writes: the ledger reads them once the run is over (their outcomes filled by then)."""
+        with self.lock:
+            self.written.extend(written)

@@ -17,6 +17,31 @@ nemesis did when, held against the product's promises. Each finding is one line 
 - no partition silent longer than ``lease_s`` plus a steal while a keyed row of it waited and a worker could serve it
   (silences.py);
 - no password in any process's output or log; no traceback, hang or unexpected exit code from an operator command.
+
+A wal outbox (issue 42) keeps no rows, so its ledger is what the writers committed (``Written``: each message's id,
+its writer's transaction, when that transaction's COMMIT was sent and when it returned), and two of the promises are
+checked otherwise:
+- order: the slot streams transactions in the order of their commit records, which the writers cannot see across
+  connections. What the ledger can prove is checked, per key, on first copies in log order: a transaction whose COMMIT
+  returned before another's COMMIT was sent committed first (its commit record was in the WAL before the other's was
+  written; this covers one writer's own transactions, one after the other on its connection, and the long
+  transaction left open by the nemesis against every transaction that committed while it was open), and the
+  messages of one transaction arrive in the order they were written. Transactions whose commits overlapped in time
+  are not ordered by the check;
+- duplicates: only the streaming relay publishes. What it publishes again after a fault is what it had published and
+  not confirmed to the slot: the batch in Kafka (``batch_max``, the run's batch size), a batch more that a thawed,
+  cut off or restarted streamer's producer still sends or that it read ahead from its stream, and the part of one
+  transaction split across two batches (the slot is confirmed only at a transaction's end: at most the largest
+  transaction less one). So ``IN_FLIGHT_BATCHES`` batches plus the largest transaction per fault, counting one per
+  fault since only the streamer publishes (a drain beside it may take the stream over; a broker frozen for longer
+  than the producers' message timeout counts once more per timeout: each batch handed to it may be appended when it
+  thaws), plus the held messages a
+  released key published (published again if a fault comes before their hold is ended), plus one batch per failed
+  attempt of a dead-lettered message. And what a PostgreSQL crash made the slot forget: PostgreSQL writes a slot's
+  confirmed position down only now and then; the streamer resumes from its own, but a relay that takes the stream
+  over before the streamer confirmed again starts from the saved one. The pg-restart fault notes both positions;
+  allowed: the messages between them (their positions are the records' ``outbox_id``) and, for the transactions
+  that had begun before the saved position and committed after it, the largest transaction per writer connection.
 """
 
 from __future__ import annotations
@@ -31,7 +56,8 @@ from dataclasses import dataclass, field
 from tests.faults.helpers import IN_FLIGHT_BATCHES, TimedRecord
 
 from .context import CliResult, Span, Switch
-from .schedule import POSITION_STRATEGIES, Setup
+from .relays import MESSAGE_TIMEOUT_MS
+from .schedule import POSITION_STRATEGIES, WAL, Setup
 from .silences import STEAL_S, Stall, silences
 from .writers import BAD_ROWS, Written
 
@@ -112,15 +138,28 @@ def check(ev: Evidence) -> Verdict:
     findings += _bad_rows(ev.written, first, dead)
     refused_good = [f"{w.writer} {w.key!r}: {w.error}" for w in ev.written if w.good and w.outcome == "refused"]
     findings += _some("good row refused at enqueue", refused_good, shown=3)
-    stretches = _ordered_stretches(ev.setup.strategy, ev.switches)
-    disorder = _out_of_order(stretches, good, ev.records, ev.order)
+    wal = ev.setup.strategy == WAL
+    if wal:
+        disorder = _out_of_commit_order(ev.written, good, ev.records)
+    else:
+        disorder = _out_of_order(_ordered_stretches(ev.setup.strategy, ev.switches), good, ev.records, ev.order)
     findings += _some("out of order (first arrivals of a key)", disorder)
 
-    faults = _faults(ev.spans, ev.setup.workers) + sum(d.attempts for d in ev.dead) + sum(s.killed for s in ev.switches)
+    attempts = sum(d.attempts for d in ev.dead)
     on_purpose = sum(n for _, n in ev.replayed)
     switched = sum(s.republished for s in ev.switches)
     dupes = sum(n - 1 for m, n in copies.items() if m in committed or m in in_doubt)
-    bound = IN_FLIGHT_BATCHES * ev.setup.batch_size * faults + on_purpose + switched
+    released = forgotten = 0
+    if wal:
+        faults = _wal_faults(ev.spans)
+        largest = max(Counter((w.writer, w.tx) for w in committed.values()).values(), default=1)
+        released = sum(int(n) for text in ev.outputs.values() for n in _RELEASED.findall(text))
+        per_fault = IN_FLIGHT_BATCHES * ev.setup.batch_size + largest - 1
+        forgotten = _forgotten(ev.spans, ev.records, largest * len({w.writer for w in ev.written}))
+        bound = per_fault * faults + ev.setup.batch_size * attempts + released + forgotten
+    else:
+        faults = _faults(ev.spans, ev.setup.workers) + attempts + sum(s.killed for s in ev.switches)
+        bound = IN_FLIGHT_BATCHES * ev.setup.batch_size * faults + on_purpose + switched
     if dupes > bound:
         findings.append(
             f"duplicates: {dupes} over the bound {bound} ({faults} faults, {on_purpose} replayed, "
@@ -154,6 +193,7 @@ def check(ev: Evidence) -> Verdict:
         "dupes": dupes,
         "dupe_bound": bound,
         "replayed": on_purpose,
+        **({"released": released, "forgotten_by_slot": forgotten} if wal else {}),
         "switches": "[" + ",".join(str(s) for s in ev.switches) + "]",
         "switch_dupes": f"{_across(ev.switches, ev.spans, ev.records)}/{switched}",
         "dead_letters": len(ev.dead),
@@ -187,13 +227,24 @@ def _differs(w: Written, r: TimedRecord) -> list[str]:
     if isinstance(w.payload, bytes):
         if r.value != w.payload:
             wrong.append("bytes value")
-    elif r.value is None or json.loads(r.value) != w.payload:
+    elif r.value is None or _json(r.value) != w.payload:
         wrong.append(f"JSON value {r.value[:60]!r}" if r.value else "null value")
     for name, value in w.headers.items():
         expected = value if isinstance(value, bytes) else value.encode("utf-8")
         if r.headers.get(name) != expected:
             wrong.append(f"header {name}")
     return [f"{w.message_id} ({w.writer}): {'; '.join(wrong)}"] if wrong else []
+
+
+def _json(value: bytes) -> object:
+    """A JSON value as a consumer reads it: UTF-8 text (anything else is not what was written)."""
+    try:
+        return json.loads(value.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+        return _NOT_JSON
+
+
+_NOT_JSON = object()
 
 
 def _bad_rows(written: Iterable[Written], first: dict[str, TimedRecord], dead: dict[str, list[DeadRow]]) -> list[str]:
@@ -257,6 +308,77 @@ def _out_of_order(
             at = next(i for i in range(1, len(ids)) if ids[i] < ids[i - 1])
             bad.append(f"{topic}/{key!r}: {ids[at - 1]} arrived before {ids[at]}")
     return bad
+
+
+def _out_of_commit_order(
+    written: Sequence[Written], good: dict[str, Written], records: Sequence[TimedRecord]
+) -> list[str]:
+    """wal: keys whose first copies, in log order, contradict a commit order the ledger proves (the module's
+    docstring): a message arrived before one whose transaction's COMMIT returned before the first's COMMIT was sent,
+    or before one written earlier in its own transaction."""
+    position: dict[str, int] = {}
+    counted: Counter[tuple[str, int]] = Counter()
+    for w in written:
+        if w.message_id is not None:
+            position[w.message_id] = counted[(w.writer, w.tx)]
+            counted[(w.writer, w.tx)] += 1
+    seen: set[str] = set()
+    per_key: dict[tuple[str, str], list[Written]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)):
+        m = r.headers["message_id"].decode()
+        row = good.get(m)
+        if m not in seen and row is not None and row.key is not None and row.sent_at is not None:
+            per_key[(row.topic, row.key)].append(row)
+        seen.add(m)
+    bad = []
+    for (topic, key), arrived in sorted(per_key.items()):
+        latest: Written | None = None  # of the copies before, the one whose COMMIT was sent last
+        last_of: dict[tuple[str, int], Written] = {}  # of the copies before, the last of each transaction
+        for w in arrived:
+            assert w.sent_at is not None and w.returned_at is not None and w.message_id is not None
+            before = last_of.get((w.writer, w.tx))
+            if before is not None and position[before.message_id or ""] > position[w.message_id]:
+                bad.append(f"{topic}/{key!r}: {before.message_id} ({w.writer}, written after it) before {w.message_id}")
+                break
+            if latest is not None and latest.sent_at is not None and w.returned_at < latest.sent_at:
+                bad.append(
+                    f"{topic}/{key!r}: {latest.message_id} ({latest.writer}, committed after it) before "
+                    f"{w.message_id} ({w.writer})"
+                )
+                break
+            last_of[(w.writer, w.tx)] = w
+            if latest is None or latest.sent_at is None or w.sent_at >= latest.sent_at:
+                latest = w
+    return bad
+
+
+_RELEASED = re.compile(r"released: (\d+) held messages published")
+_FORGOTTEN = re.compile(r"slot confirmed (\d+) -> (\d+)")
+
+
+def _forgotten(spans: Iterable[Span], records: Sequence[TimedRecord], straddling: int) -> int:
+    """wal: what the slot's saved position was behind its confirmed one after each PostgreSQL restart (the module's
+    docstring), in messages: those whose position lies between, and ``straddling`` for transactions across it."""
+    positions = sorted({int(r.headers["outbox_id"]) for r in records if "outbox_id" in r.headers})
+    total = 0
+    for s in spans:
+        if s.action == "pg-restart" and (found := _FORGOTTEN.search(s.note)):
+            confirmed, saved = int(found[1]), int(found[2])
+            if saved < confirmed:
+                total += bisect.bisect_left(positions, confirmed) - bisect.bisect_left(positions, saved) + straddling
+    return total
+
+
+def _wal_faults(spans: Iterable[Span]) -> int:
+    """wal: the faults after which the streaming relay may publish again what it had not confirmed, one each (only it
+    publishes: a fault of a waiting relay costs nothing, and is counted all the same); a frozen broker, one per
+    message timeout it was frozen, and one: each batch handed to it meanwhile may be appended when it thaws."""
+    timeout_s = MESSAGE_TIMEOUT_MS / 1000
+    return sum(
+        1 + (int((s.end - s.start) // timeout_s) if s.action == "broker-freeze" else 0)
+        for s in spans
+        if s.action in (*REPUBLISHING, "drain")
+    )
 
 
 def _across(switches: Sequence[Switch], spans: Sequence[Span], records: Sequence[TimedRecord]) -> int:

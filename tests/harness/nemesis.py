@@ -3,6 +3,10 @@
 the operator), each running its events in order at their times. Every event becomes a Span in the run's timeline:
 from its start to its end (a freeze to its thaw, a kill to the replacement's start), which the checker reads to know
 when a worker was not serving and when the whole system was down.
+
+For ``wal`` the same faults apply (one relay streams the slot, the others wait to take over), ending the relays'
+own sessions is told apart (``terminate_backends``), and one more applies to it alone: a transaction left open on
+the database while everything else commits (``long_transaction``), which holds nothing back there.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from typing import Literal
 
 import psycopg
 
+from outbox_pipeline.store.wal.objects import names_of
+
 from .cluster import admin, wait_for_server
 from .context import Context, Span
-from .schedule import Event, Registered, Registry, Schedule, Setup
+from .schedule import ALL, WAL, WAL_ONLY, Event, Registered, Registry, Schedule, Setup
+from .writers import LongTransaction
 
 FAULTS = Registry()
 
@@ -28,7 +35,7 @@ def _freeze_s(rng: random.Random, setup: Setup) -> float:
     return rng.uniform(0.1, 1.0) if rng.random() < 0.5 else rng.uniform(0.5 * setup.lease_s, 2.5 * setup.lease_s)
 
 
-@FAULTS.action("worker", 2, duration=_freeze_s)
+@FAULTS.action("worker", 2, strategies=ALL, duration=_freeze_s)
 def freeze(ctx: Context, event: Event) -> str:
     """SIGSTOP a worker, SIGCONT it after the duration: its session stays alive, its leases run out."""
     assert event.slot is not None
@@ -41,7 +48,7 @@ def freeze(ctx: Context, event: Event) -> str:
     return worker.name
 
 
-@FAULTS.action("worker", 1.5)
+@FAULTS.action("worker", 1.5, strategies=ALL)
 def kill(ctx: Context, event: Event) -> str:
     """SIGKILL a worker and start its replacement under a NEW worker id (a Deployment's pod)."""
     assert event.slot is not None
@@ -50,7 +57,7 @@ def kill(ctx: Context, event: Event) -> str:
         return f"{old} -> {ctx.pool.replace(event.slot).name}"
 
 
-@FAULTS.action("worker", 1.5, duration=lambda rng, setup: rng.uniform(0.5, 2.5 * setup.lease_s))
+@FAULTS.action("worker", 1.5, strategies=ALL, duration=lambda rng, setup: rng.uniform(0.5, 2.5 * setup.lease_s))
 def kafka_cut(ctx: Context, event: Event) -> str:
     """Cut one worker off from the broker only (PostgreSQL stays reachable): its connections break, new ones drop."""
     assert event.slot is not None
@@ -63,9 +70,11 @@ def kafka_cut(ctx: Context, event: Event) -> str:
     return f"{worker.name}: {cut} connections cut"
 
 
-@FAULTS.action("server", 2)
+@FAULTS.action("server", 2, strategies=ALL)
 def terminate_backends(ctx: Context, event: Event) -> str:
     """pg_terminate_backend of the relays' sessions: of one worker (odd choice) or of every relay process."""
+    if ctx.relaying.strategy == WAL:
+        return _terminate_wal(ctx, event)
     worker = ctx.pool.slots[event.choice % len(ctx.pool.slots)].spec["worker_id"]
     pattern = f"outbox {worker}" if event.choice % 2 else "outbox %"
     with admin(ctx.outbox) as conn:
@@ -79,20 +88,55 @@ def terminate_backends(ctx: Context, event: Event) -> str:
     return f"{ended[0]} sessions of {ended[1]} relays ({pattern!r})"
 
 
-@FAULTS.action("server", 1, duration=lambda rng, setup: rng.uniform(0.0, 2.0))
+# The wal relay's sessions: its ordinary one (the leader's lock; application_name set by relay/wal/leader.py) and the
+# walsender of its stream (a replication connection: no application name, but the only walsenders on this database).
+_WAL_SESSIONS = """
+    SELECT count(*), count(*) FILTER (WHERE walsender) FROM (
+        SELECT pg_terminate_backend(pid), backend_type = 'walsender' AS walsender FROM pg_stat_activity
+        WHERE datname = current_database() AND pid <> pg_backend_pid()
+          AND (backend_type = 'walsender' OR (application_name = 'outbox-relay-wal' AND %(every)s))) t
+"""
+
+
+def _terminate_wal(ctx: Context, event: Event) -> str:
+    """wal: the walsender alone (odd choice: the stream breaks under the streamer, its lock stays) or every relay's
+    sessions (the streamer's lock and stream, the waiting relays' sessions). Only the streamer publishes: one relay
+    hit either way."""
+    with admin(ctx.outbox) as conn:
+        ended = conn.execute(_WAL_SESSIONS, {"every": event.choice % 2 == 0}).fetchone()
+    assert ended is not None
+    what = "every wal relay session" if event.choice % 2 == 0 else "the walsender"
+    return f"{ended[0]} sessions ({ended[1]} walsenders) of 1 relays ({what})"
+
+
+@FAULTS.action("server", 1, strategies=ALL, duration=lambda rng, setup: rng.uniform(0.0, 2.0))
 def pg_restart(ctx: Context, event: Event) -> str:
     """Stop PostgreSQL (fast, or immediate: a crash), keep it down for the duration, start it again."""
     mode: Literal["fast", "immediate"] = "immediate" if event.choice % 2 else "fast"
+    before = _slot_confirmed(ctx) if ctx.relaying.strategy == WAL else None
     ctx.servers.pg.stop(mode, force=True)
     try:
         time.sleep(event.duration_s)  # not cut short by the end of the nemesis: the server must come back
     finally:
         ctx.servers.pg.start()
         wait_for_server(ctx.outbox)
-    return mode
+    if before is None:
+        return mode
+    return f"{mode}; slot confirmed {before} -> {_slot_confirmed(ctx)}"
 
 
-@FAULTS.action("server", 1, duration=lambda rng, setup: rng.uniform(0.5, 4.0))
+def _slot_confirmed(ctx: Context) -> int:
+    """wal: the slot's confirmed position as PostgreSQL holds it (in memory; after a restart, as it last saved it: a
+    relay that takes the stream over before the streamer confirmed again starts there, ledger.py)."""
+    with admin(ctx.outbox) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots WHERE slot_name = %s",
+            (names_of(ctx.outbox.table).slot,),
+        ).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+@FAULTS.action("server", 1, strategies=ALL, duration=lambda rng, setup: rng.uniform(0.5, 4.0))
 def broker_freeze(ctx: Context, event: Event) -> str:
     """SIGSTOP the broker: every connection stays open and nothing is answered."""
     ctx.servers.broker.freeze()
@@ -101,6 +145,20 @@ def broker_freeze(ctx: Context, event: Event) -> str:
     finally:
         ctx.servers.broker.thaw()
     return ""
+
+
+@FAULTS.action("server", 1.5, strategies=WAL_ONLY, duration=lambda rng, setup: rng.uniform(1.0, 2 * setup.lease_s))
+def long_transaction(ctx: Context, event: Event) -> str:
+    """A transaction that emits a message under every key of the writers, then stays open for the duration while
+    everything else commits (wal: it holds nothing back; its messages go when it commits, after what committed
+    meanwhile), then commits; one in four rolls back (nothing of it may arrive)."""
+    txn = LongTransaction(ctx.outbox, ctx.setup, event.choice)
+    ctx.record(txn.written)
+    note = txn.begin()
+    if not txn.failed:
+        ctx.stop.wait(event.duration_s)
+        note = txn.end(commit=event.choice % 4 != 0)
+    return note
 
 
 class Nemesis:

@@ -6,6 +6,8 @@ rows again on purpose (a rewind, a replay) says how many (``ctx.replay``): the c
 duplicates.
 
 Each uses the strategy that relays the outbox now (``ctx.relaying``): ``switch_strategy`` changes it (switching.py).
+On a wal outbox the dead letters, ``init-db``, maintenance, a drain beside the streaming relay, ``status`` and ``lag``
+apply; rewinds, replays, leases and switches of strategy do not (it has no positions, rows or leases).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from outbox_pipeline.store.migrations import DEFAULT_DAYS_AHEAD
 from . import switching
 from .cluster import admin, open_dead_letters
 from .context import Context
-from .schedule import POSITION_STRATEGIES, Event, Registry
+from .schedule import ALL, POSITION_STRATEGIES, Event, Registry
 
 OPERATIONS = Registry()
 DRAIN_MAX_S = 6.0
@@ -37,7 +39,7 @@ def _pick(options: Sequence[tuple[object, ...]], event: Event) -> tuple[object, 
     return options[event.choice % len(options)] if options else None
 
 
-@OPERATIONS.action("operator", 2)
+@OPERATIONS.action("operator", 2, strategies=ALL)
 def dead_letter_retry(ctx: Context, event: Event) -> str:
     picked = _pick(open_dead_letters(ctx.outbox), event)
     if picked is None:
@@ -45,7 +47,7 @@ def dead_letter_retry(ctx: Context, event: Event) -> str:
     return str(ctx.cli("dead-letters", "retry", "--id", str(picked[0])))
 
 
-@OPERATIONS.action("operator", 2)
+@OPERATIONS.action("operator", 2, strategies=ALL)
 def dead_letter_discard(ctx: Context, event: Event) -> str:
     picked = _pick(open_dead_letters(ctx.outbox), event)
     if picked is None:
@@ -114,7 +116,7 @@ def release_lease(ctx: Context, event: Event) -> str:
     return str(ctx.cli("release-lease", str(picked[0]), str(picked[1])))
 
 
-@OPERATIONS.action("operator", 1)
+@OPERATIONS.action("operator", 1, strategies=ALL)
 def maintenance(ctx: Context, event: Event) -> str:
     """What the partition maintenance job does first: create the days ahead, move DEFAULT's rows into their days."""
     try:
@@ -128,13 +130,13 @@ def maintenance(ctx: Context, event: Event) -> str:
     return f"created {len(created)}, moved {moved}, failed {list(rescue.failed.values())}"
 
 
-@OPERATIONS.action("operator", 1)
+@OPERATIONS.action("operator", 1, strategies=ALL)
 def init_db(ctx: Context, event: Event) -> str:
     """`outbox init-db` again, as a deploy does: migrations are done, the days ahead are made (DEFAULT's rows too)."""
     return str(ctx.cli("init-db"))
 
 
-@OPERATIONS.action("operator", 1, duration=lambda rng, setup: DRAIN_MAX_S)
+@OPERATIONS.action("operator", 1, strategies=ALL, duration=lambda rng, setup: DRAIN_MAX_S)
 def drain(ctx: Context, event: Event) -> str:
     """`outbox relay --until-empty` beside the running workers, same strategy, bounded by --max-seconds."""
     relaying = ctx.relaying
@@ -145,7 +147,7 @@ def drain(ctx: Context, event: Event) -> str:
     return str(ctx.cli(*argv, timeout_s=DRAIN_MAX_S + 60))
 
 
-@OPERATIONS.action("operator", 1)
+@OPERATIONS.action("operator", 1, strategies=ALL)
 def status(ctx: Context, event: Event) -> str:
     """`outbox status` and `outbox lag` from a second shell: read only, and their output is scanned like the rest."""
     strategy = ctx.relaying.strategy

@@ -2,6 +2,9 @@
 instrumented), started through worker_main.py so their INFO log is kept; a slot's process is replaced under a new
 worker id, as a Deployment replaces a pod. Their producer and relay settings fail fast enough for a short run.
 
+For ``wal`` the slots are wal relays: the first to take the slot's lock streams, the others wait to take over (a
+killed streamer's at once, a frozen one's once it has not answered its walsender for ``lease_s``).
+
 The pool knows what relays the outbox now (``relaying``): a switch of strategy stops every slot and starts them
 again with the new one (``stop`` then ``start``), holding ``lock`` so that no kill replaces a slot meanwhile."""
 
@@ -18,7 +21,7 @@ from typing import Any
 from tests.kit.workers import ROOT, WorkerProcess
 
 from .cluster import MAX_MESSAGE_BYTES, Outbox
-from .schedule import Relaying, Setup
+from .schedule import WAL, Relaying, Setup
 
 MAX_ATTEMPTS = 3
 MESSAGE_TIMEOUT_MS = 2000  # under lease_s: a healthy worker's publish ends before its lease does
@@ -35,6 +38,9 @@ RELAY_SETTINGS: dict[str, object] = {
     "error_backoff_max_s": 1.0,
     "max_poll_interval_s": 1.0,
 }
+# The wal relay's own settings (WalRelaySettings), the same back-off; its batch is the run's batch size, so that what
+# a fault leaves in flight is a batch of the run's, as for the table strategies.
+WAL_SETTINGS: dict[str, object] = {"error_backoff_s": 0.2, "max_backoff_s": 1.0}
 
 
 class HarnessWorker(WorkerProcess):
@@ -102,6 +108,10 @@ class WorkerPool:
             "producer": PRODUCER,
             "settings": RELAY_SETTINGS,
         }
+        if self.relaying.strategy == WAL:
+            # A streamer silent for lease_s is taken over: the harness's lease_s is what wal calls its takeover time.
+            spec["settings"] = {**RELAY_SETTINGS, "wal_takeover_s": self.setup.lease_s}
+            spec["wal"] = {**WAL_SETTINGS, "batch_max": self.setup.batch_size}
         return HarnessWorker(spec, self.directory, name).start()
 
     def start(self, relaying: Relaying | None = None) -> None:

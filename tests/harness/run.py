@@ -2,7 +2,8 @@
 the nemesis playing the schedule; then the nemesis stops (everything thawed, rejoined, running), the writers stop,
 the relays finish, the holds are checked, the operator retries or discards what is left in the dead letters (a good
 row retried, a bad one discarded), the relays finish again, and the checker reads Kafka and the database. Whatever
-relays the outbox at the end (a switch of strategy may have changed it: ``ctx.relaying``) finishes the run.
+relays the outbox at the end (a switch of strategy may have changed it: ``ctx.relaying``) finishes the run. A wal
+outbox keeps no rows: its relays have finished when the slot is confirmed past the WAL written until then.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from psycopg import sql
 from tests.faults.helpers import consume
 from tests.kit.probes import pending, wait_until
 
-from .cluster import Outbox, Servers, admin, row_order
+from .cluster import Outbox, Servers, admin, drop_outbox, row_order, wal_backlog
 from .context import Context
 from .ledger import DeadRow, Evidence, Verdict, check
 from .nemesis import FAULTS, Nemesis
 from .operators import OPERATIONS
 from .relays import WorkerPool
-from .schedule import Registered, Schedule, make_schedule
+from .schedule import WAL, Registered, Schedule, make_schedule
 from .silences import clock
 from .writers import Writer, start_writers
 
@@ -69,8 +70,9 @@ def run(servers: Servers, schedule: Schedule, directory: Path) -> Result:
         writers = _play(ctx, schedule, problems)
     finally:
         pool.kill_all()  # whatever is left after an error: no worker outlives its run
+        drop_outbox(outbox)
 
-    written = [w for writer in writers for w in writer.written]
+    written = [w for writer in writers for w in writer.written] + ctx.written
     expected = [w.message_id for w in written if w.outcome == "committed" and w.good and w.message_id]
     records = consume(outbox.bootstrap, outbox.topics, expected, idle_s=10.0, deadline_s=120.0 + len(expected) / 2000)
     outputs = {f"worker {w.name}": w.log(10**9) for w in pool.all()}
@@ -152,16 +154,12 @@ def _revive(pool: WorkerPool) -> list[str]:
 
 def _settle(outbox: Outbox, strategy: str, when: str) -> list[str]:
     """Wait for nothing to be pending (held rows wait for the operator and are not pending)."""
+    left = wal_backlog(outbox) if strategy == WAL else lambda: pending(outbox.admin_dsn, outbox.table, strategy)
+    what = "bytes of WAL not confirmed, and released holds" if strategy == WAL else "rows still pending"
     try:
-        wait_until(
-            f"the relays to finish {when}",
-            lambda: pending(outbox.admin_dsn, outbox.table, strategy) == 0,
-            SETTLE_S,
-            0.5,
-        )
+        wait_until(f"the relays to finish {when}", lambda: left() == 0, SETTLE_S, 0.5)
     except AssertionError:
-        left = pending(outbox.admin_dsn, outbox.table, strategy)
-        return [f"stuck {when}: {left} rows still pending after {SETTLE_S:.0f}s (see commands.txt, status)"]
+        return [f"stuck {when}: {left()} {what} after {SETTLE_S:.0f}s (see commands.txt, status)"]
     return []
 
 

@@ -9,6 +9,10 @@ operator command at a time (a drain lasts its ``--max-seconds``, a switch of str
 
 A ``switch-strategy`` event names the strategy (and ack mode) it switches to, drawn here from ``switch_targets``;
 the events after it are drawn for that strategy (a rewind only while a position strategy relays).
+
+``wal`` (issue 42) is a strategy of its own: no rows, one streamer per replication slot. An action applies to it only
+when it says so (``strategies=ALL`` or ``WAL_ONLY``): the table strategies' catalogue, and so their seeds'
+schedules, are the same with or without it. It switches to nothing (``outbox switch-strategy`` does not know it).
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-STRATEGIES = ("locking", "advisory", "lease", "partitioned", "serialized")
+TABLE_STRATEGIES = ("locking", "advisory", "lease", "partitioned", "serialized")
+WAL = "wal"
+STRATEGIES = (*TABLE_STRATEGIES, WAL)
+ALL = frozenset(STRATEGIES)  # an action that applies to every strategy, wal too
+WAL_ONLY = frozenset({WAL})
 POSITION_STRATEGIES = frozenset({"partitioned", "serialized"})
 ROW_STRATEGIES = frozenset({"locking", "advisory", "lease"})
 Lane = Literal["server", "worker", "operator"]
@@ -37,7 +45,7 @@ class Setup:
     seconds: float
     workers: int
     lease_s: float
-    batch_size: int
+    batch_size: int  # the relays' batch (wal: the streamer's batch_max)
     encoding: Literal["UTF8", "LATIN1"]
     mode: Literal["delete", "mark-sent"]  # row strategies: what an ack does (mark-sent allows `outbox replay`)
     bad_rate: float  # share of writer transactions that carry one bad row
@@ -70,8 +78,12 @@ def switch_targets(setup: Setup, strategy: str) -> tuple[str, ...]:
     """The strategies a run may switch to from ``strategy``: those its writers suit. They cannot change mid-run and
     enqueue with ``serialized=True`` only in a run that began ``serialized`` (docs/operations.md, step 1), so a run
     that began with another strategy moves among partitioned, locking, advisory and lease, and one that began
-    serialized among all five (its writers' rows keep serialized's promise whatever relays them)."""
-    reachable = STRATEGIES if setup.strategy == "serialized" else tuple(s for s in STRATEGIES if s != "serialized")
+    serialized among all five (its writers' rows keep serialized's promise whatever relays them). A wal outbox
+    switches to nothing, and nothing switches to wal."""
+    if strategy == WAL:
+        return ()
+    table = TABLE_STRATEGIES
+    reachable = table if setup.strategy == "serialized" else tuple(s for s in table if s != "serialized")
     return tuple(s for s in reachable if s != strategy)
 
 
@@ -120,7 +132,7 @@ class ActionSpec:
     name: str
     lane: Lane
     weight: float
-    strategies: frozenset[str] = frozenset(STRATEGIES)
+    strategies: frozenset[str] = frozenset(TABLE_STRATEGIES)
     duration: Callable[[random.Random, Setup], float] | None = None
     row_mode: str | None = None  # only with this ack mode (row strategies), e.g. mark-sent for `outbox replay`
 
@@ -142,7 +154,7 @@ class Registry:
         lane: Lane,
         weight: float,
         *,
-        strategies: frozenset[str] = frozenset(STRATEGIES),
+        strategies: frozenset[str] = frozenset(TABLE_STRATEGIES),
         duration: Callable[[random.Random, Setup], float] | None = None,
         row_mode: str | None = None,
     ) -> Callable[[Callable[[Any, Event], str]], Callable[[Any, Event], str]]:

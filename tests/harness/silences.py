@@ -3,7 +3,12 @@ serve it", made robust to backlogs. A silence is how long a keyed row's partitio
 anything) between the row's commit, or the partition's previous publish if later, and the row's first copy (Kafka's
 CreateTime), less the outages in between: a server fault, every worker slot frozen, killed or cut off from Kafka at
 once, or every relay stopped for a switch of strategy, each followed by RECOVERY_S. A partition drained slowly, or
-publishing again after a rewind, is not silent; one whose worker hangs while another could take it is."""
+publishing again after a rewind, is not silent; one whose worker hangs while another could take it is.
+
+wal: one relay streams the slot and the others wait; a waiting relay takes over a killed streamer at once and a frozen
+one after ``lease_s`` (the harness's takeover time), so the same bound holds. A streamer cut off from Kafka keeps the
+slot (it still answers its walsender) and nothing is published until it reaches Kafka again (docs/wal.md, Kafka
+down): for wal a cut of any worker is an outage."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 from tests.faults.helpers import TimedRecord
 
 from .context import Span
-from .schedule import Setup
+from .schedule import WAL, Setup
 from .writers import Written
 
 STEAL_S = 3.0  # after a lease runs out: 0.5 s before another worker takes a partition, upkeep 1 s, a claim, slack
@@ -26,10 +31,11 @@ SERVER_FAULTS = ("pg-restart", "broker-freeze", "terminate-backends")
 STOPPED = ("switch-strategy",)  # the operator stops every relay (and starts them again with another strategy)
 
 
-def _outages(spans: Sequence[Span], workers: int) -> list[tuple[float, float]]:
+def _outages(spans: Sequence[Span], workers: int, strategy: str) -> list[tuple[float, float]]:
     """When no relay could serve (wall clock), each followed by RECOVERY_S: a server fault, every slot's worker
-    frozen, killed or cut off at once, or a switch of strategy."""
-    windows = [(s.start, s.end + RECOVERY_S) for s in spans if s.action in SERVER_FAULTS + STOPPED]
+    frozen, killed or cut off at once, or a switch of strategy; for wal, any worker cut off from Kafka."""
+    stopping = SERVER_FAULTS + STOPPED + (("kafka-cut",) if strategy == WAL else ())
+    windows = [(s.start, s.end + RECOVERY_S) for s in spans if s.action in stopping]
     edges = sorted((t, d) for s in spans if s.action in WORKER_FAULTS for t, d in ((s.start, 1), (s.end, -1)))
     down, since = 0, 0.0
     for t, d in edges:
@@ -56,7 +62,7 @@ def silences(
     publish, if later) and the row's first copy, less the outages in between. A partition that is being drained,
     however long its backlog, is not silent; one whose worker hangs is. Keyed rows only (a keyless row's virtual
     partition is drawn at random); every virtual partition is the Kafka partition of the same number."""
-    outages = _merged(_outages(spans, setup.workers))
+    outages = _merged(_outages(spans, setup.workers, setup.strategy))
     held_since: dict[tuple[str, str], float] = {}
     for w in written:
         if not w.good and w.outcome in ("committed", "in-doubt") and w.key is not None:

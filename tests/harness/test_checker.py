@@ -169,3 +169,49 @@ def test_copies_a_switch_publishes_again_are_duplicates_within_what_it_republish
 
     assert within.ok and within.figures["switch_dupes"] == "2/2", within.findings
     assert [f.split(":")[0] for f in over.findings] == ["duplicates"] and "2 published again" in over.findings[0]
+
+
+def _committed(message_id: str, writer: str, tx: int, sent: float, returned: float, key: str = "k1") -> Written:
+    """A wal writer's row: its transaction's COMMIT sent and returned at these (monotonic) times."""
+    written = _row(message_id, returned, key)
+    written.writer, written.tx, written.sent_at, written.returned_at = writer, tx, sent, returned
+    return written
+
+
+def test_wal_a_key_arriving_against_a_commit_order_the_writers_prove_is_out_of_order() -> None:
+    """b's COMMIT returned before a's was sent: b committed first, whatever a wrote first (a long transaction)."""
+    written = [_committed("a", "long-transaction", 1, sent=5.0, returned=5.1), _committed("b", "sql", 1, 1.0, 1.1)]
+
+    verdict = check(_evidence(written, [_copy("a", 6.0, 0), _copy("b", 6.1, 1)], strategy="wal"))
+
+    assert len(verdict.findings) == 1 and verdict.findings[0].startswith("out of order"), verdict.findings
+
+
+def test_wal_commits_that_overlapped_in_time_may_arrive_in_either_order() -> None:
+    written = [_committed("a", "enqueue", 1, sent=1.0, returned=1.3), _committed("b", "sql", 1, 1.1, 1.2)]
+
+    verdict = check(_evidence(written, [_copy("a", 2.0, 0), _copy("b", 2.1, 1)], strategy="wal"))
+
+    assert verdict.ok, verdict.findings
+
+
+def test_wal_messages_of_one_transaction_arrive_in_the_order_they_were_written() -> None:
+    written = [_committed("a", "enqueue_many", 1, 1.0, 1.1), _committed("b", "enqueue_many", 1, 1.0, 1.1)]
+
+    verdict = check(_evidence(written, [_copy("b", 2.0, 0), _copy("a", 2.1, 1)], strategy="wal"))
+
+    assert len(verdict.findings) == 1 and "written after it" in verdict.findings[0], verdict.findings
+
+
+def test_wal_duplicates_are_bounded_by_what_a_fault_leaves_unconfirmed() -> None:
+    """One fault: two batches (50 each here) and the largest transaction less one; one copy more is over."""
+    written = [_committed(str(n), "enqueue", n, n, n + 0.1) for n in range(101)]
+    once = [_copy(str(n), n + 0.2, n) for n in range(101)]
+    again = [_copy(str(n), 101 + n / 1000, 101 + n) for n in range(100)]
+    kill = [Span("kill", 0, 100.5, 100.9)]
+
+    within = check(_evidence(written, once + again, spans=kill, strategy="wal"))
+    over = check(_evidence(written, once + again + [_copy("100", 102.0, 201)], spans=kill, strategy="wal"))
+
+    assert within.ok and within.figures["dupe_bound"] == 100, within.findings
+    assert [f.split(":")[0] for f in over.findings] == ["duplicates"], over.findings

@@ -11,7 +11,13 @@ Now and then a transaction carries one bad row instead (alone, so a refusal roll
 - ``unencodable-key``: a key the database's encoding lacks (LATIN1): refused;
 - ``reserved-header``: a header named as one the relay sets (``outbox_id``): refused.
 Each writer records every row it meant to write and what came of it: committed (when, by the wall clock), refused
-(the error), failed (the connection went before the commit) or in doubt (it went during the commit).
+(the error), failed (the connection went before the commit) or in doubt (it went during the commit); and, for the
+order a wal outbox promises (ledger.py), which of its transactions the row was in and when that transaction's COMMIT
+was sent and returned.
+
+On a wal outbox (``OutboxTable(write_to="wal")``) the same forms emit logical decoding messages; the plain INSERT names
+its ``message_id`` (the trigger keeps no row, so RETURNING returns none). ``LongTransaction`` is the nemesis's
+transaction left open while the writers commit around it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import base64
 import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +41,7 @@ from .cluster import MAX_MESSAGE_BYTES, Outbox
 from .schedule import Setup
 
 KINDS = ("enqueue", "enqueue_many", "sql", "insert")
+MAX_ROWS_PER_STATEMENT_TX = 3  # rows of a transaction of enqueue, SQL enqueue or INSERT (enqueue_many: 5 to 20)
 # What the checker expects of each bad row: refused at enqueue, or dead-lettered with an error matching this.
 BAD_ROWS: dict[str, str | None] = {
     "oversize": r"(?i)too large|MSG_SIZE_TOO_LARGE",
@@ -61,9 +69,12 @@ class Written:
     bad: str | None = None  # the kind of bad row, None for a good one
     future: bool = False  # created_at days ahead (plain INSERT)
     message_id: str | None = None
-    outcome: str = "unsent"  # committed | refused | failed | in-doubt
+    outcome: str = "unsent"  # committed | refused | failed | in-doubt | rolled-back
     committed_at: float | None = None  # wall clock, just after the commit returned
     error: str | None = None
+    tx: int = 0  # the writer's transaction it was in (one writer commits one at a time, in this order)
+    sent_at: float | None = None  # monotonic: just before its COMMIT was sent
+    returned_at: float | None = None  # monotonic: just after its COMMIT returned
 
     @property
     def good(self) -> bool:
@@ -81,7 +92,9 @@ class Writer(threading.Thread):
         self.rng = random.Random(seed * 1000 + index)  # the rows it means to write are seeded too
         self.serialized = setup.strategy == "serialized"
         self.utf8 = setup.encoding == "UTF8"
-        self.keys = [f"k{i}" for i in range(12)] + ["café", "naïve-ü"] + (["東京"] if self.utf8 else [])
+        self.keys = writer_keys(self.utf8)
+        self.wal = outbox.table.write_to == "wal"
+        self._tx = 0
 
     def run(self) -> None:
         conn: psycopg.Connection | None = None
@@ -114,10 +127,15 @@ class Writer(threading.Thread):
 
     def _next_transaction(self) -> list[Written]:
         rng = self.rng
+        self._tx += 1
         if rng.random() < self.setup.bad_rate:
-            return [self._bad(rng.choices(sorted(BAD_ROWS), [BAD_WEIGHTS.get(b, 1) for b in sorted(BAD_ROWS)])[0])]
-        count = rng.randint(5, 20) if self.kind == "enqueue_many" else rng.randint(1, 3)
-        return [self._good() for _ in range(count)]
+            batch = [self._bad(rng.choices(sorted(BAD_ROWS), [BAD_WEIGHTS.get(b, 1) for b in sorted(BAD_ROWS)])[0])]
+        else:
+            count = rng.randint(5, 20) if self.kind == "enqueue_many" else rng.randint(1, MAX_ROWS_PER_STATEMENT_TX)
+            batch = [self._good() for _ in range(count)]
+        for w in batch:
+            w.tx = self._tx
+        return batch
 
     def _good(self) -> Written:
         rng = self.rng
@@ -170,9 +188,10 @@ class Writer(threading.Thread):
                     raise _Refused() from None
                 for w in batch:
                     w.outcome = "in-doubt"  # until the commit returns
-            now = time.time()
+                sent = time.monotonic()
+            now, returned = time.time(), time.monotonic()
             for w in batch:
-                w.outcome, w.committed_at = "committed", now
+                w.outcome, w.committed_at, w.sent_at, w.returned_at = "committed", now, sent, returned
         except _Refused:  # rolled back (or the connection went meanwhile: nothing was written either way)
             pass
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -213,6 +232,16 @@ class Writer(threading.Thread):
                     conn.execute(
                         "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (SERIALIZED_LOCK_CLASS, table.schema)
                     )
+                if self.wal:  # the trigger emits and keeps no row: the INSERT returns none, the id is the writer's
+                    w.message_id = str(uuid.uuid4())
+                    conn.execute(
+                        sql.SQL(
+                            "INSERT INTO {} (message_id, topic, key, payload, payload_bytes, headers, created_at) "
+                            "VALUES (%s, %s, %s, %s, %s, %s, now() + %s * interval '1 day')"
+                        ).format(table.messages),
+                        (w.message_id, w.topic, w.key, json_payload, bytes_payload, headers, 30 if w.future else 0),
+                    )
+                    continue
                 query = sql.SQL(
                     "INSERT INTO {} (topic, key, payload, payload_bytes, headers, created_at) "
                     "VALUES (%s, %s, %s, %s, %s, now() + %s * interval '1 day') RETURNING message_id::text"
@@ -221,6 +250,71 @@ class Writer(threading.Thread):
             stored = conn.execute(query, params).fetchone()
             assert stored is not None
             w.message_id = stored[0]
+
+
+def writer_keys(utf8: bool) -> list[str]:
+    """The keys writers draw from (and the long transaction writes every one of)."""
+    return [f"k{i}" for i in range(12)] + ["café", "naïve-ü"] + (["東京"] if utf8 else [])
+
+
+class LongTransaction:
+    """The nemesis's transaction left open (wal): a message under every key of the writers on each good topic, written
+    at once (``begin``), committed or rolled back when the nemesis says (``end``). ``written`` is its ledger."""
+
+    def __init__(self, outbox: Outbox, setup: Setup, choice: int) -> None:
+        self.outbox = outbox
+        keys = writer_keys(setup.encoding == "UTF8")
+        self.written = [
+            Written("long-transaction", topic, key, {"long": choice, "key": key}, {}, tx=choice)
+            for topic in outbox.topics
+            for key in keys
+        ]
+        self.conn: psycopg.Connection | None = None
+        self.failed = False
+
+    def begin(self) -> str:
+        try:
+            self.conn = psycopg.connect(self.outbox.app_dsn, connect_timeout=5)
+            messages = [Message(w.topic, w.payload, w.key) for w in self.written]
+            for w, row in zip(self.written, enqueue_many(self.conn, messages, table=self.outbox.table), strict=True):
+                w.message_id, w.outcome = str(row.message_id), "open"
+        except psycopg.Error as exc:  # the server went: nothing was written
+            self._close()
+            self.failed = True
+            for w in self.written:
+                w.outcome, w.error = "failed", str(exc).strip()[:200]
+            return f"not begun: {type(exc).__name__}"
+        return f"{len(self.written)} messages written, left open"
+
+    def end(self, *, commit: bool) -> str:
+        assert self.conn is not None
+        try:
+            if not commit:
+                self.conn.rollback()
+                for w in self.written:
+                    w.outcome = "rolled-back"
+                return f"{len(self.written)} messages rolled back"
+            for w in self.written:
+                w.outcome = "in-doubt"
+            sent = time.monotonic()
+            self.conn.commit()
+            now, returned = time.time(), time.monotonic()
+            for w in self.written:
+                w.outcome, w.committed_at, w.sent_at, w.returned_at = "committed", now, sent, returned
+            return f"{len(self.written)} messages committed"
+        except psycopg.Error as exc:
+            for w in self.written:
+                if w.outcome == "open":
+                    w.outcome = "failed"
+                w.error = str(exc).strip()[:200]
+            return f"{'commit' if commit else 'rollback'} failed: {type(exc).__name__}"
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 class _Refused(Exception):

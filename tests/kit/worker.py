@@ -10,6 +10,9 @@ With ``stop_after_publish`` it freezes itself (SIGSTOP) once that many batches a
 before their ack: a worker hung past its lease, resumed by the test with SIGCONT. (The relay pipelines: by
 then it may have claimed its next batch, and it publishes that one before acking the confirmed one.)
 
+A ``wal`` worker is the wal strategy's relay (relay/wal/) with the same publisher; ``wal`` in the spec sets its own
+settings (WalRelaySettings: ``batch_max``, the back-off), which RelaySettings does not carry. It logs no claims.
+
 Steps: claim-begin, claim N [P] (N records, 0: nothing; P: the first record's partition), home P... (the
 partitions dealt to it, when that changes), produce N, delivered OK FAILED, ack-begin,
 acked ACKED LOST RETRIED DEAD (the AckResult), give-back, frozen, thawed, start, end.
@@ -28,10 +31,12 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from outbox_pipeline.config import OutboxTable
+from outbox_pipeline.relay.loop import Relay
 from outbox_pipeline.relay.publisher import KafkaPublisher, PendingBatch
 from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay
-from outbox_pipeline.strategies import strategy_class
+from outbox_pipeline.relay.wal.relay import WalRelay
+from outbox_pipeline.relay.workers import WorkerSpec, build_relay, build_wal_relay
+from outbox_pipeline.strategies import WAL, strategy_class
 from outbox_pipeline.strategies.base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
 
 
@@ -138,18 +143,21 @@ def main(spec: dict[str, Any]) -> None:
         StrategyConfig(table=OutboxTable(schema=spec["schema"]), **spec.get("config", {})),
         worker_id=spec["worker_id"],
     )
-    relay = build_relay(
-        worker,
-        stop,
-        publisher=InstrumentedPublisher(
-            worker.kafka_config,
-            events,
-            spec.get("stop_after_publish"),
-            spec.get("kill_after_publish"),
-            spec.get("fail_after_publish"),
-        ),
-        strategy_cls=instrumented(strategy_class(spec["strategy"]), events),
+    publisher = InstrumentedPublisher(
+        worker.kafka_config,
+        events,
+        spec.get("stop_after_publish"),
+        spec.get("kill_after_publish"),
+        spec.get("fail_after_publish"),
     )
+    relay: Relay | WalRelay
+    if spec["strategy"] == WAL:
+        relay = build_wal_relay(worker, stop, publisher=publisher)
+        relay.settings = dataclasses.replace(relay.settings, **spec.get("wal", {}))
+    else:
+        relay = build_relay(
+            worker, stop, publisher=publisher, strategy_cls=instrumented(strategy_class(spec["strategy"]), events)
+        )
     events("start")
     try:
         relay.run()

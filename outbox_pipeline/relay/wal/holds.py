@@ -7,7 +7,13 @@ is held: the key's later messages are written to ``outbox_held`` as the stream b
 confirmed past them (a relay that dies in between writes them again: the id is the message's LSN), and every
 other key keeps flowing. An operator's retry (the dead letter at the head of the held messages) or discard releases
 the hold; the streaming relay then publishes the held messages in their order, deletes them and the hold, and the
-key flows again. With ``skip`` the key goes on without the dead letter.
+key flows again, in commit order: a wal message keeps its transaction's commit position (the stream's Begin:
+``final_lsn``) where a row keeps its transaction id, and its id is its own position, so held messages are read in
+(transaction_id, id) order as ``partitioned`` reads its rows (a retried dead letter, committed before what was held
+behind it, goes first). A held message Kafka refuses then (the retried dead letter itself, still too large; or one of
+the key's later messages) becomes the hold's dead letter again, as for the table strategies
+(strategies/quarantine.py): what went before it is done, what comes after it stays held. With ``skip`` the key goes
+on without the dead letter.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ import psycopg
 from psycopg import sql
 
 from ...config import OutboxTable
-from ...strategies.base import RECORD_COLUMNS, DeliveryFailure, OutboxRecord, fetch_records
+from ...strategies.base import DEAD_LETTER_MOVED, RECORD_COLUMNS, DeliveryFailure, OutboxRecord, fetch_records
 from ...strategies.quarantine import OnPoison
 
 log = logging.getLogger(__name__)
 
 _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
-# A held message and a dead letter keep a message's columns; the stream gives the wal outbox no priority or xid8.
+# A held message and a dead letter keep a message's columns; the stream gives a wal message no priority, and its
+# transaction's commit position as its transaction_id.
 _VALUES = "%s, %s::uuid, %s, %s, %s, %s::jsonb, %s, %s::jsonb, %s, 0, %s::text::xid8, %s"
 
 
@@ -120,15 +127,52 @@ class WalHolds:
         ]
 
     def held(self, conn: psycopg.Connection, topic: str, key: str) -> list[OutboxRecord]:
-        """A released key's held messages, in stream order (their ids are LSNs; a retried dead letter keeps its own,
-        older than the messages held behind it)."""
+        """A released key's held messages, in stream order: by commit, then by position in the transaction (a message
+        written first may commit last)."""
         return fetch_records(
             conn,
             sql.SQL(
-                "SELECT {columns} FROM {held} m WHERE m.topic = %(topic)s AND m.key = %(key)s ORDER BY m.id"
+                "SELECT {columns} FROM {held} m WHERE m.topic = %(topic)s AND m.key = %(key)s "
+                "ORDER BY m.transaction_id, m.id"
             ).format(columns=sql.SQL(RECORD_COLUMNS), held=self.table.held),
             {"topic": topic, "key": key},
         )
+
+    def published(self, conn: psycopg.Connection, ids: Sequence[int]) -> None:
+        """Held messages Kafka has now: gone from ``outbox_held`` (the key stays held)."""
+        if ids:
+            conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(self.table.held), (list(ids),))
+
+    def dead_letter_held(self, conn: psycopg.Connection, failure: DeliveryFailure) -> None:
+        """A released key's held message Kafka refused: its dead letter again (a retried one is reopened), and the key
+        held behind it again, in one transaction."""
+        log.error(
+            "dead-lettering held message %s to %s: %s",
+            failure.record.message_id.decode(),
+            failure.record.topic,
+            failure.error,
+        )
+        with conn.transaction():
+            conn.execute(
+                sql.SQL(
+                    """
+                    WITH moved AS (
+                        DELETE FROM {held} x WHERE x.id = %(id)s RETURNING x.*, %(error)s::text AS error
+                    ), dead AS (
+                        {dead_letter}
+                        RETURNING id, topic, key
+                    )
+                    UPDATE {holds} h SET dead_letter_id = dead.id, held_since = now(), released_at = NULL,
+                                         release = NULL, released_by = NULL, available_after = now()
+                    FROM dead WHERE h.topic = dead.topic AND h.key = dead.key
+                    """
+                ).format(
+                    held=self.table.held,
+                    dead_letter=sql.SQL(DEAD_LETTER_MOVED).format(dead_letters=self.table.dead_letters),
+                    holds=self.table.holds,
+                ),
+                {"id": failure.record.id, "error": failure.error, "worker": self.worker_id},
+            )
 
     def end(self, conn: psycopg.Connection, topic: str, key: str, published: Sequence[int]) -> None:
         """The key flows again: its published held messages and its hold deleted."""

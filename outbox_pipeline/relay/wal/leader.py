@@ -6,10 +6,13 @@ take turns by failing. The streamer holds a session advisory lock on an ordinary
 - A relay that dies (kill -9, a crashed pod) closes its sockets: its lock goes with its session at once, and its
   walsender ends when it reads the closed socket. The next relay takes the lock, and terminates that walsender
   if it is still there (it holds the lock, so the walsender's relay is gone).
-- A relay that is frozen (SIGSTOP, a paused VM) keeps its sessions open and stops answering its walsender. The
-  waiting relay sees the slot's last reply (``pg_stat_replication.reply_time``) grow older than ``takeover_after_s``
-  and terminates both of the frozen relay's sessions. A streaming relay replies every few seconds, Kafka down or not
-  (wal/relay.py), so only a relay that cannot run at all looks frozen.
+- A relay that is frozen (SIGSTOP, a paused VM) keeps its sessions open and stops answering. The streamer says it
+  is alive every few seconds, Kafka down or not (wal/relay.py): a status update to its walsender and a statement on
+  its ordinary session (``heartbeat``). The waiting relay sees the later of the two (``pg_stat_replication.reply_time``,
+  ``pg_stat_activity.state_change`` of the lock's holder) grow older than ``takeover_after_s`` and terminates both of
+  the frozen relay's sessions. Both signals: PostgreSQL shows a walsender's reply time only to superusers and
+  ``pg_read_all_stats``, a session's activity to its own role too; a relay that can see neither (another role,
+  without either right) never takes over a frozen streamer, and says so once.
 
 Terminating another session needs the same role or ``pg_signal_backend`` (docs/operations.md, Your PostgreSQL).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,12 +54,14 @@ class SlotLeader:
         self._settings = settings
         self._slot = names_of(table).slot
         self._conn: psycopg.Connection | None = None
+        self._blind_logged = False
 
-    def acquire(self, waiting: Callable[[], None] | None = None) -> bool:
-        """Wait until this relay holds the lock (True) or ``stop`` is set (False); ``waiting`` is called at each try
-        (a waiting relay is healthy: its liveness probe must not restart it)."""
+    def acquire(self, deadline: float | None = None, waiting: Callable[[], None] | None = None) -> bool:
+        """Wait until this relay holds the lock (True), or ``stop`` is set or the monotonic ``deadline`` passes
+        (False); ``waiting`` is called at each try (a waiting relay is healthy: its liveness probe must not restart
+        it)."""
         logged = False
-        while not self._stop.is_set():
+        while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
             if waiting is not None:
                 waiting()
             conn = self._connection()
@@ -69,13 +75,21 @@ class SlotLeader:
                 log.info("another relay streams the slot %s; waiting to take over", self._slot)
                 logged = True
             self._end_frozen_leader(conn)
-            self._stop.wait(self._settings.poll_s)
+            wait = (
+                self._settings.poll_s if deadline is None else min(self._settings.poll_s, deadline - time.monotonic())
+            )
+            self._stop.wait(max(wait, 0.0))
         return False
 
     def release(self) -> None:
         if self._conn is not None:
             self._conn.close()  # the session's lock goes with it
             self._conn = None
+
+    def heartbeat(self) -> None:
+        """The streamer is alive: a statement on its ordinary session, which a waiting relay of the same role sees
+        (``pg_stat_activity.state_change``), whatever its monitoring rights."""
+        self.connection.execute("SELECT 1")
 
     @property
     def connection(self) -> psycopg.Connection:
@@ -84,7 +98,11 @@ class SlotLeader:
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = server.connect(self._dsn, autocommit=True, application_name="outbox-relay-wal")
+            # UTF-8 whatever the database's encoding, as the table strategies' sessions (strategies/base.py): the
+            # held messages it reads back go to Kafka as the bytes it loads (holds.py).
+            self._conn = server.connect(
+                self._dsn, autocommit=True, application_name="outbox-relay-wal", client_encoding="UTF8"
+            )
         return self._conn
 
     def _free_slot(self, conn: psycopg.Connection) -> None:
@@ -109,12 +127,13 @@ class SlotLeader:
     def _end_frozen_leader(self, conn: psycopg.Connection) -> None:
         row = conn.execute(
             """
-            SELECT s.active_pid, l.pid, extract(epoch FROM now() - coalesce(r.reply_time, r.backend_start))
+            SELECT s.active_pid, l.pid, extract(epoch FROM now() - greatest(r.reply_time, a.state_change))
             FROM pg_replication_slots s
             LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
             LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.classid = %(class)s
                  AND l.objid = hashtext(%(schema)s)::oid AND l.objsubid = 2
                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            LEFT JOIN pg_stat_activity a ON a.pid = l.pid
             WHERE s.slot_name = %(slot)s
             """,
             {"class": WAL_LEADER_LOCK_CLASS, "schema": self._table.schema, "slot": self._slot},
@@ -122,6 +141,13 @@ class SlotLeader:
         if row is None:
             return
         walsender, holder, silent_s = row
+        if walsender is not None and holder is not None and silent_s is None and not self._blind_logged:
+            self._blind_logged = True
+            log.warning(
+                "cannot tell whether the relay streaming the slot %s is alive: its session belongs to another role "
+                "and this one has neither that role nor pg_read_all_stats; a frozen streamer is not taken over",
+                self._slot,
+            )
         if walsender is None or silent_s is None or float(silent_s) < self._settings.takeover_after_s:
             return
         log.warning(

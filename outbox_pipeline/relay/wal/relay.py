@@ -34,15 +34,14 @@ from ...strategies.quarantine import OnPoison
 from ..publisher import KafkaPublisher, PendingBatch
 from ..relay_settings import Pacer
 from ..stats import RelayInstruments, RelayStats
+from .batches import Batch, Confirms
 from .holds import WalHolds
 from .leader import LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
-from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream
+from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume
 
 log = logging.getLogger(__name__)
 
-# The least time between two positions confirmed to the slot while messages flow (_Confirms).
-CONFIRM_INTERVAL_S = 0.05
 # How often a relay with held keys looks for keys an operator released.
 RELEASE_CHECK_INTERVAL_S = 1.0
 
@@ -57,66 +56,6 @@ class WalRelaySettings:
     error_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     leader: LeaderSettings = LeaderSettings()
-
-
-@dataclass
-class _Batch:
-    """What arrived and is not confirmed: records in stream order, and the commits between them."""
-
-    records: list[OutboxRecord]
-    commits: list[tuple[int, int]]  # (records before this commit's end, the commit's end LSN)
-
-    def confirmable(self, settled: int) -> int | None:
-        """The end LSN of the last commit whose records (the first ``settled``) are all settled."""
-        lsn = None
-        for count, end in self.commits:
-            if count > settled:
-                break
-            lsn = end
-        return lsn
-
-    def withhold(self, held: Callable[[OutboxRecord], bool]) -> list[OutboxRecord]:
-        """Take the records ``held`` says are held out of the batch (commits keep their places); returns them."""
-        kept: list[OutboxRecord] = []
-        taken: list[OutboxRecord] = []
-        before = [0]  # kept records among the first i
-        for record in self.records:
-            (taken if held(record) else kept).append(record)
-            before.append(len(kept))
-        if taken:
-            self.records = kept
-            self.commits = [(before[count], end) for count, end in self.commits]
-        return taken
-
-    def drop(self, settled: int) -> None:
-        """Forget the first ``settled`` records and the commits they complete."""
-        self.records = self.records[settled:]
-        self.commits = [(count - settled, end) for count, end in self.commits if count > settled]
-
-
-class _Confirms:
-    """Positions confirmed to the slot at most every CONFIRM_INTERVAL_S under steady traffic (each is a message the
-    walsender handles; 200 batches a second need not be 200 of them); the last one always goes before the relay waits,
-    backs off or stops. A crash between two loses nothing: what comes again is at most that interval's messages."""
-
-    def __init__(self, stream: ReplicationStream) -> None:
-        self._stream = stream
-        self._pending: int | None = None
-        self._sent = 0
-        self._due = 0.0
-
-    def confirm(self, lsn: int) -> None:
-        if lsn <= self._sent:
-            return
-        self._pending = lsn if self._pending is None else max(self._pending, lsn)
-        if time.monotonic() >= self._due:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._pending is not None:
-            self._stream.confirm(self._pending)
-            self._sent, self._pending = self._pending, None
-            self._due = time.monotonic() + CONFIRM_INTERVAL_S
 
 
 class WalRelay:
@@ -151,6 +90,8 @@ class WalRelay:
         self.instruments = instruments  # /metrics and /healthz (observe/metrics.py), as for the table relay
         self.registered = threading.Event()  # set while this relay streams the slot (a run's tag, a test's wait)
         self._releases_due = 0.0
+        self._heartbeat_due = 0.0
+        self._resume: Resume | None = None  # where this relay's last stream ended (stream.py)
 
     def run(self) -> RelayStats:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
@@ -160,7 +101,12 @@ class WalRelay:
         try:
             while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 try:
-                    if not leader.acquire(self._alive):
+                    if not leader.acquire(deadline, self._alive):
+                        if not self.stop.is_set():  # max_seconds passed first: say why nothing was published
+                            self.stats.remaining = [
+                                f"another relay streams the slot {self._names.slot}: this one waited for it until "
+                                "its --max-seconds"
+                            ]
                         break
                     require_streamable(leader.connection, self.table)
                     if self._stream(leader, deadline):
@@ -187,98 +133,109 @@ class WalRelay:
             self.registered.clear()
 
     def _stream_slot(self, leader: SlotLeader, deadline: float | None) -> bool:
-        """Stream until stopped (True: the run is over) or the stream breaks (an OperationalError).
-
-        One batch at a time is in Kafka, and the stream is read while it is: a backlog's next batch is decoded while
-        the producer sends the last one; steady traffic goes out as soon as a read finds nothing more waiting."""
-        batch = _Batch([], [])
-        in_flight: PendingBatch | None = None
-        xid = "0"
-        failures = 0
+        """Stream until stopped (True: the run is over) or the stream breaks (an OperationalError)."""
         row = leader.connection.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
         idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
+        self.holds.load(leader.connection)
+        with ReplicationStream.open(
+            self.dsn,
+            self._names.slot,
+            self._names.publication,
+            status_interval_s=self._alive_every_s,
+            resume=self._resume,
+        ) as stream:
+            log.info("streaming the slot %s", self._names.slot)
+            self.registered.set()
+            try:
+                return self._stream_events(stream, leader, deadline, idle_at)
+            finally:
+                self._resume = stream.resume  # a crash of the server may send the slot back: start after it again
+
+    def _stream_events(
+        self, stream: ReplicationStream, leader: SlotLeader, deadline: float | None, idle_at: int | None
+    ) -> bool:
+        """The stream's events, published in order (``_stream_slot``).
+
+        One batch at a time is in Kafka, and the stream is read while it is: a backlog's next batch is decoded while
+        the producer sends the last one; steady traffic goes out once the linger has passed (the Pacer)."""
+        batch = Batch([], [])
+        in_flight: PendingBatch | None = None
+        commit = "0"  # the transaction being read: its commit position (a record's transaction_id, holds.py)
+        failures = 0
         reached = 0
         batch_max = self.settings.batch_max
         prefix = self._prefix
         holds = self.holds
-        holds.load(leader.connection)
-        # Answered often enough that a waiting relay never takes this one for frozen (leader.py).
-        status_s = min(DEFAULT_STATUS_INTERVAL_S, self.settings.leader.takeover_after_s / 3)
-        with ReplicationStream.open(
-            self.dsn, self._names.slot, self._names.publication, status_interval_s=status_s
-        ) as stream:
-            log.info("streaming the slot %s", self._names.slot)
-            self.registered.set()
-            confirms = _Confirms(stream)
-            pacer = Pacer(self.settings.linger_s, full_rows=1)
-            while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                self._alive()
-                sending = len(in_flight.records) if in_flight is not None else 0
-                if in_flight is not None:
-                    timeout = 0.0
-                elif batch.records:  # lingering (the Pacer): what commits meanwhile goes in the same batch
-                    timeout = max(0.0, pacer.pause_s())
-                else:
-                    confirms.flush()  # before the relay waits: the slot holds nothing it need not
-                    timeout = self.settings.read_timeout_s
-                events = stream.read(timeout)
-                records = batch.records
-                held: list[OutboxRecord] = []
-                for event in events:
-                    if type(event) is Message:
-                        if event.transactional and event.prefix == prefix:
-                            if (record := self._record(event, xid, leader)) is not None:
-                                (held if holds.keys and holds.holds(record) else records).append(record)
-                    elif type(event) is Begin:
-                        xid = str(event.xid)
-                    elif type(event) is Commit:
-                        batch.commits.append((len(records), event.end_lsn))
-                        reached = max(reached, event.end_lsn)
-                    elif type(event) is Keepalive:
-                        reached = max(reached, event.wal_end)
-                        if not records and not batch.commits and in_flight is None:
-                            confirms.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
-                holds.keep(leader.connection, held)  # before the slot is confirmed past them
-                unsent = len(records) - sending
-                if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
-                    continue  # more is waiting: gather it (while Kafka works on what is out)
-                if in_flight is not None:
-                    settled, down = self._settle(in_flight, leader)
-                    in_flight = None
-                    if (lsn := batch.confirmable(settled)) is not None:
-                        confirms.confirm(lsn)
-                    batch.drop(settled)
-                    if holds.keys:  # a key held now: its messages not yet published wait in outbox_held
-                        holds.keep(leader.connection, batch.withhold(holds.holds))
-                    if down:
-                        failures += 1
-                        confirms.flush()
-                        self._back_off(stream, failures)
-                        continue
-                    failures = 0
-                    self._release(leader)
-                if batch.records:
-                    if len(batch.records) < batch_max and pacer.pause_s() > 0:
-                        continue  # the read above waits out the linger
-                    pacer.claimed(
-                        time.monotonic(), min(len(batch.records), batch_max), took_all=len(batch.records) < batch_max
-                    )
-                    in_flight = self.publisher.start(batch.records[:batch_max])
-                    continue
-                self._release(leader)
-                # Nothing unsent, nothing in Kafka: all the server sent is settled, up to its last keepalive too (a
-                # slot confirmed only to its last commit of ours would keep the WAL written since, for nothing).
-                batch.commits.clear()
-                if reached:
-                    confirms.confirm(reached)
-                if idle_at is not None and reached >= idle_at:
-                    confirms.flush()
-                    return True
-            if in_flight is not None:  # stopping: confirm what Kafka took
-                settled, _ = self._settle(in_flight, leader)
+        confirms = Confirms(stream)
+        pacer = Pacer(self.settings.linger_s, full_rows=1)
+        while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            self._alive()
+            self._heartbeat(leader)
+            sending = len(in_flight.records) if in_flight is not None else 0
+            if in_flight is not None:
+                timeout = 0.0
+            elif batch.records:  # lingering (the Pacer): what commits meanwhile goes in the same batch
+                timeout = max(0.0, pacer.pause_s())
+            else:
+                confirms.flush()  # before the relay waits: the slot holds nothing it need not
+                timeout = self.settings.read_timeout_s
+            events = stream.read(timeout)
+            records = batch.records
+            held: list[OutboxRecord] = []
+            for event in events:
+                if type(event) is Message:
+                    if event.transactional and event.prefix == prefix:
+                        if (record := self._record(event, commit, leader)) is not None:
+                            (held if holds.keys and holds.holds(record) else records).append(record)
+                elif type(event) is Begin:
+                    commit = str(event.final_lsn)
+                elif type(event) is Commit:
+                    batch.commits.append((len(records), event.end_lsn))
+                    reached = max(reached, event.end_lsn)
+                elif type(event) is Keepalive:
+                    reached = max(reached, event.wal_end)
+                    if not records and not batch.commits and in_flight is None:
+                        confirms.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
+            holds.keep(leader.connection, held)  # before the slot is confirmed past them
+            unsent = len(records) - sending
+            if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
+                continue  # more is waiting: gather it (while Kafka works on what is out)
+            if in_flight is not None:
+                settled, down = self._settle(in_flight, leader)
+                in_flight = None
                 if (lsn := batch.confirmable(settled)) is not None:
                     confirms.confirm(lsn)
-            confirms.flush()
+                batch.drop(settled)
+                if holds.keys:  # a key held now: its messages not yet published wait in outbox_held
+                    holds.keep(leader.connection, batch.withhold(holds.holds))
+                if down:
+                    failures += 1
+                    confirms.flush()
+                    self._back_off(stream, leader, failures)
+                    continue
+                failures = 0
+                self._release(leader)
+            if batch.records:
+                if len(batch.records) < batch_max and pacer.pause_s() > 0:
+                    continue  # the read above waits out the linger
+                whole = len(batch.records) < batch_max  # all there was: the next batch waits out the linger
+                pacer.claimed(time.monotonic(), min(len(batch.records), batch_max), took_all=whole)
+                in_flight = self.publisher.start(batch.records[:batch_max])
+                continue
+            self._release(leader)
+            # Nothing unsent, nothing in Kafka: all the server sent is settled, up to its last keepalive too (a slot
+            # confirmed only to its last commit of ours would keep the WAL written since, for nothing).
+            batch.commits.clear()
+            if reached:
+                confirms.confirm(reached)
+            if idle_at is not None and reached >= idle_at:
+                confirms.flush()
+                return True
+        if in_flight is not None:  # stopping: confirm what Kafka took
+            settled, _ = self._settle(in_flight, leader)
+            if (lsn := batch.confirmable(settled)) is not None:
+                confirms.confirm(lsn)
+        confirms.flush()
         return True
 
     def _settle(self, pending: PendingBatch, leader: SlotLeader) -> tuple[int, bool]:
@@ -328,7 +285,9 @@ class WalRelay:
 
     def _release(self, leader: SlotLeader) -> None:
         """Publish the messages held behind keys an operator released, in order, and let those keys flow again (with
-        no batch in Kafka: a released key's later messages are still held, and go after these)."""
+        no batch in Kafka: a released key's later messages are still held, and go after these). From the first one
+        Kafka did not take, the key stays held: behind it as its new dead letter if Kafka refused it (holds.py),
+        to be tried again if Kafka was down."""
         now = time.monotonic()
         if not self.holds.keys or now < self._releases_due:
             return
@@ -340,40 +299,61 @@ class WalRelay:
             self.stats.published += len(outcome.delivered)
             if self.observer is not None:
                 self.observer(outcome)
-            if outcome.failed:
-                log.warning(
-                    "%d of the %d messages held behind key %r of %s were not published (%s); trying again",
-                    len(outcome.failed),
-                    len(records),
-                    key,
-                    topic,
-                    outcome.failed[0].error,
-                )
+            if not outcome.failed:
+                self.holds.end(conn, topic, key, [r.id for r in records])
+                log.info("key %r of %s released: %d held messages published", key, topic, len(records))
                 continue
-            self.holds.end(conn, topic, key, [r.id for r in records])
-            log.info("key %r of %s released: %d held messages published", key, topic, len(records))
+            failed = {f.record.id: f for f in outcome.failed}
+            first = next(i for i, r in enumerate(records) if r.id in failed)
+            stopped = failed[records[first].id]
+            self.holds.published(conn, [r.id for r in records[:first]])
+            if stopped.kind != "transport":
+                self.holds.dead_letter_held(conn, stopped)
+                self.stats.dead_lettered += 1
+                continue
+            log.warning(
+                "%d of the %d messages held behind key %r of %s were not published (%s); trying again",
+                len(records) - first,
+                len(records),
+                key,
+                topic,
+                stopped.error,
+            )
 
-    def _back_off(self, stream: ReplicationStream, failures: int) -> None:
+    def _back_off(self, stream: ReplicationStream, leader: SlotLeader, failures: int) -> None:
         """Wait before publishing again, answering the walsender meanwhile."""
         until = time.monotonic() + min(self.settings.error_backoff_s * 2 ** (failures - 1), self.settings.max_backoff_s)
         while not self.stop.is_set() and (left := until - time.monotonic()) > 0:
             stream.confirm(stream.confirmed)  # a status update: the walsender hears from its relay
+            self._heartbeat(leader)
             self.stop.wait(min(left, 1.0))
 
-    def _record(self, event: Message, xid: str, leader: SlotLeader) -> OutboxRecord | None:
+    @property
+    def _alive_every_s(self) -> float:
+        """How often the streamer says it is alive: often enough that a waiting relay never takes it for frozen."""
+        return min(DEFAULT_STATUS_INTERVAL_S, self.settings.leader.takeover_after_s / 3)
+
+    def _heartbeat(self, leader: SlotLeader) -> None:
+        """Its ordinary session's sign of life (leader.py: a waiting relay may not see the walsender's replies)."""
+        now = time.monotonic()
+        if now >= self._heartbeat_due:
+            leader.heartbeat()
+            self._heartbeat_due = now + self._alive_every_s
+
+    def _record(self, event: Message, commit: str, leader: SlotLeader) -> OutboxRecord | None:
         try:
-            return wal_record(event.content, event.lsn, xid)
+            return wal_record(event.content, event.lsn, commit)
         except MalformedMessage as exc:
             # Bytes under our prefix another writer made: kept as a dead letter (payload_bytes), never published.
-            failure = DeliveryFailure(_malformed(event, xid), f"not an outbox message: {exc}", "permanent")
+            failure = DeliveryFailure(_malformed(event, commit), f"not an outbox message: {exc}", "permanent")
             self.holds.dead_letter(leader.connection, [failure])
             self.stats.dead_lettered += 1
             return None
 
 
-def _malformed(event: Message, xid: str) -> OutboxRecord:
+def _malformed(event: Message, commit: str) -> OutboxRecord:
     return OutboxRecord(
-        event.lsn, "(malformed)", None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, xid, 0, True
+        event.lsn, "(malformed)", None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, commit, 0, True
     )
 
 

@@ -6,8 +6,14 @@ psycopg 3 at the libpq level (a connection with ``replication="database"``, then
 it is the driver the relay already uses, maintained, and its binary build hands each frame over as a memoryview of
 libpq's own buffer; psycopg2's replication cursor would be a second driver for one loop.
 
-The slot keeps its confirmed position across connections and restarts: a stream starts after the last position
-confirmed to it (``confirm``), so whatever was read but not confirmed is sent again (at least once).
+The slot keeps its confirmed position across connections, and across restarts only as PostgreSQL last wrote it
+down: it holds the position in memory and saves it now and then (when the slot's restart point moves, at a clean
+shutdown from 17 on), so a crash sends the slot back, and a relay that streamed from it would publish again what it
+had confirmed since. A stream therefore starts after the last position confirmed to it (``confirm``), or after the
+position its relay confirmed itself (``Resume``) when that is later and the server is the same one on the same
+timeline (IDENTIFY_SYSTEM), its WAL past that point: PostgreSQL skips the transactions that committed before a
+stream's start. Whatever was read but not confirmed is sent again (at least once). Another server (a promoted
+standby, a restored backup) has other WAL under the same positions: the slot's own position then.
 """
 
 from __future__ import annotations
@@ -15,13 +21,24 @@ from __future__ import annotations
 import re
 import select
 import time
+from dataclasses import dataclass
 from types import TracebackType
 
 import psycopg
 from psycopg import errors, sql
 
 from ...errors import OutboxError
-from .pgoutput import Keepalive, Message, Other, StreamEvent, decode_frame, format_lsn, pg_clock_us, standby_status
+from .pgoutput import (
+    Keepalive,
+    Message,
+    Other,
+    StreamEvent,
+    decode_frame,
+    format_lsn,
+    parse_lsn,
+    pg_clock_us,
+    standby_status,
+)
 
 #: How often an idle stream tells the server it is alive (and where it stands): well inside PostgreSQL's default
 #: wal_sender_timeout (60 s), past which the server ends a stream it has not heard from.
@@ -66,12 +83,25 @@ class StreamEndedError(psycopg.OperationalError):
     connection, the database is unavailable until a new stream opens."""
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a relay's own stream of a slot ended: the server (its system identifier and timeline) and the last position
+    it confirmed, every message before which Kafka has."""
+
+    system: str
+    timeline: int
+    lsn: int
+
+
 class ReplicationStream:
     """A logical slot streamed through pgoutput with ``messages 'true'``: Begin, Message, Commit in commit order, and
     the server's keepalives. Not thread-safe: one relay loop reads, confirms and closes it. Open with ``open()``."""
 
-    def __init__(self, conn: psycopg.Connection, slot: str, confirmed: int, status_interval_s: float) -> None:
+    def __init__(
+        self, conn: psycopg.Connection, slot: str, confirmed: int, status_interval_s: float, server: tuple[str, int]
+    ) -> None:
         self.slot = slot
+        self._server = server
         self._conn = conn
         self._pgconn = conn.pgconn
         self._confirmed = confirmed
@@ -91,9 +121,11 @@ class ReplicationStream:
         start_lsn: int = 0,
         *,
         status_interval_s: float = DEFAULT_STATUS_INTERVAL_S,
+        resume: Resume | None = None,
     ) -> ReplicationStream:
         """Stream ``slot`` from ``start_lsn``; 0 (``0/0``) starts at the slot's confirmed position, as does any
-        position before it. ``publication`` must exist (pgoutput requires one; an empty one sends no row changes)."""
+        position before it; ``resume``, where this relay's last stream ended, if it is later and on this server and
+        timeline. ``publication`` must exist (pgoutput requires one; an empty one sends no row changes)."""
         conn = psycopg.connect(dsn, replication="database", autocommit=True)
         try:
             version = conn.info.server_version
@@ -102,6 +134,11 @@ class ReplicationStream:
                     f"PostgreSQL {version // 10000} cannot stream logical decoding messages: pgoutput sends them "
                     f"(its messages option) from PostgreSQL 14 on"
                 )
+            row = conn.execute("IDENTIFY_SYSTEM").fetchone()
+            assert row is not None  # one row, always
+            server, flushed = (str(row[0]), int(row[1])), parse_lsn(str(row[2]))
+            if resume is not None and (resume.system, resume.timeline) == server and resume.lsn <= flushed:
+                start_lsn = max(start_lsn, resume.lsn)
             conn.execute(_start_replication(slot, publication, start_lsn))
         except errors.UndefinedObject as exc:
             conn.close()
@@ -112,12 +149,17 @@ class ReplicationStream:
         except BaseException:
             conn.close()
             raise
-        return cls(conn, slot, start_lsn, status_interval_s)
+        return cls(conn, slot, start_lsn, status_interval_s, server)
 
     @property
     def confirmed(self) -> int:
         """The highest position confirmed to the slot by this stream (its start position until the first)."""
         return self._confirmed
+
+    @property
+    def resume(self) -> Resume:
+        """Where a later stream of this relay may start (``open``'s ``resume``)."""
+        return Resume(*self._server, self._confirmed)
 
     def read(self, timeout_s: float) -> list[StreamEvent]:
         """Everything the server has sent so far, decoded; if nothing, waits up to ``timeout_s`` for the first

@@ -4,15 +4,21 @@ Kafka has them; a restart resumes after what was confirmed; a message Kafka neve
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import defaultdict
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
-from outbox_pipeline.store.wal.objects import names_of
+from outbox_pipeline.relay.publisher import KafkaPublisher
+from outbox_pipeline.relay.wal.leader import LeaderSettings
+from outbox_pipeline.relay.wal.relay import WalRelay, WalRelaySettings
+from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import SlotUnusable, slot_state
 from tests.kit.kafka import KafkaProbe, Record
 from tests.kit.probes import wait_until
@@ -241,3 +247,136 @@ def test_a_relay_refuses_a_wal_outbox_whose_slot_is_gone_and_says_how_to_recover
 
     with pytest.raises(SlotUnusable, match=r"without its replication slot .* `outbox init-db --strategy wal`"):
         make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+
+def test_a_streaming_relay_of_a_role_without_monitoring_rights_is_not_taken_for_frozen(
+    db: psycopg.Connection, dsn: str, kafka: KafkaProbe
+) -> None:
+    """pg_stat_replication shows a walsender's reply time only to superusers and pg_read_all_stats; a relay's role
+    has REPLICATION (docs/wal.md), and a waiting relay of that role must still tell a live streamer from a frozen one.
+    Found by the harness (seed 1, wal, 20 s): every streamer was ended by the waiting relay, busy or idle."""
+    role = f"relay_{uuid.uuid4().hex[:8]}"
+    db.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION NOSUPERUSER").format(sql.Identifier(role)))
+    db.execute(
+        sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db.info.dbname), sql.Identifier(role))
+    )
+    as_role = make_conninfo(dsn, user=role)
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    with psycopg.connect(as_role, autocommit=True) as conn:
+        init_db(conn, table, strategies=["wal"])
+    takeover = LeaderSettings(poll_s=0.1, takeover_after_s=1.0)
+    stops = [threading.Event(), threading.Event()]
+    relays = [
+        WalRelay(
+            as_role,
+            table,
+            KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers}),
+            WalRelaySettings(leader=takeover),
+            stop,
+        )
+        for stop in stops
+    ]
+    threads = [threading.Thread(target=relay.run) for relay in relays]
+    try:
+        threads[0].start()
+        wait_until("the first relay streams", relays[0].registered.is_set, 10.0)
+        streaming = slot_state(db, table).active_pid
+        threads[1].start()
+        wait_until(
+            "the first relay has streamed for four takeover times",
+            lambda: _seconds_since_start(db, streaming) > 4 * takeover.takeover_after_s,
+            15.0,
+        )
+
+        assert slot_state(db, table).active_pid == streaming
+        assert not relays[1].registered.is_set()
+    finally:
+        for stop in stops:
+            stop.set()
+        for thread in threads:
+            thread.join(15.0)
+        drop_slot(db, table)
+        db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+        db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def _seconds_since_start(db: psycopg.Connection, pid: int | None) -> float:
+    row = db.execute("SELECT extract(epoch FROM now() - backend_start) FROM pg_stat_activity WHERE pid = %s", (pid,))
+    found = row.fetchone()
+    return float(found[0]) if found else 0.0
+
+
+def test_a_retried_dead_letter_kafka_still_refuses_is_dead_lettered_again_and_its_key_stays_held(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    """Found by the harness (seed 1, wal, 20 s): the streamer published the released key's held messages again and
+    again, the retried dead letter at their head refused each time, and the key's later messages never went out."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    _write(db, wal_outbox, topic, ("b", POISON), ("b", {"n": 2}))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
+    [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+    retry_dead_letters(db, wal_outbox, ids=[dead_letter])
+    _write(db, wal_outbox, topic, ("b", {"n": 3}))
+
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()  # Kafka still refuses it
+
+    letter = sql.SQL("SELECT retried_at IS NULL, last_error FROM {} WHERE id = %s").format(wal_outbox.dead_letters)
+    row = db.execute(letter, (dead_letter,)).fetchone()
+    assert row is not None and row[0] and "too large" in row[1].lower()
+    hold = sql.SQL("SELECT dead_letter_id, released_at IS NULL FROM {} WHERE key = 'b'").format(wal_outbox.holds)
+    assert db.execute(hold).fetchone() == (dead_letter, True)
+    held = db.execute(sql.SQL("SELECT payload FROM {} ORDER BY id").format(wal_outbox.held)).fetchall()
+    assert held == [({"n": 2},), ({"n": 3},)]
+
+    discard_dead_letters(db, wal_outbox, [dead_letter], reason="too large for good")
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert by_key(kafka.consume(topic)) == {b"b": [b'{"n": 2}', b'{"n": 3}']}
+
+
+def test_a_relay_with_max_seconds_stops_in_time_while_another_streams_the_slot(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe
+) -> None:
+    """`outbox relay --until-empty --max-seconds 6` beside the streaming relay (the harness's drain) waited for the
+    slot without end; it stops at its --max-seconds and says why, as a table strategy's drain does."""
+    stop = threading.Event()
+    streaming = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, stop=stop, until_idle=False)
+    thread = threading.Thread(target=streaming.run)
+    thread.start()
+    try:
+        wait_until("the first relay streams", streaming.registered.is_set, 10.0)
+        drain = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, max_seconds=1.0)
+        done = threading.Event()
+        threading.Thread(target=lambda: (drain.run(), done.set()), daemon=True).start()
+
+        wait_until("the drain gives up at its --max-seconds", done.is_set, 15.0)
+        assert drain.stats.published == 0
+        assert any("another relay streams" in line for line in drain.stats.remaining)
+    finally:
+        stop.set()
+        thread.join(15.0)
+
+
+def test_a_held_keys_messages_are_published_in_commit_order_when_released(
+    db: psycopg.Connection, connect: object, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    """Held messages were released in the order they were written (their own LSNs), not the order their
+    transactions committed: a transaction that wrote first and committed last went first."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    _write(db, wal_outbox, topic, ("b", POISON))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()  # b is held now
+    early = connect()  # type: ignore[operator]
+    with early.transaction():
+        enqueue(early, topic, {"n": "written first, committed last"}, key="b", table=wal_outbox)
+        _write(db, wal_outbox, topic, ("b", {"n": "written last, committed first"}))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()  # both held
+    [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+
+    discard_dead_letters(db, wal_outbox, [dead_letter], reason="a test")
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert [r.value for r in kafka.consume(topic)] == [
+        b'{"n": "written last, committed first"}',
+        b'{"n": "written first, committed last"}',
+    ]

@@ -14,6 +14,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import LocalPostgres
+from outbox_pipeline.operate.dead_letters import discard_dead_letters
 from outbox_pipeline.store.schema import init_db
 from outbox_pipeline.store.wal.objects import drop_slot
 from tests.kit.kafka import KafkaProbe
@@ -108,3 +109,42 @@ def test_a_wal_outbox_in_a_latin1_database_publishes_every_writer_forms_key_as_o
     records = kafka.consume(topic, expect=4)
     assert [r.value for r in records] == [b'{"n": %d}' % n for n in range(4)]
     assert {r.key for r in records} == {"café".encode()}
+
+
+def test_a_wal_outbox_in_a_latin1_database_releases_a_held_keys_messages_as_they_were_written(
+    latin1_dsn: str, new_topic: Callable[..., str], kafka: KafkaProbe
+) -> None:
+    """Found by the harness (seed 185, wal, LATIN1, 20 s): a released key's held messages went to Kafka in the
+    database's encoding (``café`` as ``caf\\xe9``: another key, and a JSON value that is not UTF-8)."""
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    topic = new_topic("latin1")
+    with psycopg.connect(latin1_dsn, autocommit=True) as conn:
+        init_db(conn, table, strategies=["wal"])
+        try:
+            with conn.transaction():
+                enqueue(conn, topic, {"pad": "x" * 5000}, key="café", table=table)  # Kafka refuses it: café held
+                enqueue(conn, topic, {"text": "naïve"}, key="café", headers={"note": "Zürich"}, table=table)
+            make_wal_relay(latin1_dsn, table, kafka.bootstrap_servers, producer={"message.max.bytes": 2000}).run()
+            [(dead_letter,)] = conn.execute(sql.SQL("SELECT id FROM {}").format(table.dead_letters)).fetchall()
+            discard_dead_letters(conn, table, [dead_letter], reason="a test")
+            make_wal_relay(latin1_dsn, table, kafka.bootstrap_servers).run()
+        finally:
+            drop_slot(conn, table)
+
+    [record] = kafka.consume(topic)
+    assert (record.key, record.value) == ("café".encode(), '{"text": "naïve"}'.encode())
+    assert record.headers["note"] == "Zürich".encode()
+
+
+def test_a_wal_writer_in_a_latin1_database_refuses_a_character_the_database_cannot_hold(latin1_dsn: str) -> None:
+    """As every writer form does (the SQL ones by the server's conversion): a dead letter or a held row of such a
+    message could not be stored, and the relay would stop at it."""
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    with psycopg.connect(latin1_dsn, autocommit=True) as conn:
+        init_db(conn, table, strategies=["wal"])
+        try:
+            with pytest.raises(InvalidMessageError, match="cannot be stored in this database's client encoding"):
+                with conn.transaction():
+                    enqueue_many(conn, [Message("orders", {"n": 0}, key="東京")], table=table)
+        finally:
+            drop_slot(conn, table)
