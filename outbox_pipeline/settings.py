@@ -111,7 +111,7 @@ RELAY_LINGER_MS = Setting(
 )
 WAL_LINGER_MS = Setting(
     "OUTBOX_WAL_LINGER_MS",
-    10.0,
+    30.0,
     "wal strategy: OUTBOX_RELAY_LINGER_MS for the wal relay, the least time between two batches handed to Kafka "
     "under steady traffic (scaled as there): each produce request carries several commits, for the broker's sake "
     "and the relay's; a backlog is never paced (0: a batch at every commit)",

@@ -201,7 +201,7 @@ class WalRelay:
             if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
                 continue  # more is waiting: gather it (while Kafka works on what is out)
             if in_flight is not None:
-                settled, down = self._settle(in_flight, leader)
+                settled, down = self._settle(in_flight, stream, leader)
                 in_flight = None
                 if (lsn := batch.confirmable(settled)) is not None:
                     confirms.confirm(lsn)
@@ -232,16 +232,25 @@ class WalRelay:
                 confirms.flush()
                 return True
         if in_flight is not None:  # stopping: confirm what Kafka took
-            settled, _ = self._settle(in_flight, leader)
+            settled, _ = self._settle(in_flight, stream, leader)
             if (lsn := batch.confirmable(settled)) is not None:
                 confirms.confirm(lsn)
         confirms.flush()
         return True
 
-    def _settle(self, pending: PendingBatch, leader: SlotLeader) -> tuple[int, bool]:
+    def _settle(self, pending: PendingBatch, stream: ReplicationStream, leader: SlotLeader) -> tuple[int, bool]:
         """Wait for the batch; how many of its records from the first are settled (delivered or dead-lettered),
-        and whether the transport failed (the rest is published again)."""
+        and whether the transport failed (the rest is published again). A broker that is down keeps the batch
+        unsettled for up to message.timeout.ms: meanwhile the streamer goes on saying it is alive, to its walsender
+        and on its session, or a waiting relay would take it for frozen (leader.py)."""
         records = pending.records
+        if not self.publisher.settled():
+            slice_s = min(1.0, self._alive_every_s / 2)
+            self.publisher.producer.flush(slice_s)  # the usual case: settled in milliseconds
+            while not self.publisher.settled():
+                stream.confirm(stream.confirmed)  # a status update (no new position)
+                self._heartbeat(leader)
+                self.publisher.producer.flush(slice_s)
         outcome = self.publisher.finish(pending)
         self.stats.batches += 1
         self.stats.claimed += len(records)

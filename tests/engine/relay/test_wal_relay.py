@@ -4,6 +4,7 @@ Kafka has them; a restart resumes after what was confirmed; a message Kafka neve
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import defaultdict
 
@@ -380,3 +381,32 @@ def test_a_held_keys_messages_are_published_in_commit_order_when_released(
         b'{"n": "written last, committed first"}',
         b'{"n": "written first, committed last"}',
     ]
+
+
+def test_a_streaming_relay_waiting_for_a_broker_that_is_down_is_not_taken_for_frozen(
+    db: psycopg.Connection, wal_outbox: OutboxTable, new_topic: object
+) -> None:
+    topic = new_topic("wal")  # type: ignore[operator]
+    stops = threading.Event(), threading.Event()
+    # Kafka's answer takes longer than the takeover time: 9 s against 4 (the first publish to a topic also waits up
+    # to 2 s reading its limits, topic_limits.py).
+    settings = WalRelaySettings(leader=LeaderSettings(poll_s=0.2, takeover_after_s=4.0), max_backoff_s=1.0)
+    down = {"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 9000}
+    relays = [WalRelay(db.info.dsn, wal_outbox, KafkaPublisher(down), settings, stop) for stop in stops]
+    threads = [threading.Thread(target=relay.run) for relay in relays]
+    threads[0].start()
+    wait_until("the first relay streams", lambda: relays[0].registered.is_set(), 10.0)
+    threads[1].start()
+    _write(db, wal_outbox, topic, ("k", {"n": 1}))
+    try:
+        deadline = time.monotonic() + 9.0  # the batch waits on Kafka for longer than the takeover time
+        while time.monotonic() < deadline and not relays[1].registered.is_set():
+            stops[0].wait(0.1)
+        taken_over = relays[1].registered.is_set()
+    finally:
+        for stop in stops:
+            stop.set()
+        for thread in threads:
+            thread.join(30)
+
+    assert not taken_over
