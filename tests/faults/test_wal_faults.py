@@ -172,11 +172,15 @@ def test_the_wal_relay_survives_a_server_crash_and_loses_nothing(
     topic = proxied_broker.new_topic(partitions=2)
     relay = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "relay.log")
     try:
+        with psycopg.connect(dsn, autocommit=True) as db:
+            wait_until("the relay streams", lambda: slot_state(db, wal_table).active_pid is not None, 30.0)
         before = write(dsn, wal_table, topic, 300, serialized=False)
         module_pg.stop("immediate")  # a crash: what was committed is in the WAL, the slot's position too
         module_pg.start()
         after = write(dsn, wal_table, topic, 300, serialized=False)
-        records = consume(proxied_broker.bootstrap, [topic], before + after, deadline_s=120.0)
+        # The relay reconnects after its back-off (doubling to 30 s while the server is down): a quiet spell is not
+        # the end.
+        records = consume(proxied_broker.bootstrap, [topic], before + after, idle_s=40.0, deadline_s=120.0)
     finally:
         stop(relay)
     counted = tally(before + after, records)

@@ -186,7 +186,7 @@ def test_a_drain_refuses_an_outbox_a_row_strategy_relays_and_says_why(
     assert not result.success
     failure = result.failure_data_for_node("bulk_drain")
     assert failure is not None and failure.error is not None
-    assert "relayed with 'lease', whose delivery state is on every row" in failure.error.message
+    assert "not 'lease': row strategies keep delivery state on every row" in failure.error.message
 
 
 def test_a_drained_partition_keeps_its_lease_until_the_commit_while_another_task_still_runs(

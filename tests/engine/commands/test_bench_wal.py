@@ -50,6 +50,7 @@ def test_bench_writers_puts_the_wal_outboxs_writers_beside_a_plain_insert_with_c
     assert _left_behind(bench_servers) == ([], [])
 
 
+@pytest.mark.nightly  # a run at size: make test-nightly (the 20-minute budget of make test)
 def test_bench_wal_drains_a_backlog_with_one_relay_beside_partitioneds_counting_every_message(
     bench_servers: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -64,6 +65,7 @@ def test_bench_wal_drains_a_backlog_with_one_relay_beside_partitioneds_counting_
     assert _left_behind(bench_servers) == ([], [])
 
 
+@pytest.mark.nightly  # a run at size: make test-nightly (the 20-minute budget of make test)
 def test_bench_latency_runs_the_wal_relay_with_the_observer_for_the_curve_and_the_hot_key(
     bench_servers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
