@@ -25,10 +25,11 @@ def created_at_bounds(created: Collection[int]) -> dict[str, dt.datetime | str]:
     """``from`` and ``to`` query parameters spanning records' ``created_at``, so a statement on their ids is pruned
     to the daily partitions holding them; PostgreSQL's infinity past datetime's range (the bound must still cover
     such a row)."""
-    return {"from": _parameter(min(created)), "to": _parameter(max(created))}
+    return {"from": as_parameter(min(created)), "to": as_parameter(max(created))}
 
 
-def _parameter(micros: int) -> dt.datetime | str:
+def as_parameter(micros: int) -> dt.datetime | str:
+    """A binary timestamptz (microseconds since 2000-01-01 UTC) as a query parameter ('infinity' past its range)."""
     try:
         return PG_EPOCH + dt.timedelta(microseconds=micros)
     except OverflowError:

@@ -255,33 +255,7 @@ class Quarantine:
         return len(done), len(retry), len(dead)
 
     def _dead_letter_held(self, dead: Sequence[DeliveryFailure]) -> None:
-        if not dead:
-            return
-        self.conn.execute(
-            sql.SQL(
-                """
-                WITH moved AS (
-                    DELETE FROM {held} x USING unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
-                    WHERE x.id = f.id RETURNING x.*, f.error
-                ), dead AS (
-                    {dead_letter}
-                    RETURNING id, topic, key
-                )
-                UPDATE {holds} h SET dead_letter_id = dead.id, held_since = now(), released_at = NULL,
-                                     release = NULL, released_by = NULL, available_after = now()
-                FROM dead WHERE h.topic = dead.topic AND h.key = dead.key
-                """
-            ).format(
-                held=self.table.held,
-                dead_letter=sql.SQL(DEAD_LETTER_MOVED).format(dead_letters=self.table.dead_letters),
-                holds=self.table.holds,
-            ),
-            {
-                "ids": [f.record.id for f in dead],
-                "errors": [f.error for f in dead],
-                "worker": self.config.worker_id,
-            },
-        )
+        dead_letter_held(self.conn, self.table, dead, self.config.worker_id)
 
     def _back_off(self, retry: Sequence[DeliveryFailure]) -> None:
         if not retry:
@@ -327,3 +301,33 @@ class Quarantine:
         if cur.rowcount:
             self.version += 1
         return cur.rowcount
+
+
+def dead_letter_held(
+    conn: psycopg.Connection, table: OutboxTable, dead: Sequence[DeliveryFailure], worker_id: str
+) -> None:
+    """Held rows Kafka refused at release: dead letters again, and their keys held behind them again (the wal relay's
+    holds use it too)."""
+    if not dead:
+        return
+    conn.execute(
+        sql.SQL(
+            """
+            WITH moved AS (
+                DELETE FROM {held} x USING unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
+                WHERE x.id = f.id RETURNING x.*, f.error
+            ), dead AS (
+                {dead_letter}
+                RETURNING id, topic, key
+            )
+            UPDATE {holds} h SET dead_letter_id = dead.id, held_since = now(), released_at = NULL,
+                                 release = NULL, released_by = NULL, available_after = now()
+            FROM dead WHERE h.topic = dead.topic AND h.key = dead.key
+            """
+        ).format(
+            held=table.held,
+            dead_letter=sql.SQL(DEAD_LETTER_MOVED).format(dead_letters=table.dead_letters),
+            holds=table.holds,
+        ),
+        {"ids": [f.record.id for f in dead], "errors": [f.error for f in dead], "worker": worker_id},
+    )

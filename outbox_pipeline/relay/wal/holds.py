@@ -18,7 +18,6 @@ on without the dead letter.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from collections.abc import Sequence
 
@@ -26,12 +25,12 @@ import psycopg
 from psycopg import sql
 
 from ...config import OutboxTable
-from ...strategies.base import DEAD_LETTER_MOVED, RECORD_COLUMNS, DeliveryFailure, OutboxRecord, fetch_records
-from ...strategies.quarantine import OnPoison
+from ...strategies.base import RECORD_COLUMNS, DeliveryFailure, OutboxRecord, fetch_records
+from ...strategies.quarantine import OnPoison, dead_letter_held
+from ...timestamps import as_parameter
 
 log = logging.getLogger(__name__)
 
-_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 # A held message and a dead letter keep a message's columns; the stream gives a wal message no priority, and its
 # transaction's commit position as its transaction_id.
 _VALUES = "%s, %s::uuid, %s, %s, %s, %s::jsonb, %s, %s::jsonb, %s, 0, %s::text::xid8, %s"
@@ -49,7 +48,7 @@ def _columns(r: OutboxRecord) -> tuple[object, ...]:
         r.headers,
         max(r.partition, 0),
         r.transaction_id,
-        _timestamp(r.created_at),
+        as_parameter(r.created_at),
     )
 
 
@@ -153,26 +152,7 @@ class WalHolds:
             failure.error,
         )
         with conn.transaction():
-            conn.execute(
-                sql.SQL(
-                    """
-                    WITH moved AS (
-                        DELETE FROM {held} x WHERE x.id = %(id)s RETURNING x.*, %(error)s::text AS error
-                    ), dead AS (
-                        {dead_letter}
-                        RETURNING id, topic, key
-                    )
-                    UPDATE {holds} h SET dead_letter_id = dead.id, held_since = now(), released_at = NULL,
-                                         release = NULL, released_by = NULL, available_after = now()
-                    FROM dead WHERE h.topic = dead.topic AND h.key = dead.key
-                    """
-                ).format(
-                    held=self.table.held,
-                    dead_letter=sql.SQL(DEAD_LETTER_MOVED).format(dead_letters=self.table.dead_letters),
-                    holds=self.table.holds,
-                ),
-                {"id": failure.record.id, "error": failure.error, "worker": self.worker_id},
-            )
+            dead_letter_held(conn, self.table, [failure], self.worker_id)
 
     def end(self, conn: psycopg.Connection, topic: str, key: str, published: Sequence[int]) -> None:
         """The key flows again: its published held messages and its hold deleted."""
@@ -183,10 +163,3 @@ class WalHolds:
                 (topic, key),
             )
         self.keys.discard((topic, key.encode()))
-
-
-def _timestamp(micros: int) -> dt.datetime | str:
-    try:
-        return _PG_EPOCH + dt.timedelta(microseconds=micros)
-    except OverflowError:
-        return "infinity" if micros > 0 else "-infinity"
