@@ -260,7 +260,10 @@ def _spread(live: dict[str, WorkerProcess]) -> Spread:
     return Spread(dealt, claimed, home / total if total else 0.0)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+# `make test` scales out partitioned (the default); the other strategies' runs are `make test-nightly`'s (two minutes).
+@pytest.mark.parametrize(
+    "strategy", [pytest.param(s, marks=() if s == "partitioned" else pytest.mark.nightly) for s in STRATEGIES]
+)
 def test_sixteen_workers_killed_and_replaced_under_new_ids_lose_nothing_and_fail_over_in_a_second(
     strategy: str,
     dsn: str,
