@@ -66,9 +66,10 @@ class Row:
     size: int  # of the relay's record of it (record_size.py)
 
 
-def validate(m: Message, limit: RecordLimit, index: int, topics: set[str]) -> Row:
+def validate(m: Message, limit: RecordLimit, index: int, topics: set[str], *, hashed: bool = True) -> Row:
     """``topics``: the call's topics already checked (a topic's check is a regular expression). The size checked is
-    the relay's record of the message (record_size.py)."""
+    the relay's record of the message (record_size.py). ``hashed=False``: no key hash (``Row.hash`` 0), for a wal
+    outbox, whose relay routes by key itself (the hash in Python is a fifth of a row's client time)."""
     where = f"message {index}"
     topic = m.topic
     if not isinstance(topic, str) or topic not in topics:
@@ -108,7 +109,7 @@ def validate(m: Message, limit: RecordLimit, index: int, topics: set[str]) -> Ro
         priority=m.priority,
         partition=m.partition,
         # No key: spread evenly over the topic's partitions.
-        hash=key_hash(key_bytes) if key is not None else random.getrandbits(31),
+        hash=0 if not hashed else key_hash(key_bytes) if key is not None else random.getrandbits(31),
         size=size,
     )
 

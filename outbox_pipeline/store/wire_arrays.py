@@ -25,8 +25,8 @@ _NULL = _LENGTH(-1)
 _UUID_LENGTH = _LENGTH(16)
 
 # Element and array type oids (pg_type; fixed since PostgreSQL 8.3).
-_TEXT, _UUID, _INT8 = 25, 2950, 20
-_TEXT_ARRAY, _UUID_ARRAY, _INT8_ARRAY = 1009, 2951, 1016
+_TEXT, _UUID, _INT8, _BYTEA = 25, 2950, 20, 17
+_TEXT_ARRAY, _UUID_ARRAY, _INT8_ARRAY, _BYTEA_ARRAY = 1009, 2951, 1016, 1001
 
 
 class WireArray(bytes):
@@ -45,6 +45,10 @@ class UuidArray(WireArray):
 
 class Int8Array(WireArray):
     oid = _INT8_ARRAY
+
+
+class ByteaArray(WireArray):
+    oid = _BYTEA_ARRAY
 
 
 class _WireArrayDumper(Dumper):
@@ -76,6 +80,13 @@ def text_array(values: Sequence[bytes | None]) -> TextArray:
             parts.append(value)
     parts[0] = _HEADER.pack(1, nulls, _TEXT, len(values), 1)
     return TextArray(b"".join(parts))
+
+
+def bytea_array(values: Sequence[bytes]) -> ByteaArray:
+    """A ``bytea[]`` of ``values`` (a wal writer's messages), none NULL."""
+    lengths = [_LENGTH(len(value)) for value in values]
+    body = b"".join([part for pair in zip(lengths, values, strict=True) for part in pair])
+    return ByteaArray(_HEADER.pack(1, 0, _BYTEA, len(values), 1) + body)
 
 
 def uuid_array(raw: bytes) -> UuidArray:

@@ -72,6 +72,16 @@ def test_enqueue_emits_the_message_whole_and_stores_no_row(db: psycopg.Connectio
     assert stored_rows(db, wal_outbox) == 0
 
 
+def test_enqueue_many_emits_each_message_with_the_message_id_it_returns(
+    db: psycopg.Connection, wal_outbox: OutboxTable
+) -> None:
+    with db.transaction():
+        results = enqueue_many(db, [Message("orders", {"n": n}, key=f"k{n}") for n in range(50)], table=wal_outbox)
+    emitted_now = emitted(db, wal_outbox)
+    assert [m.message_id for m in emitted_now] == [str(r.message_id).encode() for r in results]
+    assert [m.key for m in emitted_now] == [f"k{n}".encode() for n in range(50)]
+
+
 def test_a_bytes_payload_is_emitted_byte_for_byte(db: psycopg.Connection, wal_outbox: OutboxTable) -> None:
     payload = bytes(range(256))
     with db.transaction():

@@ -32,5 +32,10 @@ def test_a_bigint_array_keeps_each_number(db: psycopg.Connection) -> None:
     assert _unnest(db, "SELECT unnest(%b::bigint[])", wire_arrays.int8_array(numbers)) == numbers
 
 
+def test_a_bytea_array_keeps_each_value_byte_for_byte(db: psycopg.Connection) -> None:
+    values = [b"", b"\x00\xff", "é☃".encode(), bytes(range(256)) * 4]
+    assert _unnest(db, "SELECT unnest(%b::bytea[])", wire_arrays.bytea_array(values)) == values
+
+
 def test_an_empty_array_is_an_array_with_no_elements(db: psycopg.Connection) -> None:
     assert _unnest(db, "SELECT cardinality(%b::text[])", wire_arrays.text_array([])) == [0]
