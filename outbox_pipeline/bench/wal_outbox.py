@@ -97,7 +97,8 @@ def commit_marker(conn: psycopg.Connection) -> int:
 def confirmed_lsn(conn: psycopg.Connection, table: OutboxTable) -> int | None:
     """The slot's confirmed position in bytes; None without the slot."""
     row = conn.execute(
-        "SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots WHERE slot_name = %s",
+        "SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots "
+        "WHERE slot_name = %s AND database = current_database()",
         (names_of(table).slot,),
     ).fetchone()
     return None if row is None or row[0] is None else int(row[0])
@@ -123,7 +124,8 @@ def wait_streaming(dsn: str, table: OutboxTable, timeout_s: float, alive: Callab
     with psycopg.connect(dsn, autocommit=True) as conn:
         while True:
             row = conn.execute(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (names_of(table).slot,)
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
+                (names_of(table).slot,),
             ).fetchone()
             if row is not None and row[0] is not None:
                 return

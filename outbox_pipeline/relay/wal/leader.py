@@ -111,7 +111,8 @@ class SlotLeader:
         waited = 0.0
         while True:
             row = conn.execute(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (self._slot,)
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
+                (self._slot,),
             ).fetchone()
             if row is None or row[0] is None:
                 return
@@ -134,7 +135,7 @@ class SlotLeader:
                  AND l.objid = hashtext(%(schema)s)::oid AND l.objsubid = 2
                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
             LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-            WHERE s.slot_name = %(slot)s
+            WHERE s.slot_name = %(slot)s AND s.database = current_database()
             """,
             {"class": WAL_LEADER_LOCK_CLASS, "schema": self._table.schema, "slot": self._slot},
         ).fetchone()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
+from ... import settings
 from ...config import OutboxTable
 from ...errors import SchemaError
 from ..record_size import sql_enqueue_size_check
@@ -224,9 +225,21 @@ def ensure_slot(conn: psycopg.Connection, table: OutboxTable) -> bool:
     found = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (names.publication,)).fetchone()
     if found is None:
         conn.execute(sql.SQL("CREATE PUBLICATION {}").format(sql.Identifier(names.publication)))  # empty: messages
-    exists = conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (names.slot,)).fetchone()
-    if exists is not None:
+    # A slot's name is the server's: one of this name made for another database is not this outbox's, and taking it
+    # (or later dropping it) would be taking that database's messages.
+    row = conn.execute(
+        "SELECT database, database = current_database() FROM pg_replication_slots WHERE slot_name = %s", (names.slot,)
+    ).fetchone()
+    if row is not None and row[1]:
         return False
+    if row is not None:
+        raise SchemaError(
+            f"the replication slot {names.slot!r} this outbox would use belongs to the database {row[0]!r} on the "
+            f"same server (a slot's name is the server's, and it is made from the outbox's schema, {table.schema!r}, "
+            f"which a wal outbox in {row[0]!r} has too): give this database's outbox another schema "
+            f"({settings.SCHEMA.name}=...) and run `outbox init-db --strategy wal` again; nothing was created but "
+            "the publication"
+        )
     try:
         with conn.transaction():
             conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(f"{SLOT_CREATE_TIMEOUT_S}s")))
@@ -266,7 +279,10 @@ def drop_slot(conn: psycopg.Connection, table: OutboxTable) -> None:
     the slot had not confirmed is gone with it: only for an outbox that is being dropped or leaves the wal strategy."""
     names = names_of(table)
     for _ in range(50):
-        row = conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (names.slot,)).fetchone()
+        row = conn.execute(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
+            (names.slot,),
+        ).fetchone()
         if row is None:
             break
         if row[0] is not None:

@@ -40,7 +40,7 @@ def slot_state(conn: psycopg.Connection, table: OutboxTable) -> SlotState:
                pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
                pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
                safe_wal_size
-        FROM pg_replication_slots WHERE slot_name = %s
+        FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()
         """,
         (name,),
     ).fetchone()
