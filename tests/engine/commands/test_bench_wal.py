@@ -32,7 +32,9 @@ def _left_behind(dsn: str) -> tuple[list[str], list[str]]:
 def test_bench_writers_puts_the_wal_outboxs_writers_beside_a_plain_insert_with_cpu_and_wal_bytes_per_row(
     bench_servers: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["bench", "--writers", "--strategies", "wal", "--runs", "1", "--transactions", "100", "--messages",
+    # Enough transactions for PostgreSQL's CPU to count ticks (10 ms) in every cell: with 100, a 10-row cell's
+    # backend could count none, and its ratio printed "-" (a fresh clone, 2026-11-27).
+    code = main(["bench", "--writers", "--strategies", "wal", "--runs", "1", "--transactions", "300", "--messages",
                  "200", "--rows-per-transaction", "1,10"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
