@@ -15,8 +15,10 @@ from outbox_pipeline.errors import OutboxError, SchemaError
 from outbox_pipeline.relay.wal.pgoutput import Message as PgMessage
 from outbox_pipeline.relay.wal.pgoutput import decode_pgoutput
 from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store.wal import objects as wal_objects
 from outbox_pipeline.store.wal.format import WalMessage, decode
-from outbox_pipeline.store.wal.objects import names_of
+from outbox_pipeline.store.wal.objects import drop_slot, names_of
+from outbox_pipeline.store.wal.slot import slot_state
 from tests.kit.probes import wait_until
 
 _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
@@ -194,3 +196,32 @@ def test_the_wal_strategy_serves_an_outbox_alone(dsn: str) -> None:
     table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}")
     with psycopg.connect(dsn, autocommit=True) as conn, pytest.raises(OutboxError, match="serves an outbox alone"):
         init_db(conn, table, strategies=["wal", "partitioned"])
+
+
+def test_init_db_waits_out_an_open_transaction_names_it_and_the_rerun_it_asks_for_makes_the_outbox(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL creates a slot once every transaction that has written and runs now has ended: a BEGIN left open in
+    psql over lunch. init-db waits (30 s; 1 here), names the session, and asks for a rerun once it has ended."""
+    monkeypatch.setattr(wal_objects, "SLOT_CREATE_TIMEOUT_S", 1)
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    try:
+        with psycopg.connect(dsn) as lunch:
+            lunch.execute("SELECT pg_current_xact_id()")  # a transaction with an xid, as one that has written
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                with pytest.raises(
+                    SchemaError, match=rf"pid {lunch.info.backend_pid} .* run `outbox init-db --strategy wal` again"
+                ):
+                    init_db(conn, table, strategies=["wal"])
+                assert not slot_state(conn, table).exists
+            lunch.rollback()  # the operator ends it, as the message says
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            init_db(conn, table, strategies=["wal"])  # and runs init-db again
+            assert slot_state(conn, table).exists
+            with conn.transaction():
+                enqueue(conn, "orders", {"n": 1}, key="k", table=table)
+            assert [m.payload for m in emitted(conn, table)] == [b'{"n": 1}']
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            drop_slot(conn, table)
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(table.schema_ident))
