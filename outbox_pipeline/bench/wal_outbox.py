@@ -26,7 +26,7 @@ from ..relay.publisher import KafkaPublisher, PendingBatch
 from ..relay.relay_settings import RelaySettings
 from ..relay.wal.relay import WalRelaySettings
 from ..relay.workers import WorkerSpec, build_wal_relay
-from ..store.wal.objects import WAL_SINCE_SERVER_VERSION, drop_slot, names_of
+from ..store.wal.objects import WAL_SINCE_SERVER_VERSION, drop_slot, names_of, slot_holder
 from ..strategies import WAL
 from ..strategies.base import PublishOutcome, StrategyConfig
 from .baselines.ceilings import ConfirmingPublisher
@@ -123,11 +123,7 @@ def wait_streaming(dsn: str, table: OutboxTable, timeout_s: float, alive: Callab
     deadline = time.monotonic() + timeout_s
     with psycopg.connect(dsn, autocommit=True) as conn:
         while True:
-            row = conn.execute(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
-                (names_of(table).slot,),
-            ).fetchone()
-            if row is not None and row[0] is not None:
+            if slot_holder(conn, names_of(table).slot)[1] is not None:
                 return
             if (code := alive()) is not None:
                 raise RuntimeError(f"the relay exited with {code} before streaming the slot")

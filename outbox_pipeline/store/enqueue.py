@@ -94,14 +94,14 @@ def enqueue_many(
         messages = [m if m.headers and TRACEPARENT in m.headers else _traced(m, trace) for m in messages]
     topics: set[str] = set()
     limit = RecordLimit(table.max_message_bytes, cloud_events_from_env())  # the relay's CloudEvents attributes count
-    hashed = table.write_to != "wal"
-    rows = [validate(m, limit, i, topics, hashed=hashed) for i, m in enumerate(messages)]
+    wal = table.write_to == "wal"
+    rows = [validate(m, limit, i, topics, hashed=not wal) for i, m in enumerate(messages)]
     if not rows:
         return []
     if len(rows) * table.max_message_bytes > MAX_CALL_BYTES:  # each row is within the message limit: mostly no sum
         _check_call_size(rows)
     raw_ids, message_ids = _new_message_ids(len(rows))
-    if not hashed:
+    if wal:
         return _emit(conn, table, rows, raw_ids, message_ids)
     if len(rows) == 1:
         # The common call: scalar parameters instead of nine one-element arrays (measured: dumping the arrays

@@ -108,8 +108,8 @@ def validate(m: Message, limit: RecordLimit, index: int, topics: set[str], *, ha
         headers=headers,
         priority=m.priority,
         partition=m.partition,
-        # No key: spread evenly over the topic's partitions.
-        hash=0 if not hashed else key_hash(key_bytes) if key is not None else random.getrandbits(31),
+        # No key: spread evenly over the topic's partitions. Not hashed: 0 (a wal outbox's relay routes by key).
+        hash=(key_hash(key_bytes) if key is not None else random.getrandbits(31)) if hashed else 0,
         size=size,
     )
 

@@ -29,7 +29,7 @@ import psycopg
 
 from ... import server
 from ...config import OutboxTable
-from ...store.wal.objects import names_of
+from ...store.wal.objects import names_of, slot_holder
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,12 @@ class SlotLeader:
         deadline = self._settings.slot_free_timeout_s
         waited = 0.0
         while True:
-            row = conn.execute(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
-                (self._slot,),
-            ).fetchone()
-            if row is None or row[0] is None:
+            _, pid = slot_holder(conn, self._slot)
+            if pid is None:
                 return
             if waited == 0.0:
-                log.warning(
-                    "the slot %s is still streamed by pid %s, a relay that is gone: ending it", self._slot, row[0]
-                )
-                conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+                log.warning("the slot %s is still streamed by pid %s, a relay that is gone: ending it", self._slot, pid)
+                conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
             if waited >= deadline or self._stop.wait(0.1):
                 return  # START_REPLICATION will say the slot is active, and the relay tries again
             waited += 0.1

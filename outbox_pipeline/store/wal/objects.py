@@ -274,19 +274,25 @@ def _open_transactions(conn: psycopg.Connection) -> str:
     return "; ".join(f"pid {pid} ({user}, {app!r}, open {age})" for pid, user, app, age in rows)
 
 
+def slot_holder(conn: psycopg.Connection, slot: str) -> tuple[bool, int | None]:
+    """Whether this database has the slot, and the server process streaming it (None: none). Slot names are the
+    server's: a slot of this name made for another database is not this outbox's."""
+    row = conn.execute(
+        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()", (slot,)
+    ).fetchone()
+    return (False, None) if row is None else (True, row[0])
+
+
 def drop_slot(conn: psycopg.Connection, table: OutboxTable) -> None:
     """The slot and the publication gone (``conn`` in autocommit); a walsender still on the slot is ended first. What
     the slot had not confirmed is gone with it: only for an outbox that is being dropped or leaves the wal strategy."""
     names = names_of(table)
     for _ in range(50):
-        row = conn.execute(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
-            (names.slot,),
-        ).fetchone()
-        if row is None:
+        exists, pid = slot_holder(conn, names.slot)
+        if not exists:
             break
-        if row[0] is not None:
-            conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+        if pid is not None:
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
             continue
         try:
             conn.execute("SELECT pg_drop_replication_slot(%s)", (names.slot,))
