@@ -3,7 +3,9 @@ producer's size limit (message.max.bytes set low on the producer) and a topic na
 past the table's CHECK constraint, as a writer bypassing `enqueue` could) fail permanently; a topic that does not
 exist, with auto-creation off, times out: a transient error, retried until `max_attempts`. Each ends in the
 dead letters with its error, and the good messages, in the same partition or others, keep flowing meanwhile. The
-poison rows have keys of their own here: a later row of a poisoned key is held (scenario 12)."""
+poison rows have keys of their own here: a later row of a poisoned key is held (scenario 12). Timing: that the good
+rows flow *while* the poison row is retried is a race with its retries' back-off, which a loaded machine lost (16 of
+100 on Debian's 15 beside three other test processes, a fresh clone of 2026-11-28): it runs alone."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from tests.kit.writer import write
 
 from .helpers import consume, report, tally
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timing]
 
 MAX_ATTEMPTS = 3
 
