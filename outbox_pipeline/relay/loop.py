@@ -308,14 +308,27 @@ class Relay:
                     continue
                 self._wait_for_work(min(idle_wait, self.settings.upkeep_interval_s))
                 idle_wait = min(idle_wait * 2, self.settings.max_poll_interval_s)
-            self._ack_settled()
-            if in_flight is not None:
-                self._ack(in_flight, self._finish(in_flight))  # stopping: confirm what is out there
+            self._confirm_last(in_flight)
             if self.settings.until_empty and not self.stop.is_set():
                 self.stats.remaining = self._explain_remaining()
         finally:
             self.close()
         return self.stats
+
+    def _confirm_last(self, in_flight: _InFlight | None) -> None:
+        """Stopping: ack what is out there. A database that goes away now (a restart, a terminated session) leaves
+        one more batch published but not acked, as a crash would: its rows go back when the transaction dies or the
+        lease ends and are published again. The stop still ends as asked, without an exception."""
+        try:
+            self._ack_settled()
+            if in_flight is not None:
+                self._ack(in_flight, self._finish(in_flight))
+        except psycopg.OperationalError as exc:
+            self.stats.errors += 1
+            if self.instruments is not None:
+                self.instruments.error()
+            reason = str(exc).strip().splitlines()[0]
+            log.warning("stopping: the last batch could not be confirmed (%s); it will be published again", reason)
 
     def _explain_remaining(self) -> list[str]:
         """Why rows are still pending when ``--max-seconds`` ended an ``--until-empty`` run: asked of the database,

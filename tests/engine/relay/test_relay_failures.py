@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psycopg
@@ -17,8 +17,10 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.relay.publisher import PendingBatch
 from outbox_pipeline.store.schema import set_topic_partitions
 from outbox_pipeline.strategies import STRATEGY_NAMES
+from outbox_pipeline.strategies.base import OutboxRecord
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, make_relay, message_ids
 from tests.kit.workers import WorkerProcess
@@ -266,3 +268,45 @@ def test_a_topic_that_takes_smaller_records_than_the_producer_is_named_once_with
     assert len(warnings) == 1 and f"topic {topic!r} takes records up to 1000 bytes" in warnings[0]
     assert "producer sends up to 1000000" in warnings[0] and "KAFKA_MESSAGE_MAX_BYTES=1000" in warnings[0]
     assert len(kafka.consume(topic, expect=20)) == 20
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_a_relay_whose_session_ends_while_it_stops_returns_and_the_unconfirmed_batch_is_published_again(
+    strategy: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """Stopping, the relay confirms the batch still in Kafka; a database restart or a terminated session at that
+    moment is one more unconfirmed batch (published again by whoever relays next), not a worker that exits 1."""
+    topic = new_topic()
+    set_topic_partitions(db, table, topic, 1)
+    written = _write(db, table, strategy, [Message(topic, {"n": i}, key=f"k{i % 4}") for i in range(60)])
+    stop = threading.Event()
+    relay = make_relay(
+        db.info.dsn,
+        table,
+        kafka.bootstrap_servers,
+        strategy,
+        batch_size=20,
+        stop=stop,
+        until_empty=False,
+        worker_id="stopping",
+    )
+    start, published = relay.publisher.start, []
+
+    def start_then_lose_the_session(records: Sequence[OutboxRecord]) -> PendingBatch:
+        pending = start(records)
+        published.append(len(records))
+        # Asked to stop with this batch in Kafka, and the relay's sessions end before it can confirm it.
+        stop.set()
+        db.execute(
+            "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE application_name = %s",
+            ["outbox stopping"],
+        )
+        return pending
+
+    relay.publisher.start = start_then_lose_the_session  # type: ignore[method-assign]
+    stats = relay.run()
+    assert published == [20], "the relay stopped with exactly one batch in Kafka"
+    assert stats.errors == 1 and stats.acked == 0
+    assert len(set(message_ids(kafka.consume(topic, expect=20)))) == 20
+    drain(db.info.dsn, table, kafka.bootstrap_servers, strategy, batch_size=20, worker_id="next")
+    assert set(message_ids(kafka.consume(topic, idle_s=2.0))) == set(written)
