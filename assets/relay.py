@@ -30,7 +30,9 @@ class RelayRunConfig(dg.Config):
     max_seconds: float | None = Field(
         default=None, description="time budget in seconds; empty: OUTBOX_RELAY_MAX_SECONDS (default 60)"
     )
-    batch_size: int = Field(default=1000, description="rows per batch")
+    batch_size: int = Field(
+        default=1000, description="rows per claim (table strategies; a wal run hands Kafka what its stream holds)"
+    )
     mode: Literal["delete", "mark-sent"] = Field(default="delete", description="row strategies: delete or keep rows")
     kafka_transactions: bool = Field(
         default=False, description="partitioned/serialized: one Kafka transaction per batch"

@@ -17,6 +17,7 @@ import psycopg
 from ..config import redact_dsn
 from ..errors import OutboxError
 from ..relay.relay_settings import RelaySettings
+from ..relay.wal.relay import WalRelaySettings
 from ..store.migrations import DEFAULT_DAYS_AHEAD
 from ..strategies import RECORDED_NAMES, STRATEGY_NAMES, strategy_list
 from ..strategies.quarantine import ON_POISON_CHOICES
@@ -108,7 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: the outbox's own (init-db --strategy, switch-strategy; an outbox without one takes this)",
     )
     p.add_argument("--workers", type=int, default=1, help="worker processes")
-    p.add_argument("--batch-size", type=int, default=RelaySettings.batch_size)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=RelaySettings.batch_size,
+        help=f"rows per claim (table strategies); a wal relay hands Kafka what its stream holds, up to "
+        f"{WalRelaySettings.batch_max:,} messages at once, whatever this says",
+    )
     p.add_argument(
         "--until-empty",
         action="store_true",

@@ -72,7 +72,9 @@ class RelayStreamConfig(dg.Config):
         default=None,
         description="seconds between per-partition materializations; empty: OUTBOX_RELAY_REPORT_INTERVAL_S",
     )
-    batch_size: int = Field(default=1000, description="rows per batch")
+    batch_size: int = Field(
+        default=1000, description="rows per claim (table strategies; a wal run hands Kafka what its stream holds)"
+    )
     lease_s: float = Field(default=60.0, description="partition/row lease; the fallback when liveness is expiry")
     kafka_transactions: bool = Field(default=False, description="partitioned/serialized: a Kafka transaction per batch")
 

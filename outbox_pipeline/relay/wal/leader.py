@@ -20,6 +20,7 @@ Terminating another session needs the same role or ``pg_signal_backend`` (docs/o
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -74,10 +75,12 @@ class SlotLeader:
             if not logged:
                 log.info("another relay streams the slot %s; waiting to take over", self._slot)
                 logged = True
-            self._end_frozen_leader(conn)
-            wait = (
-                self._settings.poll_s if deadline is None else min(self._settings.poll_s, deadline - time.monotonic())
-            )
+            due_s = self._end_frozen_leader(conn)
+            if due_s == 0.0:
+                continue  # its sessions are gone, and its lock with them: take it now
+            wait = min(self._settings.poll_s, due_s)
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
             self._stop.wait(max(wait, 0.0))
         return False
 
@@ -120,7 +123,10 @@ class SlotLeader:
                 return  # START_REPLICATION will say the slot is active, and the relay tries again
             waited += 0.1
 
-    def _end_frozen_leader(self, conn: psycopg.Connection) -> None:
+    def _end_frozen_leader(self, conn: psycopg.Connection) -> float:
+        """End the streamer's sessions if it has been silent for the takeover time (0.0: ended, the lock is free);
+        else the seconds until it would be (the next look then, not a poll later: each poll added to the takeover is
+        a second more that nothing is published)."""
         row = conn.execute(
             """
             SELECT s.active_pid, l.pid, extract(epoch FROM now() - greatest(r.reply_time, a.state_change))
@@ -135,7 +141,7 @@ class SlotLeader:
             {"class": WAL_LEADER_LOCK_CLASS, "schema": self._table.schema, "slot": self._slot},
         ).fetchone()
         if row is None:
-            return
+            return math.inf
         walsender, holder, silent_s = row
         if walsender is not None and holder is not None and silent_s is None and not self._blind_logged:
             self._blind_logged = True
@@ -144,8 +150,10 @@ class SlotLeader:
                 "and this one has neither that role nor pg_read_all_stats; a frozen streamer is not taken over",
                 self._slot,
             )
-        if walsender is None or silent_s is None or float(silent_s) < self._settings.takeover_after_s:
-            return
+        if walsender is None or silent_s is None:
+            return math.inf
+        if float(silent_s) < self._settings.takeover_after_s:
+            return self._settings.takeover_after_s - float(silent_s)
         log.warning(
             "the relay streaming the slot %s has not answered for %.0f s (frozen?): ending its sessions (pids %s, %s)",
             self._slot,
@@ -154,5 +162,6 @@ class SlotLeader:
             holder,
         )
         for pid in (walsender, holder):
-            if pid is not None:
-                conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            if pid is not None:  # waits (up to 5 s) until the process has exited and its lock is released
+                conn.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        return 0.0

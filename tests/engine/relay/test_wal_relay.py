@@ -16,8 +16,9 @@ from psycopg.conninfo import make_conninfo
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
 from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.relay.wal.leader import LeaderSettings
+from outbox_pipeline.relay.wal.leader import LeaderSettings, SlotLeader
 from outbox_pipeline.relay.wal.relay import WalRelay, WalRelaySettings
+from outbox_pipeline.relay.wal.stream import ReplicationStream
 from outbox_pipeline.store.schema import init_db
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import SlotUnusable, slot_state
@@ -165,6 +166,27 @@ def test_a_waiting_relay_takes_over_when_the_streaming_one_stops(
     threads[1].join(10.0)
 
     assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}', b'{"n": 2}']
+
+
+def test_a_waiting_relay_takes_over_a_frozen_streamer_when_it_is_due_not_at_its_next_poll(
+    db: psycopg.Connection, dsn: str, wal_outbox: OutboxTable
+) -> None:
+    """The waiting relay looks again when the streamer's silence reaches the takeover time, and takes the lock as soon
+    as it has ended the frozen relay's sessions. A poll interval added to each stretched the harness's silence past
+    its bound (seed 777, wal: 8.7 s for a 5 s takeover plus 3 s). Here the poll interval is an hour."""
+    names = names_of(wal_outbox)
+    frozen = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings())
+    assert frozen.acquire()
+    # Streams and never answers: a frozen pod's walsender, and a lock held by a session that says nothing more.
+    stream = ReplicationStream.open(dsn, names.slot, names.publication, status_interval_s=3600.0)
+    waiting = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings(poll_s=3600.0, takeover_after_s=1.0))
+    try:
+        assert waiting.acquire(deadline=time.monotonic() + 20.0), "the waiting relay did not take the lock"
+        assert slot_state(db, wal_outbox).active_pid is None  # the frozen stream's walsender was ended
+    finally:
+        waiting.release()
+        stream.close()
+        frozen.release()
 
 
 def _write(db: psycopg.Connection, table: OutboxTable, topic: str, *messages: tuple[str, object]) -> None:
