@@ -67,6 +67,8 @@ def _init_db(
     strategies: Sequence[str] | None,
 ) -> list[Migration]:
     new = current_version(conn, table) == 0
+    if strategies is not None and list(strategies) == [WAL]:
+        wal_objects.slot_here(conn, table)  # refuses before anything is made: a refusal leaves nothing behind
     applied: list[Migration] = []
     with conn.transaction():
         _lock_migrations(conn, table)

@@ -214,32 +214,39 @@ def install_functions(conn: psycopg.Connection, table: OutboxTable) -> None:
     )
 
 
-def ensure_slot(conn: psycopg.Connection, table: OutboxTable) -> bool:
-    """The publication and the slot, if missing (``conn`` in autocommit); True when the slot was created now."""
+def slot_here(conn: psycopg.Connection, table: OutboxTable) -> bool:
+    """Whether this database has the outbox's slot already; refused when the server cannot stream messages or another
+    of its databases has the slot. A slot's name is the server's: one of this name made for another database is not
+    this outbox's, and taking it (or later dropping it) would be taking that database's messages. init-db asks before
+    it makes anything, so that a refusal leaves nothing behind."""
     names = names_of(table)
     if conn.info.server_version < WAL_SINCE_SERVER_VERSION:
         raise SchemaError(
             f"the wal strategy needs PostgreSQL 14 or later (pgoutput streams logical decoding messages from 14 on); "
             f"this server is {conn.info.server_version // 10000}: use a table strategy (partitioned) here"
         )
-    found = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (names.publication,)).fetchone()
-    if found is None:
-        conn.execute(sql.SQL("CREATE PUBLICATION {}").format(sql.Identifier(names.publication)))  # empty: messages
-    # A slot's name is the server's: one of this name made for another database is not this outbox's, and taking it
-    # (or later dropping it) would be taking that database's messages.
     row = conn.execute(
         "SELECT database, database = current_database() FROM pg_replication_slots WHERE slot_name = %s", (names.slot,)
     ).fetchone()
-    if row is not None and row[1]:
-        return False
-    if row is not None:
+    if row is not None and not row[1]:
         raise SchemaError(
             f"the replication slot {names.slot!r} this outbox would use belongs to the database {row[0]!r} on the "
             f"same server (a slot's name is the server's, and it is made from the outbox's schema, {table.schema!r}, "
             f"which a wal outbox in {row[0]!r} has too): give this database's outbox another schema "
-            f"({settings.SCHEMA.name}=...) and run `outbox init-db --strategy wal` again; nothing was created but "
-            "the publication"
+            f"({settings.SCHEMA.name}=...) and run `outbox init-db --strategy wal` again; nothing was created"
         )
+    return row is not None
+
+
+def ensure_slot(conn: psycopg.Connection, table: OutboxTable) -> bool:
+    """The publication and the slot, if missing (``conn`` in autocommit); True when the slot was created now."""
+    names = names_of(table)
+    exists = slot_here(conn, table)
+    found = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (names.publication,)).fetchone()
+    if found is None:
+        conn.execute(sql.SQL("CREATE PUBLICATION {}").format(sql.Identifier(names.publication)))  # empty: messages
+    if exists:
+        return False
     try:
         with conn.transaction():
             conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(f"{SLOT_CREATE_TIMEOUT_S}s")))
@@ -249,7 +256,8 @@ def ensure_slot(conn: psycopg.Connection, table: OutboxTable) -> bool:
             f"the replication slot {names.slot!r} was not created within {SLOT_CREATE_TIMEOUT_S} s: PostgreSQL creates "
             f"it once every transaction running now has ended, and these have not: {_open_transactions(conn)}. End "
             "them (COMMIT or ROLLBACK; or SELECT pg_terminate_backend(pid)) and run `outbox init-db --strategy wal` "
-            "again; nothing was created but the publication"
+            "again (it goes on from here: the outbox's tables and its publication are made, its slot is not, and "
+            "nobody can write to it the wal way until it is)"
         ) from None
     except psycopg.errors.ObjectNotInPrerequisiteState as exc:  # wal_level below logical
         raise SchemaError(

@@ -52,3 +52,18 @@ def test_the_second_database_neither_reads_nor_drops_the_first_ones_slot(
 
     assert _slot_databases(db, wal_outbox) == [db.info.dbname]
     assert slot_state(db, wal_outbox).exists
+
+
+def test_the_refused_second_outbox_leaves_nothing_behind_in_its_database(
+    db: psycopg.Connection, wal_outbox: OutboxTable, other_database: str
+) -> None:
+    """The refusal comes before anything is made: the operator follows it (another schema) and finds no half-made
+    outbox, and no publication, under the first name."""
+    with psycopg.connect(other_database, autocommit=True) as other:
+        with pytest.raises(SchemaError, match="nothing was created"):
+            init_db(other, wal_outbox, strategies=["wal"])
+        schemas = other.execute("SELECT nspname FROM pg_namespace WHERE nspname = %s", (wal_outbox.schema,))
+        publications = other.execute(
+            "SELECT pubname FROM pg_publication WHERE pubname = %s", (names_of(wal_outbox).publication,)
+        )
+        assert (schemas.fetchall(), publications.fetchall()) == ([], [])
