@@ -27,6 +27,7 @@ from .. import settings as catalogue
 from ..config import OutboxTable
 from ..store.schema import init_db, set_topic_partitions
 from .broker import BrokerSpec, LocalBroker
+from .dagster_runs import cancel_runs
 from .demo import DEMO_TOPICS
 from .ports import LocalStackError, PortInUseError, ensure_port_free
 from .postgres import LocalPostgres, PostgresSpec
@@ -274,6 +275,8 @@ def run_dev(settings: DevSettings) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if settings.with_dagster and any(c.name == "dagster" and c.process.poll() is None for c in children):
+            cancel_runs(settings.dagster_port, timeout_s=30.0)  # an operator's stop, not a crash (dagster_runs.py)
         for child in reversed(children):
             child.stop()
         broker.stop()

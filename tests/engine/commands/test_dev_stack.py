@@ -160,6 +160,26 @@ def test_dev_restarted_reuses_its_data(dev_home: Path) -> None:
     assert found == (1,)
 
 
+def _run_statuses(port: int) -> list[str]:
+    data = _graphql(port, "{ runsOrError { ... on Runs { results { status } } } }")["data"]
+    return [str(run["status"]) for run in data["runsOrError"]["results"]]  # type: ignore[index]
+
+
+def test_ctrl_c_cancels_the_relay_run_so_the_next_start_shows_no_failed_run(dev_home: Path) -> None:
+    """Ctrl-C is an operator's stop, not a crash: the long-lived relay run ends canceled, asked through Dagster before
+    `dagster dev` gets its SIGINT. Interrupted instead, it was a failed run at every restart, retried by the daemon
+    and counted by the failure alert."""
+    first = DevRun(dev_home)
+    first.wait_for("a relay run in progress", lambda: "STARTED" in _run_statuses(first.dagster_port), deadline_s=240.0)
+    assert first.interrupt() == 0, first.output()
+
+    second = DevRun(dev_home)
+    second.wait_for("dagster dev to answer GraphQL", lambda: "data" in _graphql(second.dagster_port, "{ version }"))
+    statuses = _run_statuses(second.dagster_port)
+    assert second.interrupt() == 0, second.output()
+    assert "FAILURE" not in statuses and "CANCELED" in statuses, statuses
+
+
 def test_dev_with_a_taken_port_says_which_variable_to_change(dev_home: Path) -> None:
     import socket
 
