@@ -25,7 +25,8 @@ mutation ($ids: [String!]!) { terminateRuns(runIds: $ids) { __typename } }
 """
 
 
-def _graphql(port: int, query: str, variables: dict[str, object] | None = None) -> dict[str, object]:
+def graphql(port: int, query: str, variables: dict[str, object] | None = None) -> dict[str, object]:
+    """One query to a local webserver's GraphQL API (as the UI asks it); its errors raised."""
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/graphql",
         data=json.dumps({"query": query, "variables": variables or {}}).encode(),
@@ -39,7 +40,7 @@ def _graphql(port: int, query: str, variables: dict[str, object] | None = None) 
 
 
 def _in_progress(port: int) -> list[str]:
-    data = _graphql(port, _IN_PROGRESS)["data"]
+    data = graphql(port, _IN_PROGRESS)["data"]
     return [str(run["runId"]) for run in data["runsOrError"]["results"]]  # type: ignore[index]
 
 
@@ -50,7 +51,7 @@ def cancel_runs(port: int, timeout_s: float) -> list[str]:
         runs = _in_progress(port)
         if runs:
             log.info("canceling %d Dagster run(s) in progress", len(runs))
-            _graphql(port, _TERMINATE, {"ids": runs})
+            graphql(port, _TERMINATE, {"ids": runs})
         deadline, pause = time.monotonic() + timeout_s, threading.Event()  # never set: a pause between looks
         waiting = runs
         while waiting and time.monotonic() < deadline:

@@ -293,11 +293,8 @@ class Relay:
                     # transaction dies or the lease ends (at-least-once: published again).
                     in_flight, self._settled = None, None
                     failures += 1
-                    self.stats.errors += 1
                     self._may_have_work = True
-                    if self.instruments is not None:
-                        self.instruments.error()
-                    log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
+                    log.warning("database unavailable (%s); reconnecting", self._database_error(exc))
                     self._sessions.disconnect()
                     self.stop.wait(self.settings.error_backoff_s(failures))
                     continue
@@ -324,11 +321,15 @@ class Relay:
             if in_flight is not None:
                 self._ack(in_flight, self._finish(in_flight))
         except psycopg.OperationalError as exc:
-            self.stats.errors += 1
-            if self.instruments is not None:
-                self.instruments.error()
-            reason = str(exc).strip().splitlines()[0]
+            reason = self._database_error(exc)
             log.warning("stopping: the last batch could not be confirmed (%s); it will be published again", reason)
+
+    def _database_error(self, exc: psycopg.OperationalError) -> str:
+        """Count a database error (stats, /metrics); its first line, to log."""
+        self.stats.errors += 1
+        if self.instruments is not None:
+            self.instruments.error()
+        return str(exc).strip().splitlines()[0]
 
     def _explain_remaining(self) -> list[str]:
         """Why rows are still pending when ``--max-seconds`` ended an ``--until-empty`` run: asked of the database,

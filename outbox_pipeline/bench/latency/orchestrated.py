@@ -9,19 +9,18 @@ here, never imported.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from importlib import resources
 from pathlib import Path
 
 from ... import settings
 from ...config import OutboxTable
+from ...localstack.dagster_runs import graphql
 from ...localstack.dev import group_members, wait_group_gone
 from ...localstack.ports import free_port
 from ..procstat import cmdline, process_cpu_s
@@ -108,11 +107,5 @@ class DagsterRelay:
         return None
 
     def runs(self) -> tuple[int, int] | None:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/graphql",
-            data=json.dumps({"query": _RUNS_QUERY}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            results = json.loads(response.read())["data"]["runsOrError"]["results"]
+        results = graphql(self.port, _RUNS_QUERY)["data"]["runsOrError"]["results"]  # type: ignore[index]
         return len(results), sum(1 for run in results if run["status"] == "QUEUED")
