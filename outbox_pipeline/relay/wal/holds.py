@@ -163,3 +163,20 @@ class WalHolds:
                 (topic, key),
             )
         self.keys.discard((topic, key.encode()))
+
+
+def dead_letters_not_confirmed(conn: psycopg.Connection, table: OutboxTable, slot: str) -> set[int]:
+    """The dead letters at or past the slot's confirmed position: a relay that dead-lettered them and lost its stream
+    before it confirmed past them sees them again, and must neither publish nor hold them (an operator's discard
+    would otherwise publish what it discarded)."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            SELECT d.id FROM {dead_letters} d
+            WHERE d.id >= (SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots
+                           WHERE slot_name = %s AND database = current_database())
+            """
+        ).format(dead_letters=table.dead_letters),
+        (slot,),
+    ).fetchall()
+    return {int(row[0]) for row in rows}

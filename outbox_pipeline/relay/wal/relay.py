@@ -35,7 +35,7 @@ from ..publisher import KafkaPublisher, PendingBatch
 from ..relay_settings import Pacer
 from ..stats import RelayInstruments, RelayStats
 from .batches import Batch, Confirms
-from .holds import WalHolds
+from .holds import WalHolds, dead_letters_not_confirmed
 from .leader import LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
 from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume
@@ -55,6 +55,7 @@ class WalRelaySettings:
     max_seconds: float | None = None
     error_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+    max_attempts: int = 10  # a record Kafka refuses for now (its topic missing) is tried this often, then dead-lettered
     leader: LeaderSettings = LeaderSettings()
 
 
@@ -92,6 +93,8 @@ class WalRelay:
         self._releases_due = 0.0
         self._heartbeat_due = 0.0
         self._resume: Resume | None = None  # where this relay's last stream ended (stream.py)
+        self._attempts: dict[int, int] = {}  # a message's failed attempts of the "record" kind (its position: count)
+        self._dead: set[int] = set()  # dead letters the stream may send again (not confirmed past): never published
 
     def run(self) -> RelayStats:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
@@ -137,6 +140,7 @@ class WalRelay:
         row = leader.connection.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
         idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
         self.holds.load(leader.connection)
+        self._dead = dead_letters_not_confirmed(leader.connection, self.table, self._names.slot)
         with ReplicationStream.open(
             self.dsn,
             self._names.slot,
@@ -184,9 +188,8 @@ class WalRelay:
             held: list[OutboxRecord] = []
             for event in events:
                 if type(event) is Message:
-                    if event.transactional and event.prefix == prefix:
-                        if (record := self._record(event, commit, leader)) is not None:
-                            (held if holds.keys and holds.holds(record) else records).append(record)
+                    if event.prefix == prefix and (record := self._record(event, commit, leader)) is not None:
+                        (held if holds.keys and holds.holds(record) else records).append(record)
                 elif type(event) is Begin:
                     commit = str(event.final_lsn)
                 elif type(event) is Commit:
@@ -252,39 +255,62 @@ class WalRelay:
                 self._heartbeat(leader)
                 self.publisher.producer.flush(slice_s)
         outcome = self.publisher.finish(pending)
+        poison = [f for f in outcome.failed if self._gives_up(f)]
+        self._count(pending, outcome, len(poison))
+        if not outcome.failed:
+            self.stats.acked += len(records)
+            return len(records), False
+        if poison:
+            self.holds.dead_letter(leader.connection, poison)
+        # What the producer did not send because an earlier message of its key was refused: held now (quarantine),
+        # not a transport failure; under skip, sent again. A message Kafka refused for now is sent again from there.
+        dead = {f.record.id for f in poison}
+        again = {f.record.id for f in outcome.failed if f.record.id not in dead and not self._withheld(f)}
+        withheld = [f.record for f in outcome.failed if self._withheld(f)]
+        settled = next((i for i, r in enumerate(records) if r.id in again), len(records))
+        done = records[:settled]  # the rest stays in the batch, where withhold() takes the held
+        failed = {f.record.id for f in outcome.failed}
+        self.stats.acked += sum(1 for r in done if r.id not in failed)
+        self.stats.retried += sum(1 for f in outcome.failed if f.kind == "record" and f.record.id in again)
+        done_ids = {r.id for r in done}
+        self.holds.keep(leader.connection, [r for r in withheld if r.id in done_ids])
+        return settled, bool(again)
+
+    def _withheld(self, failure: DeliveryFailure) -> bool:
+        """Not sent because an earlier message of its key was refused, the key held now (quarantine)."""
+        return failure.kind == "transport" and self.holds.holds(failure.record)
+
+    def _count(self, pending: PendingBatch, outcome: PublishOutcome, dead: int) -> None:
+        """A settled batch in the relay's counts, its observer and its instruments."""
         self.stats.batches += 1
-        self.stats.claimed += len(records)
+        self.stats.claimed += len(pending.records)
         self.stats.published += len(outcome.delivered)
+        self.stats.dead_lettered += dead
         self.stats.busy_s += time.monotonic() - pending.started
         if self.observer is not None:
             self.observer(outcome)
         if self.instruments is not None:
-            dead = sum(1 for f in outcome.failed if f.kind != "transport")
             self.instruments.acked_batch(
                 time.monotonic() - pending.started,
                 0.0,
                 outcome,
                 AckResult(acked=len(outcome.delivered), dead_lettered=dead),
             )
-        if not outcome.failed:
-            return len(records), False
-        failed = {f.record.id: f for f in outcome.failed}
-        poison = [f for f in outcome.failed if f.kind != "transport"]
-        if poison:
-            self.holds.dead_letter(leader.connection, poison)
-            self.stats.dead_lettered += len(poison)
-        # What the producer did not send because an earlier message of its key was refused: held now (quarantine),
-        # not a transport failure; under skip, sent again.
-        withheld = [f.record for f in outcome.failed if f.kind == "transport" and self.holds.holds(f.record)]
-        transport = [
-            i
-            for i, r in enumerate(records)
-            if r.id in failed and failed[r.id].kind == "transport" and not self.holds.holds(r)
-        ]
-        settled = transport[0] if transport else len(records)
-        done = {r.id for r in records[:settled]}  # the rest stays in the batch, where withhold() takes the held
-        self.holds.keep(leader.connection, [r for r in withheld if r.id in done])
-        return settled, bool(transport)
+
+    def _gives_up(self, failure: DeliveryFailure) -> bool:
+        """Whether a failure makes its message a dead letter: never for the transport; at once for a message Kafka
+        will never take; for one it refused for now (its topic missing, a permission), once ``max_attempts`` of
+        them have failed, as the table strategies count them (strategies/base.py, FailureKind)."""
+        if failure.kind == "transport":
+            return False
+        if failure.kind == "permanent":
+            return True
+        attempts = self._attempts.get(failure.record.id, 0) + 1
+        if attempts >= self.settings.max_attempts:
+            self._attempts.pop(failure.record.id, None)
+            return True
+        self._attempts[failure.record.id] = attempts
+        return False
 
     def _alive(self) -> None:
         """The loop turns and the database answers (the last statement or read did not raise): /healthz."""
@@ -309,6 +335,7 @@ class WalRelay:
             if self.observer is not None:
                 self.observer(outcome)
             if not outcome.failed:
+                self.stats.acked += len(records)
                 self.holds.end(conn, topic, key, [r.id for r in records])
                 log.info("key %r of %s released: %d held messages published", key, topic, len(records))
                 continue
@@ -316,7 +343,8 @@ class WalRelay:
             first = next(i for i, r in enumerate(records) if r.id in failed)
             stopped = failed[records[first].id]
             self.holds.published(conn, [r.id for r in records[:first]])
-            if stopped.kind != "transport":
+            self.stats.acked += first
+            if self._gives_up(stopped):
                 self.holds.dead_letter_held(conn, stopped)
                 self.stats.dead_lettered += 1
                 continue
@@ -350,17 +378,27 @@ class WalRelay:
             self._heartbeat_due = now + self._alive_every_s
 
     def _record(self, event: Message, commit: str, leader: SlotLeader) -> OutboxRecord | None:
+        """The record of a message under the outbox's prefix; None for one that is not to be published: a dead letter
+        sent again, or bytes that are not a transactional outbox message (kept as a ``(malformed)`` dead letter)."""
+        if self._dead and event.lsn in self._dead:
+            return None  # dead-lettered before the stream broke: the operator's now, not the stream's
+        if not event.transactional:  # emitted whatever its transaction did, outside the commit order
+            self._malformed(event, str(event.lsn), "not transactional (emitted with transactional false)", leader)
+            return None
         try:
             return wal_record(event.content, event.lsn, commit)
         except MalformedMessage as exc:
-            # Bytes under our prefix another writer made: kept as a dead letter (payload_bytes), never published.
-            failure = DeliveryFailure(_malformed(event, commit), f"not an outbox message: {exc}", "permanent")
-            self.holds.dead_letter(leader.connection, [failure])
-            self.stats.dead_lettered += 1
+            self._malformed(event, commit, f"not an outbox message: {exc}", leader)
             return None
 
+    def _malformed(self, event: Message, commit: str, error: str, leader: SlotLeader) -> None:
+        """Bytes under our prefix another writer made: kept as a dead letter (payload_bytes), never published."""
+        failure = DeliveryFailure(_malformed_record(event, commit), error, "permanent")
+        self.holds.dead_letter(leader.connection, [failure])
+        self.stats.dead_lettered += 1
 
-def _malformed(event: Message, commit: str) -> OutboxRecord:
+
+def _malformed_record(event: Message, commit: str) -> OutboxRecord:
     return OutboxRecord(
         event.lsn, "(malformed)", None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, commit, 0, True
     )

@@ -1,0 +1,138 @@
+"""The wal relay's failure paths (issue 50): a record Kafka refuses for now is retried as the table strategies retry
+it, a message it cannot read is a dead letter and never a silent drop, a dead letter is never published behind the
+operator's back, and what the relay published and confirmed is not reported as a duplicate risked."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+
+import psycopg
+from psycopg import sql
+
+from outbox_pipeline import OutboxTable, enqueue
+from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.operate.dead_letters import discard_dead_letters
+from outbox_pipeline.store.wal.objects import names_of
+from outbox_pipeline.strategies.base import PublishOutcome
+from tests.kit.kafka import KafkaProbe
+from tests.kit.probes import wait_until
+from tests.kit.relay import make_wal_relay
+
+# A producer that gives up on a message to a topic that does not exist within a second, and never creates one.
+NO_AUTO_CREATE = {"message.timeout.ms": 1000, "allow.auto.create.topics": False}
+
+
+def _dead_letters(db: psycopg.Connection, table: OutboxTable) -> list[tuple[str, str]]:
+    return [
+        (str(topic), str(error))
+        for topic, error in db.execute(
+            sql.SQL("SELECT topic, last_error FROM {} ORDER BY id").format(table.dead_letters)
+        ).fetchall()
+    ]
+
+
+def test_a_message_to_a_topic_created_late_is_retried_and_published_not_dead_lettered(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, broker: LocalBroker
+) -> None:
+    late = f"late-{uuid.uuid4().hex[:10]}"  # created only after the relay has failed to deliver to it
+    with db.transaction():
+        enqueue(db, late, {"n": 1}, key="k", table=wal_outbox)
+    stop = threading.Event()
+    relay = make_wal_relay(
+        db.info.dsn, wal_outbox, kafka.bootstrap_servers, stop=stop, until_idle=False, producer=NO_AUTO_CREATE
+    )
+    worker = threading.Thread(target=relay.run)
+    worker.start()
+    try:
+        wait_until("a failed delivery to the missing topic", lambda: relay.stats.retried >= 1, deadline_s=30)
+        broker.create_topics([late], partitions=1)
+        arrived = kafka.consume(late, expect=1, deadline_s=60)
+    finally:
+        stop.set()
+        worker.join()
+
+    assert [r.value for r in arrived] == [b'{"n": 1}']
+    assert _dead_letters(db, wal_outbox) == []
+
+
+def test_a_message_to_a_topic_that_never_appears_is_dead_lettered_after_its_attempts_and_the_rest_flows(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic("wal")
+    missing = f"missing-{uuid.uuid4().hex[:10]}"
+    with db.transaction():
+        enqueue(db, missing, {"n": 0}, key="k", table=wal_outbox)
+        enqueue(db, topic, {"n": 1}, key="other", table=wal_outbox)
+
+    stats = make_wal_relay(
+        db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=NO_AUTO_CREATE, max_attempts=3
+    ).run()
+
+    assert [r.value for r in kafka.consume(topic, expect=1)] == [b'{"n": 1}']
+    [(dead_topic, error)] = _dead_letters(db, wal_outbox)
+    assert dead_topic == missing and f"topic {missing!r} does not exist" in error
+    assert stats.retried == 2 and stats.dead_lettered == 1
+
+
+def test_a_non_transactional_message_under_the_prefix_is_dead_lettered_as_malformed_not_dropped(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic("wal")
+    prefix = names_of(wal_outbox).prefix
+    db.execute("SELECT pg_logical_emit_message(false, %s, '\\x01'::bytea)", (prefix,))
+    with db.transaction():
+        enqueue(db, topic, {"n": 1}, key="k", table=wal_outbox)
+
+    stats = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert [r.value for r in kafka.consume(topic, expect=1)] == [b'{"n": 1}']
+    [(dead_topic, error)] = _dead_letters(db, wal_outbox)
+    assert dead_topic == "(malformed)" and "not transactional" in error
+    assert stats.dead_lettered == 1
+
+
+def test_a_dead_letter_whose_confirm_was_lost_is_not_held_again_so_discarding_it_publishes_nothing_of_it(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """The relay dead-letters a message and holds its key; its stream is ended before it confirms past the message,
+    so the stream sends the message again. It is the hold's dead letter, not one of the messages held behind it."""
+    topic = new_topic("wal")
+    with db.transaction():
+        enqueue(db, topic, {"pad": "x" * 5000}, key="k", table=wal_outbox)  # over the first relay's limit
+        enqueue(db, topic, {"n": 2}, key="k", table=wal_outbox)
+    first = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer={"message.max.bytes": 2000})
+    ended = threading.Event()
+
+    def end_the_stream(outcome: PublishOutcome) -> None:  # after Kafka refused the message, before the confirm
+        if outcome.failed and not ended.is_set():
+            ended.set()
+            db.execute(
+                "SELECT pg_terminate_backend(active_pid, 5000) FROM pg_replication_slots WHERE slot_name = %s",
+                (names_of(wal_outbox).slot,),
+            )
+
+    first.observer = end_the_stream
+    first.run()
+    assert ended.is_set() and first.stats.dead_lettered == 1  # its confirm went to a stream the server had ended
+
+    [dead_letter] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+    discard_dead_letters(db, wal_outbox, [dead_letter[0]], reason="too large for good")
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()  # no size limit: would publish it
+
+    assert [r.value for r in kafka.consume(topic)] == [b'{"n": 2}']
+
+
+def test_what_a_wal_relay_published_and_confirmed_is_not_counted_as_a_duplicate_risked(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic("wal")
+    with db.transaction():
+        for n in range(20):
+            enqueue(db, topic, {"n": n}, key=f"k{n % 3}", table=wal_outbox)
+
+    stats = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert stats.published == 20
+    assert stats.published - stats.acked == 0
