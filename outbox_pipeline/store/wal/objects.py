@@ -308,3 +308,10 @@ def drop_slot(conn: psycopg.Connection, table: OutboxTable) -> None:
             continue  # a walsender took it meanwhile
         break
     conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(names.publication)))
+
+
+def drop_by_hand(table: OutboxTable) -> str:
+    """``drop_slot`` as SQL an operator pastes into psql (in the outbox's database, as its owner or a superuser), for
+    the advice that asks for it. The names are [a-z0-9_] (``names_of``): quoted as they are."""
+    names = names_of(table)
+    return f"SELECT pg_drop_replication_slot('{names.slot}'); DROP PUBLICATION IF EXISTS {names.publication}"
