@@ -15,10 +15,11 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.cli import main
-from outbox_pipeline.errors import OutboxError
+from outbox_pipeline.errors import OutboxError, SchemaError
 from outbox_pipeline.operate.switch import switch_strategy
 from outbox_pipeline.store import strategy_record
 from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store.wal import objects as wal_objects
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import slot_state
 from tests.engine.store.test_wal_writers import emitted
@@ -167,3 +168,36 @@ def test_a_slot_of_the_outbox_s_name_on_a_table_outbox_is_reported_with_how_to_d
     _run_sql_advice(dsn, said)
     code, said = _cli(capsys, dsn, command, "--schema", locking_outbox.schema)
     assert code == 0 and names.slot not in said
+
+
+# -- case 11: a prepared transaction holds init-db up ---------------------------------------------------------------
+
+
+def test_a_prepared_transaction_holding_init_db_up_is_named_and_the_rerun_after_it_makes_the_outbox(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL makes a slot once every running transaction has ended, a prepared one too, which no session shows:
+    on main init-db said "none is left now (try again)", and trying again failed the same way."""
+    monkeypatch.setattr(wal_objects, "SLOT_CREATE_TIMEOUT_S", 1)
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    gid = f"payment-{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("BEGIN")
+        conn.execute("SELECT pg_current_xact_id()")
+        conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        try:
+            with pytest.raises(SchemaError) as refused:
+                init_db(conn, table, strategies=["wal"])
+            said = str(refused.value)
+            user = conn.execute("SELECT current_user").fetchone()
+            assert gid in said and f"owner {user[0] if user else '?'}" in said and conn.info.dbname in said
+            assert "COMMIT PREPARED" in said and "ROLLBACK PREPARED" in said
+            [rollback] = _quoted(said, "ROLLBACK PREPARED")
+            conn.execute(rollback)  # type: ignore[call-overload]  # the operator's choice of the two
+            init_db(conn, table, strategies=["wal"])  # and the rerun the message asks for
+            assert slot_state(conn, table).exists
+        finally:
+            if conn.execute("SELECT 1 FROM pg_prepared_xacts WHERE gid = %s", (gid,)).fetchone():
+                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+            drop_slot(conn, table)
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(table.schema_ident))
