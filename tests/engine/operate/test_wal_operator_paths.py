@@ -6,6 +6,7 @@ step by step, and works."""
 from __future__ import annotations
 
 import re
+import shlex
 import uuid
 from collections.abc import Iterator
 
@@ -23,6 +24,8 @@ from outbox_pipeline.store.wal import objects as wal_objects
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import slot_state
 from tests.engine.store.test_wal_writers import emitted
+from tests.kit.kafka import KafkaProbe
+from tests.kit.relay import make_wal_relay
 
 
 @pytest.fixture
@@ -201,3 +204,38 @@ def test_a_prepared_transaction_holding_init_db_up_is_named_and_the_rerun_after_
                 conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
             drop_slot(conn, table)
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(table.schema_ident))
+
+
+# -- case 11: dead-letters retry --all with a malformed dead letter ------------------------------------------------
+
+SMALL = {"message.max.bytes": 2000}  # a 5,000-byte message is one Kafka will never take
+
+
+def test_retry_all_retries_the_others_and_says_why_a_malformed_dead_letter_cannot_be_retried(
+    capsys: pytest.CaptureFixture[str],
+    dsn: str,
+    db: psycopg.Connection,
+    wal_outbox: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: object,
+) -> None:
+    """On main `retry --all` retried nothing (the malformed copy failed the topic check) and printed a traceback."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    with db.transaction():
+        enqueue(db, topic, {"pad": "x" * 5000}, key="b", table=wal_outbox)
+        db.execute("SELECT pg_logical_emit_message(true, %s, 'not ours'::bytea)", (names_of(wal_outbox).prefix,))
+    make_wal_relay(dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
+    letters = sql.SQL("SELECT topic, id FROM {}").format(wal_outbox.dead_letters)
+    by_topic = dict(db.execute(letters).fetchall())
+    assert sorted(by_topic) == sorted([topic, "(malformed)"])
+    malformed = by_topic["(malformed)"]
+
+    code, said = _cli(capsys, dsn, "dead-letters", "retry", "--all", "--schema", wal_outbox.schema)
+
+    assert code == 3 and "retried 1 dead letters" in said and "Traceback" not in said
+    assert f"id={malformed}" in said
+    make_wal_relay(dsn, wal_outbox, kafka.bootstrap_servers).run()  # Kafka takes the retried one now
+    assert [len(r.value or b"") > 5000 for r in kafka.consume(topic)] == [True]
+    [discard] = _quoted(said, "outbox dead-letters discard")  # the advice, as the operator pastes it
+    assert _cli(capsys, dsn, *shlex.split(discard)[1:], "--schema", wal_outbox.schema)[0] == 0
+    assert _cli(capsys, dsn, "dead-letters", "retry", "--all", "--schema", wal_outbox.schema)[0] == 0
