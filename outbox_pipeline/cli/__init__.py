@@ -19,7 +19,7 @@ from ..errors import OutboxError
 from ..relay.relay_settings import RelaySettings
 from ..relay.wal.relay import WalRelaySettings
 from ..store.migrations import DEFAULT_DAYS_AHEAD
-from ..strategies import RECORDED_NAMES, STRATEGY_NAMES, strategy_list
+from ..strategies import RECORDED_NAMES, strategy_list
 from ..strategies.quarantine import ON_POISON_CHOICES
 from .common import add_db_args, header_pair, positive_int, timestamp_arg, topic_partitions
 from .inspect_commands import cmd_lag, cmd_settings, cmd_status
@@ -216,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         "stopped; then start relays of the new strategy. See docs/operations.md.",
     )
     add_db_args(p)
-    p.add_argument("--to", required=True, choices=STRATEGY_NAMES, help="the strategy the relays will run")
+    p.add_argument(
+        "--to", required=True, choices=RECORDED_NAMES, help="the strategy the relays will run (to or from wal: refused)"
+    )
     p.add_argument(
         "--mode", choices=["delete", "mark-sent"], default="delete", help="row strategies: what happens to relayed rows"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from collections.abc import Mapping, Sequence
 
 import psycopg
@@ -18,6 +19,7 @@ from ..observe.horizon import find_horizon
 from ..observe.lag import PartitionLag, dead_letter_backlog, describe_holders, held_keys, holders, partition_lag
 from ..observe.lag_slo import LagThresholds, evaluate_wal_lag
 from ..observe.liveness import holders_alive
+from ..observe.orphan_slot import orphan_slot
 from ..observe.wal_lag import NO_PARTITIONS, wal_lag
 from ..store import strategy_record
 from ..strategies import WAL
@@ -35,6 +37,8 @@ def cmd_lag(args: argparse.Namespace) -> int:
         alive = holders_alive(conn, table_of(args), holders(lags))
         held = [key for key in held_keys(conn, table_of(args)) if key.rows or not key.released]
         horizon = find_horizon(conn, table_of(args)) if strategy == "partitioned" else None
+        orphan = orphan_slot(conn, table_of(args), strategy)
+    _say_orphan(orphan, args)
     if args.json:
         print(json.dumps([{**dataclasses.asdict(lag), "holders": _holders_json(lag, alive)} for lag in lags]))
     else:
@@ -66,11 +70,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         if strategy == WAL:
             return _print_wal(conn, args, dead_letters=True)
         statuses = status.partition_status(conn, table_of(args), strategy, show_query=args.show_query)
+        orphan = orphan_slot(conn, table_of(args), strategy)
+    _say_orphan(orphan, args)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in statuses]))
     else:
         print(status.render(statuses))
     return 0
+
+
+def _say_orphan(orphan: str | None, args: argparse.Namespace) -> None:
+    """A slot no relay of this table outbox reads (observe/orphan_slot.py): on stderr, so that --json stays JSON."""
+    if orphan is not None:
+        print(orphan, file=sys.stderr)
 
 
 def _print_wal(conn: psycopg.Connection, args: argparse.Namespace, *, dead_letters: bool = False) -> int:

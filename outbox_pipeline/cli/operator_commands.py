@@ -6,11 +6,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from ..errors import OutboxError
 from ..operate import dead_letters, operations
 from ..operate.switch import switch_strategy
 from .common import connect, kafka_config_of, operator_name, table_of
+from .relay_command import EXIT_NOT_EMPTY
+
+# Done in part, and said why the rest was not: as `relay --until-empty` stopped with rows pending.
+EXIT_PARTIAL = EXIT_NOT_EMPTY
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -66,9 +71,12 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         raise OutboxError("dead-letters retry: say which: --id ID (repeatable), --topic TOPIC, or --all")
     with connect(args) as conn:
         if args.action == "retry":
+            left = dead_letters.malformed_among(conn, table, ids=args.id, topic=args.topic)
             count = dead_letters.retry_dead_letters(conn, table, ids=args.id, topic=args.topic, by=operator_name())
             print(f"retried {count} dead letters (back in the outbox, before the rows held behind them)")
-            return 0
+            if left:
+                _say_malformed(left)
+            return EXIT_PARTIAL if left else 0
         if args.action == "discard":
             count = dead_letters.discard_dead_letters(
                 conn, table, args.id or [], reason=args.reason or "", by=operator_name()
@@ -91,6 +99,18 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         )
     print(f"{len(letters)} dead letters{' (limit reached)' if len(letters) == args.limit else ''}")
     return 0
+
+
+def _say_malformed(ids: list[int]) -> None:
+    listed = " ".join(f"id={i}" for i in ids)
+    flags = " ".join(f"--id {i}" for i in ids)
+    print(
+        f"not retried: {len(ids)} malformed dead letters ({listed}): bytes under the outbox's prefix that no outbox "
+        "writer made (a hand-made pg_logical_emit_message, a writer of another version), so there is no message to "
+        f"put back. Look at them (`outbox dead-letters list`), then remove them: `outbox dead-letters discard {flags} "
+        '--reason "malformed"`',
+        file=sys.stderr,
+    )
 
 
 def cmd_release_lease(args: argparse.Namespace) -> int:

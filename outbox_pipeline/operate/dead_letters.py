@@ -15,6 +15,7 @@ from psycopg import sql
 from ..config import OutboxTable
 from ..errors import OutboxError
 from ..store.routing import SERIALIZED_LOCK_CLASS
+from ..store.wal.format import MALFORMED_TOPIC
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,11 @@ def retry_dead_letters(
     Without ``ids`` or ``topic`` every pending dead letter is retried.
 
     A dead letter its key is held behind (quarantine) goes instead to the head of its held rows and the hold is
-    released: the partition's relay publishes it, then the held rows, in order, then the key flows again.
+    released: the partition's relay publishes it, then the held rows, in order, then the key flows again. A malformed
+    one (wal: bytes under the prefix no writer of ours made) is no message and stays: ``malformed_among`` names it.
     """
     seq = table.ident("outbox_messages_id_seq")
-    filters = {"ids": list(ids) if ids is not None else None, "topic": topic, "by": by}
+    filters = {"ids": list(ids) if ids is not None else None, "topic": topic, "by": by, "malformed": MALFORMED_TOPIC}
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (SERIALIZED_LOCK_CLASS, table.schema))
         released = conn.execute(
@@ -108,6 +110,7 @@ def retry_dead_letters(
                       AND d.retried_at IS NULL AND d.discarded_at IS NULL
                       AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
                       AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+                      AND d.topic <> %(malformed)s
                     RETURNING d.*
                 ), released AS (
                     UPDATE {holds} h SET released_at = now(), release = 'retry', released_by = %(by)s,
@@ -132,6 +135,7 @@ def retry_dead_letters(
                     WHERE d.retried_at IS NULL AND d.discarded_at IS NULL
                       AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
                       AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+                      AND d.topic <> %(malformed)s
                     RETURNING d.id, d.message_id, d.topic, d.key, d.type, d.payload, d.payload_bytes, d.headers,
                               d.partition, d.priority
                 )
@@ -147,6 +151,26 @@ def retry_dead_letters(
             filters,
         )
         return released + cur.rowcount
+
+
+def malformed_among(
+    conn: psycopg.Connection, table: OutboxTable, *, ids: Sequence[int] | None = None, topic: str | None = None
+) -> list[int]:
+    """The pending dead letters a retry with these filters leaves alone: malformed, they hold no message to put back
+    (only ``discard`` removes them)."""
+    rows = conn.execute(
+        sql.SQL(
+            """
+            SELECT d.id FROM {dead_letters} d
+            WHERE d.retried_at IS NULL AND d.discarded_at IS NULL AND d.topic = %(malformed)s
+              AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+              AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+            ORDER BY d.id
+            """
+        ).format(dead_letters=table.dead_letters),
+        {"ids": list(ids) if ids is not None else None, "topic": topic, "malformed": MALFORMED_TOPIC},
+    ).fetchall()
+    return [int(i) for (i,) in rows]
 
 
 def discard_dead_letters(

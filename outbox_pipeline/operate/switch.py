@@ -17,7 +17,9 @@ Procedure (docs/operations.md): build the new strategy's indexes (``outbox index
 relays of the new strategy. The switch also records the new strategy as the outbox's (strategy_record.py): relays,
 drains and every command that reads the outbox as some strategy use it from then on, and refuse another. The switch
 refuses while a relay worker is alive, while a key is held behind a dead letter, and while rows held behind a
-released one wait (a hold is the old strategy's to release and relay).
+released one wait (a hold is the old strategy's to release and relay). It refuses a switch to or from ``wal`` before
+anything else: a wal outbox's messages are in its slot, not in rows, and no procedure translates one into the other
+yet (the refusal says what to do instead).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..observe.liveness import live_workers
 from ..store import strategy_record
 from ..store.indexes import require_indexes
 from ..store.relayable import keeps_positions
+from ..strategies import WAL
 from ..strategies.base import AckMode
 from ..strategies.offsets import BEHIND_POSITION, partition_pairs
 
@@ -108,6 +111,14 @@ def switch_strategy(
     lock_timeout: str = "10s",
 ) -> Switched:
     """Make the outbox's record of what was relayed the one ``strategy`` reads (module docstring)."""
+    current = strategy_record.recorded(conn, table)
+    if WAL in (strategy, current and current.strategy):
+        was = current.strategy if current else "no strategy yet"
+        how = "a wal outbox" if was == WAL else f"relayed by {was}"
+        raise OutboxError(
+            f"switch-strategy refused, nothing was changed: the outbox {table.schema!r} is {how}; "
+            + strategy_record.wal_switch_refusal(table, was, strategy)
+        )
     require_indexes(conn, table, strategy)
     if workers := live_workers(conn, table, lease_s=60.0):
         alive = ", ".join(w.worker_id for w in workers[:5])

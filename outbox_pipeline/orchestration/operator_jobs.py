@@ -14,7 +14,13 @@ from pydantic import Field
 
 from outbox_pipeline.config import parse_timestamp
 from outbox_pipeline.errors import ConfigurationError, OutboxError
-from outbox_pipeline.operate.dead_letters import DeadLetter, discard_dead_letters, list_dead_letters, retry_dead_letters
+from outbox_pipeline.operate.dead_letters import (
+    DeadLetter,
+    discard_dead_letters,
+    list_dead_letters,
+    malformed_among,
+    retry_dead_letters,
+)
 from outbox_pipeline.operate.operations import release_lease, replay_sent, rewind_partition
 from outbox_pipeline.store.indexes import build, drop_except, indexes_for, states
 from outbox_pipeline.strategies import strategy_class
@@ -155,10 +161,13 @@ def retry_outbox_dead_letters(
             return dg.Output(0, metadata={"dead_letters (oldest 50)": dg.MetadataValue.md(table), "retried": 0})
         if not (config.ids or config.topic or config.all):
             raise dg.Failure("say which dead letters to retry: ids, topic, or all: true (dry_run: true lists them)")
+        left = malformed_among(conn, postgres.table, ids=config.ids or None, topic=config.topic)
         retried = retry_dead_letters(
             conn, postgres.table, ids=config.ids or None, topic=config.topic, by=f"dagster run {context.run_id}"
         )
     context.log.info("%d dead letters put back into the outbox", retried)
+    if left:
+        context.log.warning("not retried: malformed dead letters %s hold no message; discard them", left)
     return dg.Output(
         retried, metadata={"retried": retried, "dead_letters before (oldest 50)": dg.MetadataValue.md(table)}
     )

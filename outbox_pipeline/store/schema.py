@@ -68,6 +68,7 @@ def _init_db(
 ) -> list[Migration]:
     new = current_version(conn, table) == 0
     if strategies is not None and list(strategies) == [WAL]:
+        strategy_record.refuse_claim(conn, table, WAL)  # a table outbox: refused before the slot is made
         wal_objects.slot_here(conn, table)  # refuses before anything is made: a refusal leaves nothing behind
     applied: list[Migration] = []
     with conn.transaction():

@@ -11,7 +11,8 @@ the lag sensor, Dagster jobs) asks here which one:
   existed, or without ``--strategy``) takes the strategy of its first relay or drain, unless what another strategy
   left says otherwise (positions, rows marked sent);
 - only ``outbox switch-strategy --to S`` changes it (switch.py, in the transaction that translates the record);
-- a strategy named that differs from the recorded one is refused, naming the switch.
+- a strategy named that differs from the recorded one is refused, naming the switch; no switch leads to or from
+  ``wal`` (its messages are in a replication slot, not in rows), so there the refusal names what to do instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError
-from ..strategies import POSITION_STRATEGIES, RECORDED_NAMES, STRATEGY_NAMES
+from ..strategies import POSITION_STRATEGIES, RECORDED_NAMES, STRATEGY_NAMES, WAL
+from .wal.objects import drop_by_hand
 
 # Who recorded it (``recorded_by``).
 BY_INIT_DB = "init-db"
@@ -126,6 +128,40 @@ def claim(conn: psycopg.Connection, table: OutboxTable, named: str | None, by: s
     return found.strategy
 
 
+def refuse_claim(conn: psycopg.Connection, table: OutboxTable, named: str) -> None:
+    """``claim``'s refusals, recording nothing: init-db asks first, before it makes what a refusal would otherwise
+    leave behind (a wal outbox's replication slot, which retains WAL)."""
+    found = conn.execute("SELECT to_regclass(%s)", (table.strategy_record.as_string(conn),)).fetchone()
+    if found is None or found[0] is None:
+        return  # a new outbox (or one from before the record): nothing to contradict
+    try:
+        if (record := recorded(conn, table)) is not None:
+            _refuse_other(table, record, named)
+        else:
+            _refuse_traces(conn, table, named)
+    except StrategyMismatch as exc:
+        raise StrategyMismatch(f"{exc}; nothing was created") from None
+
+
+def wal_switch_refusal(table: OutboxTable, current: str, named: str) -> str:
+    """Why no switch leads to or from wal, and what to do instead, in commands an operator can run as they are."""
+    if current == WAL:
+        return (
+            f"no procedure moves a wal outbox to {named} yet (its messages are in its replication slot's WAL, not in "
+            f"rows {named} reads). Keep relaying it with `outbox relay`. To move its writers to {named}: make a new "
+            f"outbox in a schema of its own, `outbox init-db --schema <new schema> --strategy {named}`, point the "
+            f"writers at it (OUTBOX_SCHEMA, OUTBOX_WRITE_TO=table), relay this one until `outbox lag --schema "
+            f"{table.schema}` shows its oldest unpublished commit at 0.0 s, then drop its slot and publication: "
+            f"`{drop_by_hand(table)}` (docs/wal.md)"
+        )
+    return (
+        "no procedure makes a table outbox a wal outbox yet (its rows would be relayed by nobody). For a wal outbox, "
+        "make one in a schema of its own: `outbox init-db --schema <new schema> --strategy wal`, point the writers at "
+        f"it (OUTBOX_SCHEMA, OUTBOX_WRITE_TO=wal) and relay this one until `outbox lag --schema {table.schema}` shows "
+        "nothing pending (docs/wal.md, Setting it up)"
+    )
+
+
 def record_switch(conn: psycopg.Connection, table: OutboxTable, strategy: str) -> None:
     """In the switch's own transaction: the outbox is the new strategy's from its commit on."""
     _check_name(strategy)
@@ -145,11 +181,16 @@ def _refuse_other(table: OutboxTable, found: Recorded, named: str | None) -> Non
     if named is None or named == found.strategy:
         return
     _check_name(named)
+    change = (
+        wal_switch_refusal(table, found.strategy, named)
+        if WAL in (named, found.strategy)
+        else f"to change it, stop every relay and run `outbox switch-strategy --to {named}` (docs/operations.md, "
+        "The outbox's strategy)"
+    )
     raise StrategyMismatch(
         f"the outbox {table.schema!r} is relayed by {found.strategy} (recorded by {found.recorded_by} at "
-        f"{found.recorded_at:%Y-%m-%d %H:%M:%S %Z}), not {named}: leave --strategy out to use {found.strategy}; to "
-        f"change it, stop every relay and run `outbox switch-strategy --to {named}` (docs/operations.md, "
-        "The outbox's strategy)"
+        f"{found.recorded_at:%Y-%m-%d %H:%M:%S %Z}), not {named}: leave --strategy out to use {found.strategy}; "
+        f"{change}"
     )
 
 
@@ -168,10 +209,15 @@ def _refuse_traces(conn: psycopg.Connection, table: OutboxTable, named: str) -> 
     if other is None and not marked:
         return
     whose = f"positions of {other}" if other else "rows marked sent by a row strategy (--mode mark-sent)"
+    change = (
+        wal_switch_refusal(table, str(other), named)
+        if named == WAL
+        else f"stop every relay and run `outbox switch-strategy --to {named}` (docs/operations.md, The outbox's "
+        "strategy)"
+    )
     raise StrategyMismatch(
         f"the outbox {table.schema!r} records no strategy, but holds {whose}, which {named} would read as not "
-        f"relayed: stop every relay and run `outbox switch-strategy --to {named}` (docs/operations.md, "
-        "The outbox's strategy)"
+        f"relayed: {change}"
     )
 
 

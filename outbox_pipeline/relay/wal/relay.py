@@ -25,7 +25,7 @@ import psycopg
 
 from ... import settings
 from ...config import OutboxTable
-from ...store.wal.format import MalformedMessage
+from ...store.wal.format import MALFORMED_TOPIC, MalformedMessage
 from ...store.wal.format import record as wal_record
 from ...store.wal.objects import names_of
 from ...store.wal.slot import require_streamable
@@ -400,7 +400,7 @@ class WalRelay:
 
 def _malformed_record(event: Message, commit: str) -> OutboxRecord:
     return OutboxRecord(
-        event.lsn, "(malformed)", None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, commit, 0, True
+        event.lsn, MALFORMED_TOPIC, None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, commit, 0, True
     )
 
 

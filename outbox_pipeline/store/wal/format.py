@@ -46,6 +46,11 @@ class WalMessage(NamedTuple):
     binary: bool
 
 
+# The topic a message under the prefix that is not one of ours is dead-lettered under: not a Kafka topic name (the
+# parentheses), so no writer's message has it, and there is nothing to retry (operate/dead_letters.py).
+MALFORMED_TOPIC = "(malformed)"
+
+
 class MalformedMessage(ValueError):
     """Bytes under the outbox's prefix that are not a message of this layout (a writer of another version, or a
     hand-made ``pg_logical_emit_message``)."""

@@ -255,7 +255,8 @@ def ensure_slot(conn: psycopg.Connection, table: OutboxTable) -> bool:
         raise SchemaError(
             f"the replication slot {names.slot!r} was not created within {SLOT_CREATE_TIMEOUT_S} s: PostgreSQL creates "
             f"it once every transaction running now has ended, and these have not: {_open_transactions(conn)}. End "
-            "them (COMMIT or ROLLBACK; or SELECT pg_terminate_backend(pid)) and run `outbox init-db --strategy wal` "
+            "them (a session: COMMIT or ROLLBACK, or SELECT pg_terminate_backend(pid); a prepared transaction: as "
+            "said) and run `outbox init-db --strategy wal` "
             "again (it goes on from here: the outbox's tables and its publication are made, its slot is not, and "
             "nobody can write to it the wal way until it is)"
         ) from None
@@ -277,9 +278,26 @@ def _open_transactions(conn: psycopg.Connection) -> str:
         ORDER BY xact_start LIMIT 5
         """
     ).fetchall()
-    if not rows:
-        return "none is left now (try again)"
-    return "; ".join(f"pid {pid} ({user}, {app!r}, open {age})" for pid, user, app, age in rows)
+    sessions = [f"pid {pid} ({user}, {app!r}, open {age})" for pid, user, app, age in rows]
+    found = sessions + _prepared_transactions(conn)
+    return "; ".join(found) if found else "none is left now (try again)"
+
+
+def _prepared_transactions(conn: psycopg.Connection) -> list[str]:
+    """Prepared transactions (two-phase commit) hold the slot up too, and no session shows them: each named with the
+    statement that ends it, run in its database as its owner or a superuser."""
+    rows = conn.execute(
+        "SELECT gid, owner, database, now() - prepared FROM pg_prepared_xacts ORDER BY prepared LIMIT 5"
+    ).fetchall()
+    said = []
+    for gid, owner, database, age in rows:
+        quoted = "'" + str(gid).replace("'", "''") + "'"
+        said.append(
+            f"prepared transaction {quoted} (owner {owner}, database {database}, prepared {age} ago): its "
+            f"transaction manager should finish it; if it is lost, connect to {database} as {owner} and run "
+            f"`COMMIT PREPARED {quoted}` or `ROLLBACK PREPARED {quoted}`"
+        )
+    return said
 
 
 def slot_holder(conn: psycopg.Connection, slot: str) -> tuple[bool, int | None]:
@@ -308,3 +326,10 @@ def drop_slot(conn: psycopg.Connection, table: OutboxTable) -> None:
             continue  # a walsender took it meanwhile
         break
     conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(names.publication)))
+
+
+def drop_by_hand(table: OutboxTable) -> str:
+    """``drop_slot`` as SQL an operator pastes into psql (in the outbox's database, as its owner or a superuser), for
+    the advice that asks for it. The names are [a-z0-9_] (``names_of``): quoted as they are."""
+    names = names_of(table)
+    return f"SELECT pg_drop_replication_slot('{names.slot}'); DROP PUBLICATION IF EXISTS {names.publication}"
