@@ -22,6 +22,7 @@ from ..strategies import WAL
 from . import strategy_record
 from .indexes import build, drop_except, indexes_for
 from .migrations import DEFAULT_DAYS_AHEAD, LATEST_VERSION, MIGRATION_LOCK_CLASS, MIGRATIONS, Migration
+from .wal import grants as wal_grants
 from .wal import objects as wal_objects
 
 
@@ -69,6 +70,7 @@ def _init_db(
     new = current_version(conn, table) == 0
     if strategies is not None and list(strategies) == [WAL]:
         wal_objects.slot_here(conn, table)  # refuses before anything is made: a refusal leaves nothing behind
+        wal_grants.require_emit_right(conn)
     applied: list[Migration] = []
     with conn.transaction():
         _lock_migrations(conn, table)
