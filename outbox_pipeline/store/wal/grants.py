@@ -23,11 +23,11 @@ log = logging.getLogger(__name__)
 
 # The outbox's functions a writer is granted (SQL enqueue, the Python writer's two); a plain INSERT needs the table's.
 WRITER_FUNCTIONS = ("enqueue", "outbox_emit_one", "outbox_emit_many")
-# Called only from the functions above (as their owner): no role needs them.
+# Fired by the INSERT trigger, or called from the functions above as their owner: no role needs them granted.
 INNER_FUNCTIONS = ("outbox_emit", "outbox_emit_row", "wal_content")
 
-# Every overload of pg_logical_emit_message (3 arguments up to 16, 4 with a default `flush` from 17): whether PUBLIC
-# may call it, whether this role may revoke that, and whether the outbox's functions' owner may call the bytea form.
+# Every overload of pg_logical_emit_message (3 arguments up to 16, 4 with a default `flush` from 17), as GRANT names
+# it: whether PUBLIC may call it, whether this role may revoke that (its owner's), and whether it is the bytea form.
 _OVERLOADS = """
     SELECT format('pg_catalog.pg_logical_emit_message(%s)', oidvectortypes(p.proargtypes)),
            has_function_privilege('public', p.oid, 'EXECUTE'),
