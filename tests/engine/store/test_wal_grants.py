@@ -5,6 +5,7 @@ other is refused by every form, and nothing it tried reaches Kafka."""
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -216,11 +217,13 @@ def test_init_db_again_closes_a_wal_outbox_made_before_the_grants(
     with psycopg.connect(roles.reader, autocommit=True) as reader:
         every_form(wal_outbox, topic)["SQL enqueue"](reader)  # the hole, as it was
     assert "EXPOSED" in _outbox_cli(capsys, db.info.dsn, wal_outbox, "status")[1]
+    assert json.loads(_outbox_cli(capsys, db.info.dsn, wal_outbox, "status", "--json")[1])["exposed"]
 
     code, said = _outbox_cli(capsys, db.info.dsn, wal_outbox, "init-db", "--strategy", "wal")
 
     assert code == 0 and "EXPOSED" not in said, said
     assert "EXPOSED" not in _outbox_cli(capsys, db.info.dsn, wal_outbox, "status")[1]
+    assert json.loads(_outbox_cli(capsys, db.info.dsn, wal_outbox, "status", "--json")[1])["exposed"] is None
     outcome = try_every_form(roles.reader, wal_outbox, topic)
     assert _refused_everywhere(outcome), outcome
     with psycopg.connect(roles.writer, autocommit=True) as writer:  # granted before init-db ran again
