@@ -22,6 +22,7 @@ from ..observe.liveness import holders_alive
 from ..observe.orphan_slot import orphan_slot
 from ..observe.wal_lag import NO_PARTITIONS, wal_lag
 from ..store import strategy_record
+from ..store.wal import grants
 from ..strategies import WAL
 from .common import connect, table_of
 
@@ -90,11 +91,16 @@ def _print_wal(conn: psycopg.Connection, args: argparse.Namespace, *, dead_lette
     lag = wal_lag(conn, table_of(args))
     verdict = evaluate_wal_lag(lag, LagThresholds.from_env())
     waiting = dead_letter_backlog(conn, table_of(args)).open if dead_letters else None
+    exposure = grants.exposure(conn, table_of(args))  # who can emit under its prefix (store/wal/grants.py)
     if args.json:
-        extra = {} if waiting is None else {"dead_letters": waiting}
+        extra: dict[str, object] = {"exposed": exposure.describe() if exposure.exposed else None}
+        if waiting is not None:
+            extra["dead_letters"] = waiting
         print(json.dumps({**lag.as_json(), "severity": verdict.severity, "reasons": list(verdict.reasons), **extra}))
         return 0
     print(lag.describe())
+    if exposure.exposed:
+        print(exposure.describe())
     print(f"({NO_PARTITIONS})")
     if waiting:
         print(f"{waiting} dead letters wait for an operator (outbox dead-letters list)")

@@ -22,6 +22,7 @@ from ..strategies import WAL
 from . import strategy_record
 from .indexes import build, drop_except, indexes_for
 from .migrations import DEFAULT_DAYS_AHEAD, LATEST_VERSION, MIGRATION_LOCK_CLASS, MIGRATIONS, Migration
+from .wal import grants as wal_grants
 from .wal import objects as wal_objects
 
 
@@ -70,6 +71,7 @@ def _init_db(
     if strategies is not None and list(strategies) == [WAL]:
         strategy_record.refuse_claim(conn, table, WAL)  # a table outbox: refused before the slot is made
         wal_objects.slot_here(conn, table)  # refuses before anything is made: a refusal leaves nothing behind
+        wal_grants.require_emit_right(conn)
     applied: list[Migration] = []
     with conn.transaction():
         _lock_migrations(conn, table)

@@ -20,6 +20,7 @@ from outbox_pipeline.relay.wal.leader import LeaderSettings, SlotLeader
 from outbox_pipeline.relay.wal.relay import WalRelay, WalRelaySettings
 from outbox_pipeline.relay.wal.stream import ReplicationStream
 from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store.wal.grants import emit_function
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import SlotUnusable, slot_state
 from tests.kit.kafka import KafkaProbe, Record
@@ -283,6 +284,8 @@ def test_a_streaming_relay_of_a_role_without_monitoring_rights_is_not_taken_for_
     db.execute(
         sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db.info.dbname), sql.Identifier(role))
     )
+    # init-db's role emits (docs/wal.md): the right a superuser's init-db revoked from PUBLIC in this database.
+    db.execute(sql.SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(sql.SQL(emit_function(db)), sql.Identifier(role)))
     as_role = make_conninfo(dsn, user=role)
     table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
     with psycopg.connect(as_role, autocommit=True) as conn:
