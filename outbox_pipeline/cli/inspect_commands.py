@@ -83,6 +83,8 @@ def _print_wal(conn: psycopg.Connection, args: argparse.Namespace, *, dead_lette
         print(json.dumps({**lag.as_json(), "severity": verdict.severity, "reasons": list(verdict.reasons), **extra}))
         return 0
     print(lag.describe())
+    for line in lag.notes(table_of(args)):
+        print(line)
     print(f"({NO_PARTITIONS})")
     if waiting:
         print(f"{waiting} dead letters wait for an operator (outbox dead-letters list)")

@@ -16,6 +16,7 @@ from ..errors import OutboxError
 from ..store import indexes, schema, strategy_record
 from ..store.enqueue import enqueue
 from ..store.migrations import DEFAULT_TOPIC_ROW
+from ..store.wal import objects as wal_objects
 from ..store.wal.objects import names_of
 from ..strategies import WAL
 from .common import dsn_of, table_of
@@ -32,6 +33,7 @@ def cmd_init_db(args: argparse.Namespace) -> int:
         version = schema.current_version(conn, table)
         found = indexes.states(conn, table)
         relayed_by = strategy_record.recorded(conn, table)
+        stored = wal_objects.stored_rows(conn, table) if relayed_by is not None and relayed_by.strategy == WAL else 0
     names = ", ".join(f"{m.version} ({m.name})" for m in applied) or "none (already current)"
     print(f"schema {table.schema!r} at version {version}; applied: {names}")
     print(f"strategy indexes: {_describe(found)}")
@@ -48,6 +50,8 @@ def cmd_init_db(args: argparse.Namespace) -> int:
             f"wal: replication slot {wal.slot!r}, publication {wal.publication!r}; writers emit with "
             f"{settings.WRITE_TO.name}=wal (an INSERT into the message table emits too, at the cost of the INSERT)"
         )
+    if stored:
+        print(wal_objects.stored_rows_problem(table, stored))
     return 0
 
 
