@@ -160,6 +160,14 @@ WAL_RETAINED_ERROR_BYTES = Setting(
     "or one PostgreSQL is about to invalidate (wal_status 'unreserved'), is an ERROR whatever it keeps)",
     _integer,
 )
+WAL_KEEP_WARN_FRACTION = Setting(
+    "OUTBOX_WAL_KEEP_WARN_FRACTION",
+    0.5,
+    "lag SLO of a wal outbox on a server with max_slot_wal_keep_size: WARN once its slot has used more than this "
+    "fraction of it (from pg_replication_slots.safe_wal_size); at 1 PostgreSQL invalidates the slot and the messages "
+    "it had not confirmed are lost ('unreserved' is an ERROR)",
+    _number,
+)
 HOME = Setting("OUTBOX_HOME", ".outbox", "local state: the dev stack's servers, bench scratch, default archive", _text)
 
 # -- Dagster: the control plane ----------------------------------------------------------------------
@@ -328,6 +336,7 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     LAG_ERROR_PENDING,
     WAL_RETAINED_WARN_BYTES,
     WAL_RETAINED_ERROR_BYTES,
+    WAL_KEEP_WARN_FRACTION,
     HOME,
     RELAY_STRATEGY,
     LAG_SENSOR_INTERVAL_S,

@@ -101,6 +101,8 @@ def _print_wal(conn: psycopg.Connection, args: argparse.Namespace, *, dead_lette
     print(lag.describe())
     if exposure.exposed:
         print(exposure.describe())
+    for line in lag.notes(table_of(args)):
+        print(line)
     print(f"({NO_PARTITIONS})")
     if waiting:
         print(f"{waiting} dead letters wait for an operator (outbox dead-letters list)")

@@ -35,11 +35,15 @@ class LagThresholds:
     # A wal outbox: bytes of WAL its slot keeps (wal_lag.py).
     warn_retained_bytes: int = settings.WAL_RETAINED_WARN_BYTES.default
     error_retained_bytes: int = settings.WAL_RETAINED_ERROR_BYTES.default
+    # A wal outbox: the fraction of max_slot_wal_keep_size its slot may use before a WARN.
+    warn_keep_fraction: float = settings.WAL_KEEP_WARN_FRACTION.default
 
     def __post_init__(self) -> None:
         counts = (self.warn_pending, self.error_pending, self.warn_retained_bytes, self.error_retained_bytes)
         if min(self.warn_age_s, self.error_age_s) < 0 or min(counts) < 0:
             raise ConfigurationError(f"lag thresholds must be >= 0: {self}")
+        if not 0 <= self.warn_keep_fraction <= 1:
+            raise ConfigurationError(f"the keep-size warn fraction must be in 0..1: {self}")
         if (
             self.warn_age_s > self.error_age_s
             or self.warn_pending > self.error_pending
@@ -56,6 +60,7 @@ class LagThresholds:
             error_pending=settings.LAG_ERROR_PENDING.read(env),
             warn_retained_bytes=settings.WAL_RETAINED_WARN_BYTES.read(env),
             error_retained_bytes=settings.WAL_RETAINED_ERROR_BYTES.read(env),
+            warn_keep_fraction=settings.WAL_KEEP_WARN_FRACTION.read(env),
         )
 
 
@@ -153,32 +158,13 @@ def evaluate_lag(
 
 
 def evaluate_wal_lag(wal: WalLag, thresholds: LagThresholds) -> LagVerdict:
-    """Judge a wal outbox's slot: ERROR when it is missing or lost (the relay cannot stream), or ``unreserved``
-    (PostgreSQL removes the WAL it needs at the next checkpoint); else the bytes of WAL it keeps against the retained
-    thresholds and the oldest unpublished commit against the age thresholds, as for the table strategies."""
-    slot = wal.slot
+    """Judge a wal outbox: its slot (``_slot_findings``) and what waits beside it (``_beside_findings``); the verdict
+    is the worst finding's severity, with the reasons of that severity."""
+    findings = _slot_findings(wal, thresholds) + _beside_findings(wal, thresholds)
     severity: Severity = "ok"
-    reasons: list[str] = []
-    if wal.problem is not None:
-        severity, reasons = "error", ["the slot cannot stream"]
-    elif slot.wal_status == "unreserved":
-        severity = "error"
-        reasons = [f"slot {slot.slot} is unreserved: the next checkpoint removes WAL it needs (max_slot_wal_keep_size)"]
-    else:
-        levels: tuple[tuple[Severity, float, int], ...] = (
-            ("error", thresholds.error_age_s, thresholds.error_retained_bytes),
-            ("warn", thresholds.warn_age_s, thresholds.warn_retained_bytes),
-        )
-        age = wal.oldest_unpublished_age_s
-        for level, age_limit, bytes_limit in levels:
-            found = []
-            if age is not None and age > age_limit:
-                found.append(f"oldest unpublished commit {age:.1f} s > {level} {age_limit:g} s")
-            if slot.retained_bytes is not None and slot.retained_bytes > bytes_limit:
-                found.append(f"slot {slot.slot} retains {slot.retained_bytes} bytes of WAL > {level} {bytes_limit}")
-            if found:
-                severity, reasons = level, found
-                break
+    for level in ("warn", "error"):
+        if any(found == level for found, _ in findings):
+            severity = level
     return LagVerdict(
         severity=severity,
         total_pending=0,
@@ -186,7 +172,76 @@ def evaluate_wal_lag(wal: WalLag, thresholds: LagThresholds) -> LagVerdict:
         partitions=0,
         lagging_partitions=0,
         worst=(),
-        reasons=tuple(reasons),
+        reasons=tuple(reason for found, reason in findings if found == severity),
         thresholds=thresholds,
+        held=tuple(key.describe() for key in wal.held),
+        total_held=wal.held_messages,
         wal=wal,
     )
+
+
+def _slot_findings(wal: WalLag, thresholds: LagThresholds) -> list[tuple[Severity, str]]:
+    """ERROR when the slot is missing or lost (the relay cannot stream), or ``unreserved`` (PostgreSQL removes the WAL
+    it needs at the next checkpoint); else the bytes of WAL it keeps against the retained thresholds and the oldest
+    unpublished commit against the age thresholds, as for the table strategies; and WARN once it has used more than
+    the warn fraction of max_slot_wal_keep_size, before PostgreSQL invalidates it."""
+    slot = wal.slot
+    if wal.problem is not None:
+        return [("error", "the slot cannot stream")]
+    if slot.wal_status == "unreserved":
+        return [
+            (
+                "error",
+                f"slot {slot.slot} is unreserved: the next checkpoint removes WAL it needs (max_slot_wal_keep_size)",
+            )
+        ]
+    found: list[tuple[Severity, str]] = []
+    levels: tuple[tuple[Severity, float, int], ...] = (
+        ("error", thresholds.error_age_s, thresholds.error_retained_bytes),
+        ("warn", thresholds.warn_age_s, thresholds.warn_retained_bytes),
+    )
+    age = wal.oldest_unpublished_age_s
+    for level, age_limit, bytes_limit in levels:
+        if age is not None and age > age_limit:
+            found.append((level, f"oldest unpublished commit {age:.1f} s > {level} {age_limit:g} s"))
+        if slot.retained_bytes is not None and slot.retained_bytes > bytes_limit:
+            found.append(
+                (level, f"slot {slot.slot} retains {slot.retained_bytes} bytes of WAL > {level} {bytes_limit}")
+            )
+        if found:
+            break
+    kept = slot.kept_fraction
+    if kept is not None and kept > thresholds.warn_keep_fraction:
+        found.append(
+            (
+                "warn",
+                f"slot {slot.slot} has used {kept * 100:.0f} % of max_slot_wal_keep_size > warn "
+                f"{thresholds.warn_keep_fraction * 100:.0f} % (safe_wal_size {slot.safe_wal_size} bytes): at 100 % "
+                "PostgreSQL invalidates it, with the messages it has not confirmed; start or unblock the relay",
+            )
+        )
+    return found
+
+
+def _beside_findings(wal: WalLag, thresholds: LagThresholds) -> list[tuple[Severity, str]]:
+    """Rows in the message table (no relay reads them: ERROR), held messages against the pending and age thresholds
+    as held rows are for the table strategies, and a role that cannot stream while no relay does (WARN)."""
+    found: list[tuple[Severity, str]] = []
+    if wal.stored_rows:
+        found.append(("error", f"{wal.stored_rows} rows stored in the message table, which no relay reads"))
+    held = wal.held_messages
+    ages = [key.oldest_age_s for key in wal.held if key.oldest_age_s is not None]
+    levels: tuple[tuple[Severity, float, int], ...] = (
+        ("error", thresholds.error_age_s, thresholds.error_pending),
+        ("warn", thresholds.warn_age_s, thresholds.warn_pending),
+    )
+    for level, age_limit, count_limit in levels:
+        here = [f"{held} held messages > {level} {count_limit}"] if held > count_limit else []
+        if ages and max(ages) > age_limit:
+            here.append(f"oldest held message {max(ages):.1f} s > {level} {age_limit:g} s")
+        if here:
+            found += [(level, reason) for reason in here]
+            break
+    if (why := wal.cannot_stream()) is not None:
+        found.append(("warn", why))
+    return found

@@ -222,6 +222,11 @@ def _wal_gauges(wal: WalLag) -> Iterator[Metric]:
          "confirmed (observe/wal_lag.py says how it is measured)", wal.oldest_unpublished_age_s),
         ("outbox_wal_slot_usable", "1 while the slot exists and is not lost; 0: the relay cannot stream (see "
          "`outbox status`)", 0.0 if wal.problem else 1.0),
+        ("outbox_wal_keep_size_used_ratio", "Fraction of max_slot_wal_keep_size the slot has used (1: PostgreSQL "
+         "invalidates it; absent without a limit)", slot.kept_fraction),
+        ("outbox_wal_stored_rows", "Rows in the wal outbox's message table: no relay reads them (see `outbox status`)",
+         wal.stored_rows),
+        ("outbox_wal_held_messages", "Messages held behind a dead letter of their key", wal.held_messages),
     )  # fmt: skip
     for name, doc, value in families:
         if value is not None:

@@ -31,14 +31,16 @@ Rejected, tried or weighed:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..store.wal.objects import names_of
+from ..store.wal.objects import names_of, stored_rows, stored_rows_problem
 from ..store.wal.slot import SlotState, slot_state, unusable_reason
+from .lag import HeldKey, held_keys
 
 # A status or lag read decodes at most this long, and stops after the first transaction that brings the output to
 # this many rows (pgoutput's Begin, Message and Commit; other outboxes' messages count too).
@@ -88,6 +90,12 @@ class WalLag:
     age_measured_by: str
     # A missing or lost slot: what it is and the procedure (store/wal/slot.py); None while it can stream.
     problem: str | None
+    # Beside the slot: rows in the message table (never relayed: store/wal/objects.py), the keys held behind dead
+    # letters with their held messages (relay/wal/holds.py), and whether the role this reads as may stream.
+    stored_rows: int = 0
+    held: tuple[HeldKey, ...] = ()
+    role: str = ""
+    role_can_stream: bool = True
 
     @property
     def streamed_by(self) -> int | None:
@@ -111,6 +119,31 @@ class WalLag:
             f"confirmed, {age}, wal_status {s.wal_status}, {safe}, {relay}"
         )
 
+    def notes(self, table: OutboxTable) -> list[str]:
+        """What else needs an operator, a line each: stored rows (with the statement that relays them), held keys,
+        a role that cannot stream while no relay does."""
+        lines = [stored_rows_problem(table, self.stored_rows)] if self.stored_rows else []
+        lines += [
+            key.describe() + ("" if key.oldest_age_s is None else f", the oldest held {key.oldest_age_s:.1f} s")
+            for key in self.held
+        ]
+        if (why := self.cannot_stream()) is not None:
+            lines.append(why)
+        return lines
+
+    def cannot_stream(self) -> str | None:
+        """No relay streams the slot and this role could not: a relay run as it retries nothing, it stops."""
+        if self.role_can_stream or self.slot.active_pid is not None:
+            return None
+        return (
+            f"no relay streams the slot, and the role {self.role!r} has no REPLICATION attribute: a relay run as it "
+            f"cannot stream (ALTER ROLE {self.role} REPLICATION, or run the relay as a role that has it)"
+        )
+
+    @property
+    def held_messages(self) -> int:
+        return sum(key.rows for key in self.held)
+
     def as_json(self) -> dict[str, object]:
         s = self.slot
         return {
@@ -121,6 +154,11 @@ class WalLag:
             "retained_bytes": s.retained_bytes,
             "unconfirmed_bytes": s.unconfirmed_bytes,
             "safe_wal_size": s.safe_wal_size,
+            "max_slot_wal_keep_size": s.keep_limit_bytes,
+            "kept_fraction": s.kept_fraction,
+            "stored_rows": self.stored_rows,
+            "held": [dataclasses.asdict(key) for key in self.held],
+            "role_can_stream": self.role_can_stream,
             "active_pid": s.active_pid,
             "oldest_unpublished_age_s": self.oldest_unpublished_age_s,
             "age_measured_by": self.age_measured_by,
@@ -141,15 +179,32 @@ def wal_lag(
     """The slot's state and the oldest unpublished commit's age (see the module docstring for how it is measured).
     ``measure_age`` False: the slot only, nothing decoded (a caller that ticks every few seconds and needs no age)."""
     state = slot_state(conn, table)
+    beside = _beside_the_slot(conn, table)
     problem = unusable_reason(table, state)
     if problem is not None:
-        return WalLag(state, None, "the slot cannot stream", problem)
+        return WalLag(state, None, "the slot cannot stream", problem, *beside)
     if state.unconfirmed_bytes is not None and state.unconfirmed_bytes <= 0:
-        return WalLag(state, 0.0, CAUGHT_UP, None)
+        return WalLag(state, 0.0, CAUGHT_UP, None, *beside)
     if not measure_age:
-        return WalLag(state, None, "not asked for", None)
+        return WalLag(state, None, "not asked for", None, *beside)
     age, how = _decoded_age(conn, table, decode_timeout_s, decode_rows)
-    return WalLag(state, age, how, None)
+    return WalLag(state, age, how, None, *beside)
+
+
+# Whether the role may open a replication connection: the attribute, or (RDS) the rds_replication role's membership.
+_ROLE_CAN_STREAM = """
+    SELECT current_user, r.rolsuper OR r.rolreplication
+           OR coalesce(pg_has_role(current_user, to_regrole('rds_replication'), 'MEMBER'), false)
+    FROM pg_roles r WHERE r.rolname = current_user
+"""
+
+
+def _beside_the_slot(conn: psycopg.Connection, table: OutboxTable) -> tuple[int, tuple[HeldKey, ...], str, bool]:
+    """Stored rows, held keys (those holding messages or not yet released), the role and whether it may stream."""
+    held = tuple(key for key in held_keys(conn, table) if key.rows or not key.released)
+    row = conn.execute(_ROLE_CAN_STREAM).fetchone()
+    role, can = (str(row[0]), bool(row[1])) if row is not None else ("", True)
+    return stored_rows(conn, table), held, role, can
 
 
 def _decoded_age(conn: psycopg.Connection, table: OutboxTable, timeout_s: float, rows: int) -> tuple[float | None, str]:

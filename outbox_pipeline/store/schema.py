@@ -108,6 +108,9 @@ def _init_db(
             )
             applied.append(migration)
     if strategies is not None and list(strategies) == [WAL]:
+        with conn.transaction():  # an outbox of another strategy is refused before its table would refuse rows
+            strategy_record.claim(conn, table, WAL, by=strategy_record.BY_INIT_DB)
+            wal_objects.refuse_rows(conn, table)  # from here on a row is refused, not stored where nobody reads it
         # The slot first: a message emitted before it exists would be decoded by nobody.
         wal_objects.ensure_slot(conn, table)
         with conn.transaction():

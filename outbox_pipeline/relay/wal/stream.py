@@ -18,6 +18,8 @@ standby, a restored backup) has other WAL under the same positions: the slot's o
 
 from __future__ import annotations
 
+import getpass
+import os
 import re
 import select
 import time
@@ -26,6 +28,7 @@ from types import TracebackType
 
 import psycopg
 from psycopg import errors, sql
+from psycopg.conninfo import conninfo_to_dict
 
 from ...errors import OutboxError
 from .pgoutput import (
@@ -78,6 +81,33 @@ class SlotInUseError(ReplicationStreamError):
         self.pid = pid
 
 
+class ReplicationNotPermittedError(ReplicationStreamError):
+    """The relay's role may not stream (no REPLICATION attribute): retrying cannot fix it, an operator's grant does."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(
+            f"the role {role!r} has no REPLICATION attribute: PostgreSQL refuses it the replication connection a wal "
+            f"relay streams its slot over. Grant it (ALTER ROLE {role} REPLICATION; on RDS: GRANT rds_replication TO "
+            f"{role}) or run the relay as a role that has it, then start the relay again"
+        )
+        self.role = role
+
+
+# The server's refusal of a role without REPLICATION: PostgreSQL 16 on, then 14 and 15.
+_NOT_PERMITTED = ("permission denied to start WAL sender", "must be superuser or replication role to start walsender")
+
+
+def _connect(dsn: str) -> psycopg.Connection:
+    """A replication connection; a role the server refuses one is a ReplicationNotPermittedError, not an outage."""
+    try:
+        return psycopg.connect(dsn, replication="database", autocommit=True)
+    except psycopg.OperationalError as exc:
+        if not any(words in str(exc) for words in _NOT_PERMITTED):
+            raise
+        role = conninfo_to_dict(dsn).get("user") or os.environ.get("PGUSER") or getpass.getuser()
+        raise ReplicationNotPermittedError(str(role)) from None
+
+
 class StreamEndedError(psycopg.OperationalError):
     """The server ended the stream (it shuts down, or its walsender was terminated): for the relay, as any lost
     connection, the database is unavailable until a new stream opens."""
@@ -126,7 +156,7 @@ class ReplicationStream:
         """Stream ``slot`` from ``start_lsn``; 0 (``0/0``) starts at the slot's confirmed position, as does any
         position before it; ``resume``, where this relay's last stream ended, if it is later and on this server and
         timeline. ``publication`` must exist (pgoutput requires one; an empty one sends no row changes)."""
-        conn = psycopg.connect(dsn, replication="database", autocommit=True)
+        conn = _connect(dsn)
         try:
             version = conn.info.server_version
             if version < MESSAGES_SINCE_SERVER_VERSION:

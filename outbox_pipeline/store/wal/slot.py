@@ -26,6 +26,15 @@ class SlotState:
     retained_bytes: int | None = None  # WAL kept for the slot: from its restart point to the server's current one
     unconfirmed_bytes: int | None = None  # from its confirmed position to the server's current one
     safe_wal_size: int | None = None  # bytes left before max_slot_wal_keep_size invalidates it (None: no limit)
+    keep_limit_bytes: int | None = None  # max_slot_wal_keep_size in bytes (None: -1, no limit)
+
+    @property
+    def kept_fraction(self) -> float | None:
+        """How much of max_slot_wal_keep_size the slot has used up (1.0: the next checkpoint loses it); None: no
+        limit. From ``safe_wal_size``, PostgreSQL's own figure of what is left, which counts whole segments."""
+        if self.keep_limit_bytes is None or self.safe_wal_size is None or self.keep_limit_bytes <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.safe_wal_size / self.keep_limit_bytes))
 
 
 class SlotUnusable(OutboxError):
@@ -39,7 +48,9 @@ def slot_state(conn: psycopg.Connection, table: OutboxTable) -> SlotState:
         SELECT active_pid, wal_status,
                pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
                pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
-               safe_wal_size
+               safe_wal_size,
+               (SELECT nullif(greatest(setting::bigint, -1), -1) * 1024 * 1024
+                FROM pg_settings WHERE name = 'max_slot_wal_keep_size' AND unit = 'MB')
         FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()
         """,
         (name,),
