@@ -30,6 +30,7 @@ from .record_size import RecordLimit
 from .routing import SERIALIZED_LOCK_CLASS
 from .tracing import TRACEPARENT, current_trace_headers
 from .wal import format as wal_format
+from .wal import objects as wal_objects
 
 # A confluent-kafka ``Serializer`` (AvroSerializer, ProtobufSerializer, JSONSerializer with a Schema Registry client)
 # or any callable like one: the payload object and the message's topic in, the bytes to store out.
@@ -182,6 +183,8 @@ def enqueue_many(
         else:
             cur.execute(query, params)
         ids = [oid for (oid,) in cur.fetchall()]
+    if not ids and _emitted_by_trigger(conn, table):
+        return [Enqueued(0, mid) for mid in message_ids]
     # The rows are inserted in the call's order (ORDER BY u.ord), each taking the next id as it goes, and RETURNING
     # gives them as inserted: ascending ids say that this order is the call's. Matching by message_id instead meant
     # a uuid parsed per row.
@@ -233,6 +236,17 @@ def _emit(
             ) from None
         lsns = [lsn for (lsn,) in cur.fetchall()]
     return [Enqueued(lsn, mid) for lsn, mid in zip(lsns, ids, strict=True)]
+
+
+def _emitted_by_trigger(conn: psycopg.Connection, table: OutboxTable) -> bool:
+    """Whether the INSERT that returned no row met a wal outbox's trigger, which emitted the rows and kept none (a
+    writer left at ``OUTBOX_WRITE_TO=table``): they are relayed, with no id to return (``Enqueued.id`` 0). Asked only
+    then; any other INSERT that stores nothing is an error."""
+    row = conn.execute(
+        "SELECT 1 FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname = %s AND tgenabled <> 'D'",
+        (table.messages.as_string(conn), wal_objects.EMIT_TRIGGER),
+    ).fetchone()
+    return row is not None
 
 
 def _uuid_texts(raw: bytes) -> list[bytes]:
