@@ -19,12 +19,15 @@ on without the dead letter.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 
 import psycopg
 from psycopg import sql
 
 from ...config import OutboxTable
+from ...store.database_encoding import database_codec, unholdable
+from ...store.wal import format as wal_format
 from ...strategies.base import RECORD_COLUMNS, DeliveryFailure, OutboxRecord, fetch_records
 from ...strategies.quarantine import OnPoison, dead_letter_held
 from ...timestamps import as_parameter
@@ -34,21 +37,80 @@ log = logging.getLogger(__name__)
 # A held message and a dead letter keep a message's columns; the stream gives a wal message no priority, and its
 # transaction's commit position as its transaction_id.
 _VALUES = "%s, %s::uuid, %s, %s, %s, %s::jsonb, %s, %s::jsonb, %s, 0, %s::text::xid8, %s"
+_DEAD_LETTER = """
+    INSERT INTO {dead_letters} (
+        id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority, transaction_id,
+        created_at, attempts, last_error, dead_lettered_by)
+    VALUES ({values}, 1, %s, %s)
+    ON CONFLICT (id) DO NOTHING
+"""
+_KEEP = """
+    INSERT INTO {held} (id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
+                        transaction_id, created_at)
+    VALUES ({values}) ON CONFLICT (id) DO NOTHING
+"""
+# The topic of a message kept as the bytes it was emitted as (store/wal/format.py): this database cannot hold its
+# topic, key, type or headers as text. Never a Kafka topic name, so never published by mistake.
+UNSTORABLE_TOPIC = "(unstorable)"
 
 
-def _columns(r: OutboxRecord) -> tuple[object, ...]:
+class Unstorable(ValueError):
+    """A message whose topic, key, type or headers this database cannot hold as text (a writer that did not check
+    the database's encoding, store/database_encoding.py)."""
+
+
+def _columns(r: OutboxRecord, codec: str | None, *, as_bytes: bool = False) -> tuple[object, ...]:
+    """The message's columns; its JSON payload as its bytes (``payload_bytes``) when the database cannot hold it as
+    jsonb (``as_bytes``, or a character its encoding lacks): published unchanged all the same."""
+    try:
+        key = None if r.key is None else r.key.decode()
+        type_ = None if r.type is None else r.type.decode()
+    except UnicodeDecodeError:
+        raise Unstorable("a key or type that is not UTF-8") from None
+    if codec is not None and (bad := unholdable((r.topic, key, type_, r.headers), codec)) is not None:
+        raise Unstorable(f"{bad!r} in its topic, key, type or headers")
+    payload = None
+    if not (r.binary or as_bytes):
+        try:
+            payload = r.payload.decode()
+        except UnicodeDecodeError:
+            payload = None
+        if payload is not None and codec is not None and unholdable((payload,), codec) is not None:
+            payload = None
     return (
         r.id,
         r.message_id.decode(),
         r.topic,
-        None if r.key is None else r.key.decode(),
-        None if r.type is None else r.type.decode(),
-        None if r.binary else r.payload.decode(),
-        r.payload if r.binary else None,
+        key,
+        type_,
+        payload,
+        r.payload if payload is None else None,
         r.headers,
         max(r.partition, 0),
         r.transaction_id,
         as_parameter(r.created_at),
+    )
+
+
+def _uuid_or_nil(message_id: bytes) -> str:
+    try:
+        return str(uuid.UUID(message_id.decode()))
+    except ValueError:  # UnicodeDecodeError too: bytes another writer made
+        return str(uuid.UUID(int=0))
+
+
+def _emitted(r: OutboxRecord) -> bytes:
+    """The message as its writer emitted it (store/wal/format.py), for a dead letter that keeps it whole."""
+    return wal_format.encode(
+        r.message_id,
+        r.topic.encode(),
+        r.key,
+        r.type,
+        r.headers.encode(),
+        r.payload,
+        binary=r.binary,
+        partition=None if r.partition < 0 else r.partition,
+        created_at=r.created_at,
     )
 
 
@@ -60,33 +122,26 @@ class WalHolds:
         self.on_poison = on_poison
         self.worker_id = worker_id
         self.keys: set[tuple[str, bytes]] = set()
+        self.codec: str | None = None  # the database's encoding, when it cannot hold every character
 
     def load(self, conn: psycopg.Connection) -> None:
         rows = conn.execute(sql.SQL("SELECT topic, key FROM {}").format(self.table.holds)).fetchall()
         self.keys = {(topic, key.encode()) for topic, key in rows}
+        self.codec = database_codec(conn)
 
     def holds(self, record: OutboxRecord) -> bool:
         return record.key is not None and (record.topic, record.key) in self.keys
 
     def dead_letter(self, conn: psycopg.Connection, failures: Sequence[DeliveryFailure]) -> None:
         """Dead-letter each failure, and hold its key (quarantine), in one transaction."""
+        query = sql.SQL(_DEAD_LETTER).format(dead_letters=self.table.dead_letters, values=sql.SQL(_VALUES))
         with conn.transaction():
             for failure in failures:
                 r = failure.record
                 log.error("dead-lettering message %s to %s: %s", r.message_id.decode(), r.topic, failure.error)
-                conn.execute(
-                    sql.SQL(
-                        """
-                        INSERT INTO {dead_letters} (
-                            id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
-                            transaction_id, created_at, attempts, last_error, dead_lettered_by)
-                        VALUES ({values}, 1, %s, %s)
-                        ON CONFLICT (id) DO NOTHING
-                        """
-                    ).format(dead_letters=self.table.dead_letters, values=sql.SQL(_VALUES)),
-                    (*_columns(r), failure.error, self.worker_id),
-                )
-                if self.on_poison == "quarantine" and r.key is not None and not self.holds(r):
+                error = self._holdable(failure.error)
+                stored = self._write(conn, query, r, (error, self.worker_id), error)
+                if stored and self.on_poison == "quarantine" and r.key is not None and not self.holds(r):
                     conn.execute(
                         sql.SQL(
                             "INSERT INTO {holds} (topic, key, partition, dead_letter_id) VALUES (%s, %s, 0, %s) "
@@ -100,17 +155,68 @@ class WalHolds:
         """Write held keys' messages to ``outbox_held`` (again, after a crash: nothing changes)."""
         if not records:
             return
-        with conn.cursor() as cur:
-            cur.executemany(
-                sql.SQL(
-                    """
-                    INSERT INTO {held} (id, message_id, topic, key, type, payload, payload_bytes, headers, partition,
-                                        priority, transaction_id, created_at)
-                    VALUES ({values}) ON CONFLICT (id) DO NOTHING
-                    """
-                ).format(held=self.table.held, values=sql.SQL(_VALUES)),
-                [_columns(r) for r in records],
-            )
+        query = sql.SQL(_KEEP).format(held=self.table.held, values=sql.SQL(_VALUES))
+        try:
+            params = [_columns(r, self.codec) for r in records]
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(query, params)
+            return
+        except (Unstorable, psycopg.DataError):
+            pass  # one of them cannot be stored as it is: one at a time
+        for r in records:
+            self._write(conn, query, r, (), "held behind a dead letter of its key")
+
+    def _holdable(self, text: str) -> str:
+        """``text`` with what the database cannot hold escaped (an error naming a character it lacks)."""
+        return text if self.codec is None else text.encode(self.codec, "backslashreplace").decode(self.codec)
+
+    def _write(
+        self, conn: psycopg.Connection, query: sql.Composed, r: OutboxRecord, extra: tuple[object, ...], error: str
+    ) -> bool:
+        """Write one message's row as itself (its JSON payload as bytes if jsonb refuses it); False when this database
+        cannot hold it as a row, and it was dead-lettered whole instead, as the bytes it was emitted as: never a
+        crash at the same message at every start, never lost."""
+        reason = ""
+        for as_bytes in (False, True):
+            try:
+                params = (*_columns(r, self.codec, as_bytes=as_bytes), *extra)
+                with conn.transaction():
+                    conn.execute(query, params)
+                return True
+            except Unstorable as exc:
+                reason = f"{exc}, in a database whose encoding is {conn.info.parameter_status('server_encoding')}"
+                break
+            except psycopg.DataError as exc:
+                reason = str(exc).strip().splitlines()[0]
+        log.error(
+            "message %s to %s cannot be stored in this database (%s): dead-lettered whole under %s, as the bytes it "
+            "was emitted as; its key is not held",
+            r.message_id.decode(errors="replace"),
+            r.topic,
+            reason,
+            UNSTORABLE_TOPIC,
+        )
+        params = (
+            r.id,
+            _uuid_or_nil(r.message_id),
+            UNSTORABLE_TOPIC,
+            None,
+            None,
+            None,
+            _emitted(r),
+            "{}",
+            0,
+            r.transaction_id,
+            as_parameter(r.created_at),
+            self._holdable(
+                f"{error}; this database cannot hold it as a row ({reason}): payload_bytes is the message as emitted "
+                "(store/wal/format.py)"
+            ),
+            self.worker_id,
+        )
+        dead_letters = sql.SQL(_DEAD_LETTER).format(dead_letters=self.table.dead_letters, values=sql.SQL(_VALUES))
+        conn.execute(dead_letters, params)
+        return False
 
     def released(self, conn: psycopg.Connection) -> list[tuple[str, str]]:
         """Keys an operator released (a retry or a discard of their dead letter), oldest first."""
