@@ -270,3 +270,24 @@ def test_a_message_kafka_refuses_that_the_latin1_database_cannot_hold_is_dead_le
     assert dead_topic == "(unstorable)" and "LATIN1" in error
     message = wal_format.decode(kept)
     assert (message.topic, message.key, message.payload) == (topic, "東京".encode(), payload.encode())
+
+
+def test_a_dead_letter_whose_json_the_latin1_database_refuses_keeps_its_payload_as_written(
+    latin1_dsn: str, latin1_wal: OutboxTable, new_topic: Callable[..., str], kafka: KafkaProbe
+) -> None:
+    """ASCII text, but jsonb refuses the escape of a character LATIN1 lacks: before, the dead letter's insert raised
+    out of the relay at every start."""
+    topic = new_topic("latin1")
+    payload = json.dumps({"city": "東", "pad": "x" * 5000})  # ensure_ascii: "\u6771"
+    with psycopg.connect(latin1_dsn, autocommit=True) as conn:
+        with conn.transaction():
+            emit_unchecked(conn, latin1_wal, topic, "k", payload)  # Kafka refuses it
+        enqueue(conn, topic, {"n": 1}, key="other", table=latin1_wal)
+
+        make_wal_relay(latin1_dsn, latin1_wal, kafka.bootstrap_servers, producer={"message.max.bytes": 2000}).run()
+
+        [(dead_topic, key, kept)] = conn.execute(
+            sql.SQL("SELECT topic, key, payload_bytes FROM {}").format(latin1_wal.dead_letters)
+        ).fetchall()
+    assert [(r.key, r.value) for r in kafka.consume(topic)] == [(b"other", b'{"n": 1}')]
+    assert (dead_topic, key, kept) == (topic, "k", payload.encode())
