@@ -3,6 +3,7 @@ Kafka has them; a restart resumes after what was confirmed; a message Kafka neve
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -256,6 +257,29 @@ def test_a_held_message_is_published_byte_for_byte_as_its_writer_wrote_it(
 
     streams = by_key(kafka.consume(topic))
     assert streams[b"held"] == streams[b"free"] == [b'{"b": 1, "a": 1.0}']
+
+
+def test_a_held_message_refused_at_its_release_and_retried_goes_out_as_its_writer_wrote_it(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    """A held message kept whole becomes the key's dead letter whole when Kafka refuses it at the release; retried, it
+    is published from those bytes again."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    larger = {"b": 1, "a": 1.0, "pad": "y" * 9000}
+    _write(db, wal_outbox, topic, ("k", POISON), ("k", larger), ("k", {"n": 3}))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
+    [(first,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+    retry_dead_letters(db, wal_outbox, ids=[first])
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer={"message.max.bytes": 8000}).run()
+    [(second,)] = db.execute(
+        sql.SQL("SELECT id FROM {} WHERE id <> %s").format(wal_outbox.dead_letters), (first,)
+    ).fetchall()
+
+    retry_dead_letters(db, wal_outbox, ids=[second])
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    values = by_key(kafka.consume(topic))[b"k"]
+    assert values[1:] == [json.dumps(larger).encode(), b'{"n": 3}']
 
 
 def test_with_skip_a_poison_message_leaves_a_hole_and_its_key_flows_on(
