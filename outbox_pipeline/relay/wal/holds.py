@@ -189,7 +189,9 @@ class WalHolds:
         with conn.transaction():
             for failure in failures:
                 r = failure.record
-                log.error("dead-lettering message %s to %s: %s", r.message_id.decode(), r.topic, failure.error)
+                log.error(
+                    "dead-lettering message %s to %s: %s", r.message_id.decode(errors="replace"), r.topic, failure.error
+                )
                 error = self._holdable(failure.error)
                 attempts = (
                     partial(_columns, r, self.codec, extra=(error, self.worker_id)),
@@ -216,7 +218,7 @@ class WalHolds:
             with conn.transaction(), conn.cursor() as cur:
                 cur.executemany(query, params)
             return
-        except (Unstorable, ValueError, psycopg.DataError):
+        except (ValueError, psycopg.DataError):  # Unstorable, a message id that is no UUID, what jsonb refuses
             pass  # one of them cannot be stored as it is: one at a time
         for r in records:
             attempts = (partial(_held_columns, r, self.codec), partial(_held_columns, r, self.codec, plain=True))
