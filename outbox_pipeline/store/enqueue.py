@@ -23,6 +23,7 @@ from .. import settings
 from ..config import OutboxTable
 from ..errors import InvalidMessageError, SchemaError
 from . import wire_arrays
+from .database_encoding import database_codec, unholdable, unholdable_message
 from .messages import NO_HEADERS, Message, Row, validate
 from .migrations import DEFAULT_TOPIC_ROW, NOTIFY_SETTING
 from .record_headers import cloud_events_from_env
@@ -30,6 +31,7 @@ from .record_size import RecordLimit
 from .routing import SERIALIZED_LOCK_CLASS
 from .tracing import TRACEPARENT, current_trace_headers
 from .wal import format as wal_format
+from .wal import objects as wal_objects
 
 # A confluent-kafka ``Serializer`` (AvroSerializer, ProtobufSerializer, JSONSerializer with a Schema Registry client)
 # or any callable like one: the payload object and the message's topic in, the bytes to store out.
@@ -100,6 +102,7 @@ def enqueue_many(
         return []
     if len(rows) * table.max_message_bytes > MAX_CALL_BYTES:  # each row is within the message limit: mostly no sum
         _check_call_size(rows)
+    _refuse_unholdable(conn, rows)
     raw_ids, message_ids = _new_message_ids(len(rows))
     if wal:
         return _emit(conn, table, rows, raw_ids, message_ids)
@@ -182,6 +185,8 @@ def enqueue_many(
         else:
             cur.execute(query, params)
         ids = [oid for (oid,) in cur.fetchall()]
+    if not ids and _emitted_by_trigger(conn, table):
+        return [Enqueued(0, mid) for mid in message_ids]
     # The rows are inserted in the call's order (ORDER BY u.ord), each taking the next id as it goes, and RETURNING
     # gives them as inserted: ascending ids say that this order is the call's. Matching by message_id instead meant
     # a uuid parsed per row.
@@ -195,16 +200,7 @@ def _emit(
 ) -> list[Enqueued]:
     """A wal outbox's messages (store/wal/): one logical decoding message each, built here; ``Enqueued.id`` is the
     message's LSN. ``serialized`` and ``notify`` change nothing: the slot streams in commit order and wakes the
-    relay. What the database's encoding cannot hold is refused, as by every other form: the message is no row, but
-    its dead letter or its copy held behind one would be."""
-    if conn.info.encoding not in _UTF8_AS_IS:
-        try:
-            for r in rows:
-                _encoded([r.topic, r.key, r.type, r.headers, r.payload], conn.info.encoding)
-        except UnicodeEncodeError as exc:
-            raise InvalidMessageError(
-                _UNENCODABLE.format(exc.object[exc.start : exc.end], conn.info.encoding)
-            ) from None
+    relay. What the database's encoding cannot hold was refused (``_refuse_unholdable``)."""
     contents = [
         wal_format.encode(
             text_id,
@@ -233,6 +229,28 @@ def _emit(
             ) from None
         lsns = [lsn for (lsn,) in cur.fetchall()]
     return [Enqueued(lsn, mid) for lsn, mid in zip(lsns, ids, strict=True)]
+
+
+def _refuse_unholdable(conn: psycopg.Connection, rows: list[Row]) -> None:
+    """A character the database's encoding cannot hold is refused before anything is sent, whatever the client's
+    encoding (a UTF8 client in a LATIN1 database): the server would refuse it in a row, and a wal message is no row,
+    but its dead letter or its copy held behind one would be."""
+    if (codec := database_codec(conn)) is None:
+        return
+    for r in rows:
+        if (bad := unholdable((r.topic, r.key, r.type, r.headers, r.payload), codec)) is not None:
+            raise InvalidMessageError(unholdable_message(bad, conn))
+
+
+def _emitted_by_trigger(conn: psycopg.Connection, table: OutboxTable) -> bool:
+    """Whether the INSERT that returned no row met a wal outbox's trigger, which emitted the rows and kept none (a
+    writer left at ``OUTBOX_WRITE_TO=table``): they are relayed, with no id to return (``Enqueued.id`` 0). Asked only
+    then; any other INSERT that stores nothing is an error."""
+    row = conn.execute(
+        "SELECT 1 FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname = %s AND tgenabled <> 'D'",
+        (table.messages.as_string(conn), wal_objects.EMIT_TRIGGER),
+    ).fetchone()
+    return row is not None
 
 
 def _uuid_texts(raw: bytes) -> list[bytes]:
@@ -337,8 +355,8 @@ def _insert_sql(table: OutboxTable) -> bytes:
 # Client encodings that take UTF-8 bytes as they are: UTF8, and SQL_ASCII (no conversion at all).
 _UTF8_AS_IS = frozenset({"utf-8", "ascii"})
 _UNENCODABLE = (
-    "{!r} cannot be stored in this database's client encoding {}: use a UTF8 database (or client_encoding), or "
-    "leave such characters out"
+    "{!r} cannot be sent in this connection's client encoding {}: use client_encoding UTF8, or leave such "
+    "characters out"
 )
 
 

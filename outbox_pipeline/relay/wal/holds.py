@@ -2,29 +2,38 @@
 strategies use (``outbox_dead_letters``, ``outbox_holds``, ``outbox_held``), so ``outbox dead-letters`` lists,
 retries and discards them the same way.
 
-A message Kafka will never take is dead-lettered whole. With quarantine (``OUTBOX_ON_POISON``, the default) its key
-is held: the key's later messages are written to ``outbox_held`` as the stream brings them, before the slot is
-confirmed past them (a relay that dies in between writes them again: the id is the message's LSN), and every
-other key keeps flowing. An operator's retry (the dead letter at the head of the held messages) or discard releases
-the hold; the streaming relay then publishes the held messages in their order, deletes them and the hold, and the
-key flows again, in commit order: a wal message keeps its transaction's commit position (the stream's Begin:
-``final_lsn``) where a row keeps its transaction id, and its id is its own position, so held messages are read in
-(transaction_id, id) order as ``partitioned`` reads its rows (a retried dead letter, committed before what was held
-behind it, goes first). A held message Kafka refuses then (the retried dead letter itself, still too large; or one of
-the key's later messages) becomes the hold's dead letter again, as for the table strategies
-(strategies/quarantine.py): what went before it is done, what comes after it stays held. With ``skip`` the key goes
-on without the dead letter.
+A message Kafka will never take is dead-lettered whole. With quarantine (``OUTBOX_ON_POISON``, the default) its key is
+held: the key's later messages are written to ``outbox_held`` (each whole, as emitted, in ``payload_bytes``: published
+byte for byte as if never held) as the stream brings them, before the slot is confirmed past them (a relay that dies in
+between writes them again: the id is the message's LSN), and every other key keeps flowing. An operator's retry (the
+dead letter at the head of the held messages) or discard releases the hold; the streaming relay then publishes the held
+messages in their order, deletes them and the hold, and the key flows again, in commit order: a wal message keeps its
+transaction's commit position (the stream's Begin: ``final_lsn``) where a row keeps its transaction id, and its id is
+its own position, so held messages are read in (transaction_id, id) order as ``partitioned`` reads its rows (a retried
+dead letter, committed before what was held behind it, goes first). A held message Kafka refuses then (the retried dead
+letter itself, still too large; or one of the key's later messages) becomes the hold's dead letter again, as for the
+table strategies (strategies/quarantine.py): what went before it is done, what comes after it stays held. With ``skip``
+the key goes on without the dead letter.
+
+A message this database cannot hold as a row (a writer that did not check its encoding) never stops the relay: held,
+only its type and headers columns are left out; dead-lettered, its JSON payload is kept as bytes, or, when its topic,
+key, type or headers cannot be stored, the whole message as emitted under the topic ``(unstorable)``, its key not held.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import psycopg
 from psycopg import sql
 
 from ...config import OutboxTable
+from ...store.database_encoding import database_codec, unholdable
+from ...store.wal import format as wal_format
+from ...store.wal.format import MalformedMessage
 from ...strategies.base import RECORD_COLUMNS, DeliveryFailure, OutboxRecord, fetch_records
 from ...strategies.quarantine import OnPoison, dead_letter_held
 from ...timestamps import as_parameter
@@ -34,21 +43,125 @@ log = logging.getLogger(__name__)
 # A held message and a dead letter keep a message's columns; the stream gives a wal message no priority, and its
 # transaction's commit position as its transaction_id.
 _VALUES = "%s, %s::uuid, %s, %s, %s, %s::jsonb, %s, %s::jsonb, %s, 0, %s::text::xid8, %s"
+_DEAD_LETTER = """
+    INSERT INTO {dead_letters} (
+        id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority, transaction_id,
+        created_at, attempts, last_error, dead_lettered_by)
+    VALUES ({values}, 1, %s, %s)
+    ON CONFLICT (id) DO NOTHING
+"""
+_KEEP = """
+    INSERT INTO {held} (id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
+                        transaction_id, created_at)
+    VALUES ({values}) ON CONFLICT (id) DO NOTHING
+"""
+# The topic of a message kept as the bytes it was emitted as (store/wal/format.py): this database cannot hold its
+# topic, key, type or headers as text. Never a Kafka topic name, so never published by mistake.
+UNSTORABLE_TOPIC = "(unstorable)"
 
 
-def _columns(r: OutboxRecord) -> tuple[object, ...]:
+class Unstorable(ValueError):
+    """A message whose topic, key, type or headers this database cannot hold as text (a writer that did not check
+    the database's encoding, store/database_encoding.py)."""
+
+
+def _columns(
+    r: OutboxRecord, codec: str | None, *, as_bytes: bool = False, extra: tuple[object, ...] = ()
+) -> tuple[object, ...]:
+    """The message's columns, then ``extra``; its JSON payload as its bytes (``payload_bytes``) when the database cannot
+    hold it as jsonb (``as_bytes``, or a character its encoding lacks): published unchanged all the same."""
+    try:
+        key = None if r.key is None else r.key.decode()
+        type_ = None if r.type is None else r.type.decode()
+    except UnicodeDecodeError:
+        raise Unstorable("a key or type that is not UTF-8") from None
+    if codec is not None and (bad := unholdable((r.topic, key, type_, r.headers), codec)) is not None:
+        raise Unstorable(f"{bad!r} in its topic, key, type or headers")
+    payload = None
+    if not (r.binary or as_bytes):
+        try:
+            payload = r.payload.decode()
+        except UnicodeDecodeError:
+            payload = None
+        if payload is not None and codec is not None and unholdable((payload,), codec) is not None:
+            payload = None
     return (
         r.id,
         r.message_id.decode(),
         r.topic,
-        None if r.key is None else r.key.decode(),
-        None if r.type is None else r.type.decode(),
-        None if r.binary else r.payload.decode(),
-        r.payload if r.binary else None,
+        key,
+        type_,
+        payload,
+        r.payload if payload is None else None,
         r.headers,
         max(r.partition, 0),
         r.transaction_id,
         as_parameter(r.created_at),
+        *extra,
+    )
+
+
+def _held_columns(r: OutboxRecord, codec: str | None, *, plain: bool = False) -> tuple[object, ...]:
+    """A held message's columns: the message whole, as emitted, in ``payload_bytes`` (what ``held`` publishes: its
+    payload byte for byte, its headers in their order, its payload's kind); topic and key as its hold names them; type
+    and headers for whoever reads the table, left out (``plain``, or a character the database lacks) where the
+    database cannot hold them. A message id another writer spelled its own way: the columns, as a dead letter's."""
+    if r.key is None or not _canonical(r.message_id):
+        return _columns(r, codec)
+    try:
+        type_ = None if plain or r.type is None else r.type.decode()
+    except UnicodeDecodeError:
+        type_ = None
+    headers = "{}" if plain else r.headers
+    if codec is not None and unholdable((type_, headers), codec) is not None:
+        type_, headers = None, "{}"
+    key = r.key.decode()
+    if codec is not None and (bad := unholdable((r.topic, key), codec)) is not None:
+        raise Unstorable(f"{bad!r} in its topic or key")
+    row = (r.id, r.message_id.decode(), r.topic, key, type_, None, _emitted(r), headers, max(r.partition, 0))
+    return (*row, r.transaction_id, as_parameter(r.created_at))
+
+
+def _as_emitted(r: OutboxRecord) -> OutboxRecord:
+    """A held row's record, read from the message it keeps whole (``_held_columns``); a row kept otherwise (before
+    this version, or a dead letter retried into ``outbox_held``) as its columns say."""
+    if not r.binary:
+        return r
+    try:
+        m = wal_format.record(r.payload, r.id, r.transaction_id)
+    except MalformedMessage:
+        return r
+    if (m.message_id, m.topic, m.key) != (r.message_id, r.topic, r.key):
+        return r  # a bytes payload, not a message kept whole
+    return m._replace(attempts=r.attempts)
+
+
+def _canonical(message_id: bytes) -> bool:
+    try:
+        return str(uuid.UUID(message_id.decode())).encode() == message_id
+    except ValueError:  # UnicodeDecodeError too: bytes another writer made
+        return False
+
+
+def _uuid_or_nil(message_id: bytes) -> str:
+    try:
+        return str(uuid.UUID(message_id.decode()))
+    except ValueError:  # UnicodeDecodeError too: bytes another writer made
+        return str(uuid.UUID(int=0))
+
+
+def _emitted(r: OutboxRecord) -> bytes:
+    """The message as its writer emitted it (store/wal/format.py), for a dead letter that keeps it whole."""
+    return wal_format.encode(
+        r.message_id,
+        r.topic.encode(),
+        r.key,
+        r.type,
+        r.headers.encode(),
+        r.payload,
+        binary=r.binary,
+        partition=None if r.partition < 0 else r.partition,
+        created_at=r.created_at,
     )
 
 
@@ -60,33 +173,32 @@ class WalHolds:
         self.on_poison = on_poison
         self.worker_id = worker_id
         self.keys: set[tuple[str, bytes]] = set()
+        self.codec: str | None = None  # the database's encoding, when it cannot hold every character
 
     def load(self, conn: psycopg.Connection) -> None:
         rows = conn.execute(sql.SQL("SELECT topic, key FROM {}").format(self.table.holds)).fetchall()
         self.keys = {(topic, key.encode()) for topic, key in rows}
+        self.codec = database_codec(conn)
 
     def holds(self, record: OutboxRecord) -> bool:
         return record.key is not None and (record.topic, record.key) in self.keys
 
     def dead_letter(self, conn: psycopg.Connection, failures: Sequence[DeliveryFailure]) -> None:
         """Dead-letter each failure, and hold its key (quarantine), in one transaction."""
+        query = sql.SQL(_DEAD_LETTER).format(dead_letters=self.table.dead_letters, values=sql.SQL(_VALUES))
         with conn.transaction():
             for failure in failures:
                 r = failure.record
-                log.error("dead-lettering message %s to %s: %s", r.message_id.decode(), r.topic, failure.error)
-                conn.execute(
-                    sql.SQL(
-                        """
-                        INSERT INTO {dead_letters} (
-                            id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
-                            transaction_id, created_at, attempts, last_error, dead_lettered_by)
-                        VALUES ({values}, 1, %s, %s)
-                        ON CONFLICT (id) DO NOTHING
-                        """
-                    ).format(dead_letters=self.table.dead_letters, values=sql.SQL(_VALUES)),
-                    (*_columns(r), failure.error, self.worker_id),
+                log.error(
+                    "dead-lettering message %s to %s: %s", r.message_id.decode(errors="replace"), r.topic, failure.error
                 )
-                if self.on_poison == "quarantine" and r.key is not None and not self.holds(r):
+                error = self._holdable(failure.error)
+                attempts = (
+                    partial(_columns, r, self.codec, extra=(error, self.worker_id)),
+                    partial(_columns, r, self.codec, as_bytes=True, extra=(error, self.worker_id)),
+                )
+                stored = self._write(conn, query, r, attempts, error)
+                if stored and self.on_poison == "quarantine" and r.key is not None and not self.holds(r):
                     conn.execute(
                         sql.SQL(
                             "INSERT INTO {holds} (topic, key, partition, dead_letter_id) VALUES (%s, %s, 0, %s) "
@@ -100,17 +212,74 @@ class WalHolds:
         """Write held keys' messages to ``outbox_held`` (again, after a crash: nothing changes)."""
         if not records:
             return
-        with conn.cursor() as cur:
-            cur.executemany(
-                sql.SQL(
-                    """
-                    INSERT INTO {held} (id, message_id, topic, key, type, payload, payload_bytes, headers, partition,
-                                        priority, transaction_id, created_at)
-                    VALUES ({values}) ON CONFLICT (id) DO NOTHING
-                    """
-                ).format(held=self.table.held, values=sql.SQL(_VALUES)),
-                [_columns(r) for r in records],
-            )
+        query = sql.SQL(_KEEP).format(held=self.table.held, values=sql.SQL(_VALUES))
+        try:
+            params = [_held_columns(r, self.codec) for r in records]
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(query, params)
+            return
+        except (ValueError, psycopg.DataError):  # Unstorable, a message id that is no UUID, what jsonb refuses
+            pass  # one of them cannot be stored as it is: one at a time
+        for r in records:
+            attempts = (partial(_held_columns, r, self.codec), partial(_held_columns, r, self.codec, plain=True))
+            self._write(conn, query, r, attempts, "held behind a dead letter of its key")
+
+    def _holdable(self, text: str) -> str:
+        """``text`` with what the database cannot hold escaped (an error naming a character it lacks)."""
+        return text if self.codec is None else text.encode(self.codec, "backslashreplace").decode(self.codec)
+
+    def _write(
+        self,
+        conn: psycopg.Connection,
+        query: sql.Composed,
+        r: OutboxRecord,
+        attempts: Sequence[Callable[[], tuple[object, ...]]],
+        error: str,
+    ) -> bool:
+        """Write one message's row with the first of ``attempts`` (its columns) the database takes; False when it
+        takes none, and the message was dead-lettered whole instead, as the bytes it was emitted as: never a crash at
+        the same message at every start, never lost."""
+        reason = ""
+        for columns in attempts:
+            try:
+                params = columns()
+                with conn.transaction():
+                    conn.execute(query, params)
+                return True
+            except Unstorable as exc:
+                reason = f"{exc}, in a database whose encoding is {conn.info.parameter_status('server_encoding')}"
+                break
+            except (psycopg.DataError, ValueError) as exc:  # ValueError: a message id that is no UUID
+                reason = str(exc).strip().splitlines()[0]
+        log.error(
+            "message %s to %s cannot be stored in this database (%s): dead-lettered whole under %s, as the bytes it "
+            "was emitted as; its key is not held",
+            r.message_id.decode(errors="replace"),
+            r.topic,
+            reason,
+            UNSTORABLE_TOPIC,
+        )
+        params = (
+            r.id,
+            _uuid_or_nil(r.message_id),
+            UNSTORABLE_TOPIC,
+            None,
+            None,
+            None,
+            _emitted(r),
+            "{}",
+            0,
+            r.transaction_id,
+            as_parameter(r.created_at),
+            self._holdable(
+                f"{error}; this database cannot hold it as a row ({reason}): payload_bytes is the message as emitted "
+                "(store/wal/format.py)"
+            ),
+            self.worker_id,
+        )
+        dead_letters = sql.SQL(_DEAD_LETTER).format(dead_letters=self.table.dead_letters, values=sql.SQL(_VALUES))
+        conn.execute(dead_letters, params)
+        return False
 
     def released(self, conn: psycopg.Connection) -> list[tuple[str, str]]:
         """Keys an operator released (a retry or a discard of their dead letter), oldest first."""
@@ -128,14 +297,17 @@ class WalHolds:
     def held(self, conn: psycopg.Connection, topic: str, key: str) -> list[OutboxRecord]:
         """A released key's held messages, in stream order: by commit, then by position in the transaction (a message
         written first may commit last)."""
-        return fetch_records(
-            conn,
-            sql.SQL(
-                "SELECT {columns} FROM {held} m WHERE m.topic = %(topic)s AND m.key = %(key)s "
-                "ORDER BY m.transaction_id, m.id"
-            ).format(columns=sql.SQL(RECORD_COLUMNS), held=self.table.held),
-            {"topic": topic, "key": key},
-        )
+        return [
+            _as_emitted(r)
+            for r in fetch_records(
+                conn,
+                sql.SQL(
+                    "SELECT {columns} FROM {held} m WHERE m.topic = %(topic)s AND m.key = %(key)s "
+                    "ORDER BY m.transaction_id, m.id"
+                ).format(columns=sql.SQL(RECORD_COLUMNS), held=self.table.held),
+                {"topic": topic, "key": key},
+            )
+        ]
 
     def published(self, conn: psycopg.Connection, ids: Sequence[int]) -> None:
         """Held messages Kafka has now: gone from ``outbox_held`` (the key stays held)."""

@@ -3,6 +3,7 @@ Kafka has them; a restart resumes after what was confirmed; a message Kafka neve
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from outbox_pipeline.relay.wal.relay import WalRelay, WalRelaySettings
 from outbox_pipeline.relay.wal.stream import ReplicationStream
 from outbox_pipeline.store.schema import init_db
 from outbox_pipeline.store.wal.grants import emit_function
+from outbox_pipeline.store.wal.format import decode
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import SlotUnusable, slot_state
 from tests.kit.kafka import KafkaProbe, Record
@@ -196,6 +198,12 @@ def _write(db: psycopg.Connection, table: OutboxTable, topic: str, *messages: tu
             enqueue(db, topic, payload, key=key, table=table)
 
 
+def held_payloads(db: psycopg.Connection, table: OutboxTable) -> list[bytes]:
+    """The payloads in ``outbox_held``, in id order: each held message is kept whole, as emitted (holds.py)."""
+    held = db.execute(sql.SQL("SELECT payload_bytes FROM {} ORDER BY id").format(table.held)).fetchall()
+    return [decode(kept).payload for (kept,) in held]
+
+
 SMALL = {"message.max.bytes": 2000}  # a 5,000-byte message is one Kafka will never take
 POISON = {"pad": "x" * 5000}
 
@@ -209,8 +217,7 @@ def test_a_poison_message_holds_only_its_key_until_an_operator_retries_it(
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
 
     assert by_key(kafka.consume(topic)) == {b"a": [b'{"n": 1}', b'{"n": 3}']}
-    held = db.execute(sql.SQL("SELECT payload FROM {} ORDER BY id").format(wal_outbox.held)).fetchall()
-    assert held == [({"n": 2},), ({"n": 4},)]
+    assert held_payloads(db, wal_outbox) == [b'{"n": 2}', b'{"n": 4}']
 
     [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
     assert retry_dead_letters(db, wal_outbox, ids=[dead_letter]) == 1
@@ -233,6 +240,47 @@ def test_discarding_the_dead_letter_publishes_what_its_key_held_without_it(
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
 
     assert by_key(kafka.consume(topic)) == {b"b": [b'{"n": 2}', b'{"n": 3}']}
+
+
+def test_a_held_message_is_published_byte_for_byte_as_its_writer_wrote_it(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    """Issue 50, case 12: before, a held JSON payload was stored as jsonb and published re-rendered (b'{"a": 1.0, "b":
+    1}'), unlike the same writer's unheld message."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    payload = {"b": 1, "a": 1.0}
+    _write(db, wal_outbox, topic, ("held", POISON), ("held", payload), ("free", payload))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
+    [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+
+    discard_dead_letters(db, wal_outbox, [dead_letter], reason="a test")
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    streams = by_key(kafka.consume(topic))
+    assert streams[b"held"] == streams[b"free"] == [b'{"b": 1, "a": 1.0}']
+
+
+def test_a_held_message_refused_at_its_release_and_retried_goes_out_as_its_writer_wrote_it(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    """A held message kept whole becomes the key's dead letter whole when Kafka refuses it at the release; retried, it
+    is published from those bytes again."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    larger = {"b": 1, "a": 1.0, "pad": "y" * 9000}
+    _write(db, wal_outbox, topic, ("k", POISON), ("k", larger), ("k", {"n": 3}))
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
+    [(first,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+    retry_dead_letters(db, wal_outbox, ids=[first])
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer={"message.max.bytes": 8000}).run()
+    [(second,)] = db.execute(
+        sql.SQL("SELECT id FROM {} WHERE id <> %s").format(wal_outbox.dead_letters), (first,)
+    ).fetchall()
+
+    retry_dead_letters(db, wal_outbox, ids=[second])
+    make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    values = by_key(kafka.consume(topic))[b"k"]
+    assert values[1:] == [json.dumps(larger).encode(), b'{"n": 3}']
 
 
 def test_with_skip_a_poison_message_leaves_a_hole_and_its_key_flows_on(
@@ -352,8 +400,7 @@ def test_a_retried_dead_letter_kafka_still_refuses_is_dead_lettered_again_and_it
     assert row is not None and row[0] and "too large" in row[1].lower()
     hold = sql.SQL("SELECT dead_letter_id, released_at IS NULL FROM {} WHERE key = 'b'").format(wal_outbox.holds)
     assert db.execute(hold).fetchone() == (dead_letter, True)
-    held = db.execute(sql.SQL("SELECT payload FROM {} ORDER BY id").format(wal_outbox.held)).fetchall()
-    assert held == [({"n": 2},), ({"n": 3},)]
+    assert held_payloads(db, wal_outbox) == [b'{"n": 2}', b'{"n": 3}']
 
     discard_dead_letters(db, wal_outbox, [dead_letter], reason="too large for good")
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()

@@ -225,3 +225,21 @@ def test_init_db_waits_out_an_open_transaction_names_it_and_the_rerun_it_asks_fo
         with psycopg.connect(dsn, autocommit=True) as conn:
             drop_slot(conn, table)
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(table.schema_ident))
+
+
+@pytest.mark.parametrize("how_many", [1, 3])
+def test_a_python_writer_left_at_write_to_table_is_relayed_through_the_insert_trigger(
+    db: psycopg.Connection, wal_outbox: OutboxTable, how_many: int
+) -> None:
+    """docs/wal.md, Writers: a writer not yet set to ``wal`` goes through the trigger (issue 50, case 11). Before, the
+    INSERT's RETURNING gave no id and the call raised (``outbox insert returned ids []``)."""
+    table_writer = OutboxTable(schema=wal_outbox.schema, write_to="table")
+    with db.transaction():
+        enqueued = enqueue_many(db, [Message("orders", {"n": n}, key="k") for n in range(how_many)], table=table_writer)
+
+    messages = emitted(db, wal_outbox)
+    assert [(m.topic, m.key, m.payload) for m in messages] == [
+        ("orders", b"k", b'{"n": %d}' % n) for n in range(how_many)
+    ]
+    assert [str(e.message_id) for e in enqueued] == [m.message_id.decode() for m in messages]
+    assert stored_rows(db, wal_outbox) == 0
