@@ -15,7 +15,7 @@ from psycopg import sql
 from ..config import OutboxTable
 from ..errors import OutboxError
 from ..store.routing import SERIALIZED_LOCK_CLASS
-from ..store.wal.format import MALFORMED_TOPIC
+from ..store.wal.format import NOT_RETRIABLE_TOPICS
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,16 @@ def retry_dead_letters(
 
     A dead letter its key is held behind (quarantine) goes instead to the head of its held rows and the hold is
     released: the partition's relay publishes it, then the held rows, in order, then the key flows again. A malformed
-    one (wal: bytes under the prefix no writer of ours made) is no message and stays: ``malformed_among`` names it.
+    or unstorable one (wal: bytes no writer of ours made, or the database cannot hold) is no message a retry could
+    put back and stays: ``malformed_among`` names it.
     """
     seq = table.ident("outbox_messages_id_seq")
-    filters = {"ids": list(ids) if ids is not None else None, "topic": topic, "by": by, "malformed": MALFORMED_TOPIC}
+    filters = {
+        "ids": list(ids) if ids is not None else None,
+        "topic": topic,
+        "by": by,
+        "malformed": list(NOT_RETRIABLE_TOPICS),
+    }
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (SERIALIZED_LOCK_CLASS, table.schema))
         released = conn.execute(
@@ -110,7 +116,7 @@ def retry_dead_letters(
                       AND d.retried_at IS NULL AND d.discarded_at IS NULL
                       AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
                       AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
-                      AND d.topic <> %(malformed)s
+                      AND d.topic <> ALL(%(malformed)s::text[])
                     RETURNING d.*
                 ), released AS (
                     UPDATE {holds} h SET released_at = now(), release = 'retry', released_by = %(by)s,
@@ -135,7 +141,7 @@ def retry_dead_letters(
                     WHERE d.retried_at IS NULL AND d.discarded_at IS NULL
                       AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
                       AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
-                      AND d.topic <> %(malformed)s
+                      AND d.topic <> ALL(%(malformed)s::text[])
                     RETURNING d.id, d.message_id, d.topic, d.key, d.type, d.payload, d.payload_bytes, d.headers,
                               d.partition, d.priority
                 )
@@ -162,13 +168,13 @@ def malformed_among(
         sql.SQL(
             """
             SELECT d.id FROM {dead_letters} d
-            WHERE d.retried_at IS NULL AND d.discarded_at IS NULL AND d.topic = %(malformed)s
+            WHERE d.retried_at IS NULL AND d.discarded_at IS NULL AND d.topic = ANY(%(malformed)s::text[])
               AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
               AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
             ORDER BY d.id
             """
         ).format(dead_letters=table.dead_letters),
-        {"ids": list(ids) if ids is not None else None, "topic": topic, "malformed": MALFORMED_TOPIC},
+        {"ids": list(ids) if ids is not None else None, "topic": topic, "malformed": list(NOT_RETRIABLE_TOPICS)},
     ).fetchall()
     return [int(i) for (i,) in rows]
 

@@ -33,7 +33,7 @@ from psycopg import sql
 from ...config import OutboxTable
 from ...store.database_encoding import database_codec, unholdable
 from ...store.wal import format as wal_format
-from ...store.wal.format import MalformedMessage
+from ...store.wal.format import UNSTORABLE_TOPIC, MalformedMessage
 from ...strategies.base import RECORD_COLUMNS, DeliveryFailure, OutboxRecord, fetch_records
 from ...strategies.quarantine import OnPoison, dead_letter_held
 from ...timestamps import as_parameter
@@ -55,9 +55,6 @@ _KEEP = """
                         transaction_id, created_at)
     VALUES ({values}) ON CONFLICT (id) DO NOTHING
 """
-# The topic of a message kept as the bytes it was emitted as (store/wal/format.py): this database cannot hold its
-# topic, key, type or headers as text. Never a Kafka topic name, so never published by mistake.
-UNSTORABLE_TOPIC = "(unstorable)"
 
 
 class Unstorable(ValueError):

@@ -49,6 +49,11 @@ class WalMessage(NamedTuple):
 # The topic a message under the prefix that is not one of ours is dead-lettered under: not a Kafka topic name (the
 # parentheses), so no writer's message has it, and there is nothing to retry (operate/dead_letters.py).
 MALFORMED_TOPIC = "(malformed)"
+# The topic of a message kept as the bytes it was emitted as: the database cannot hold its topic, key, type or headers
+# as text (relay/wal/holds.py). Never a Kafka topic name either.
+UNSTORABLE_TOPIC = "(unstorable)"
+# Dead letters that hold no message a retry could put back: only ``discard`` removes them.
+NOT_RETRIABLE_TOPICS = (MALFORMED_TOPIC, UNSTORABLE_TOPIC)
 
 
 class MalformedMessage(ValueError):

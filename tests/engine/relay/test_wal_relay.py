@@ -21,8 +21,8 @@ from outbox_pipeline.relay.wal.leader import LeaderSettings, SlotLeader
 from outbox_pipeline.relay.wal.relay import WalRelay, WalRelaySettings
 from outbox_pipeline.relay.wal.stream import ReplicationStream
 from outbox_pipeline.store.schema import init_db
-from outbox_pipeline.store.wal.grants import emit_function
 from outbox_pipeline.store.wal.format import decode
+from outbox_pipeline.store.wal.grants import emit_function
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import SlotUnusable, slot_state
 from tests.kit.kafka import KafkaProbe, Record
