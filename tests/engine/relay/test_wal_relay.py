@@ -17,6 +17,7 @@ from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
 from outbox_pipeline.relay.publisher import KafkaPublisher
 from outbox_pipeline.relay.wal.leader import LeaderSettings, SlotLeader
+from outbox_pipeline.relay.wal.pgoutput import pg_clock_us, standby_status
 from outbox_pipeline.relay.wal.relay import WalRelay, WalRelaySettings
 from outbox_pipeline.relay.wal.stream import ReplicationStream
 from outbox_pipeline.store.schema import init_db
@@ -187,6 +188,58 @@ def test_a_waiting_relay_takes_over_a_frozen_streamer_when_it_is_due_not_at_its_
         waiting.release()
         stream.close()
         frozen.release()
+
+
+def test_a_frozen_streamer_whose_walsender_the_server_timed_out_is_taken_over(
+    db: psycopg.Connection, dsn: str, wal_outbox: OutboxTable
+) -> None:
+    """``wal_sender_timeout`` shorter than the takeover time ends a frozen relay's walsender first; its lock's session
+    stays, silent, and is what tells the waiting relay it is frozen (issue 50, case 7: never taken over)."""
+    names = names_of(wal_outbox)
+    frozen = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings())
+    assert frozen.acquire()
+    short = make_conninfo(dsn, options="-c wal_sender_timeout=1000")  # a user setting (PostgreSQL 12+)
+    stream = ReplicationStream.open(short, names.slot, names.publication, status_interval_s=3600.0)
+    wait_until("the server ends the silent walsender", lambda: slot_state(db, wal_outbox).active_pid is None, 15.0)
+    waiting = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings(poll_s=0.2, takeover_after_s=2.0))
+    try:
+        assert waiting.acquire(deadline=time.monotonic() + 20.0), "the waiting relay did not take the lock"
+    finally:
+        waiting.release()
+        stream.close()
+        frozen.release()
+
+
+def test_a_frozen_streamer_whose_clock_runs_ahead_is_taken_over(
+    db: psycopg.Connection, dsn: str, wal_outbox: OutboxTable
+) -> None:
+    """A status update carries the client's clock (``pg_stat_replication.reply_time``): a frozen relay whose clock ran
+    an hour ahead looked alive for that hour. The takeover judges by the server's clock only (issue 50, case 12)."""
+    names = names_of(wal_outbox)
+    frozen = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings())
+    assert frozen.acquire()
+    stream = ReplicationStream.open(dsn, names.slot, names.publication, status_interval_s=3600.0)
+    ahead = standby_status(stream.confirmed, stream.confirmed, stream.confirmed, pg_clock_us(time.time() + 3600))
+    stream._pgconn.put_copy_data(ahead)
+    stream._pgconn.flush()
+    wait_until(
+        "the server has the status update",
+        lambda: _replied_from_the_future(db, slot_state(db, wal_outbox).active_pid),
+        10.0,
+    )
+    waiting = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings(poll_s=0.2, takeover_after_s=2.0))
+    try:
+        assert waiting.acquire(deadline=time.monotonic() + 20.0), "the waiting relay did not take the lock"
+        assert slot_state(db, wal_outbox).active_pid is None  # the frozen stream's walsender was ended
+    finally:
+        waiting.release()
+        stream.close()
+        frozen.release()
+
+
+def _replied_from_the_future(db: psycopg.Connection, walsender: int | None) -> bool:
+    row = db.execute("SELECT reply_time > now() FROM pg_stat_replication WHERE pid = %s", (walsender,)).fetchone()
+    return bool(row and row[0])
 
 
 def _write(db: psycopg.Connection, table: OutboxTable, topic: str, *messages: tuple[str, object]) -> None:
