@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 # Class of the session advisory lock (class, hashtext(schema)) the streamer of an outbox's slot holds.
 WAL_LEADER_LOCK_CLASS = 0x4F57  # "OW"
+# Added to message.timeout.ms in a successor's wait (fence_s): a request in flight at the expiry, the clocks' drift.
+FENCE_MARGIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -186,10 +188,11 @@ class SlotLeader:
         if self._settings.fence_s > 0:
             self._fence_until = time.monotonic() + self._settings.fence_s
             log.warning(
-                "waiting %.0f s before streaming the slot %s: what the frozen relay's Kafka producer still holds is "
-                "sent if it thaws, until its message.timeout.ms has passed (this relay's KAFKA_MESSAGE_TIMEOUT_MS "
-                "plus 2 s; every relay of an outbox must use the same)",
+                "waiting %.0f s before streaming the slot %s: the frozen relay's Kafka producer sends what it still "
+                "holds if it thaws, until its message.timeout.ms has passed (this relay's, plus %.0f s: every relay of "
+                "an outbox must use the same KAFKA_MESSAGE_TIMEOUT_MS)",
                 self._settings.fence_s,
                 self._slot,
+                FENCE_MARGIN_S,
             )
         return 0.0

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import psycopg
 
@@ -36,7 +36,7 @@ from ..relay_settings import Pacer
 from ..stats import RelayInstruments, RelayStats
 from .batches import Batch, Confirms
 from .holds import WalHolds
-from .leader import LeaderSettings, SlotLeader
+from .leader import FENCE_MARGIN_S, LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
 from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume
 
@@ -91,11 +91,13 @@ class WalRelay:
         self.registered = threading.Event()  # set while this relay streams the slot (a run's tag, a test's wait)
         self._releases_due = 0.0
         self._heartbeat_due = 0.0
+        self._led_at = 0.0  # monotonic: when the last heartbeat was sent (no relay took over before that)
         self._resume: Resume | None = None  # where this relay's last stream ended (stream.py)
 
     def run(self) -> RelayStats:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
-        leader = SlotLeader(self.dsn, self.table, self.stop, self.settings.leader)
+        fence_s = self.publisher.message_timeout_s + FENCE_MARGIN_S  # a frozen predecessor's queue expires by then
+        leader = SlotLeader(self.dsn, self.table, self.stop, replace(self.settings.leader, fence_s=fence_s))
         failures = 0
         self.publisher.warm_up()
         try:
@@ -118,6 +120,7 @@ class WalRelay:
                     if self.instruments is not None:
                         self.instruments.error()
                     log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
+                    self.publisher.purge()  # its lock may be another relay's by now: none of it may follow theirs
                     leader.release()
                     self.stop.wait(
                         min(self.settings.error_backoff_s * 2 ** (failures - 1), self.settings.max_backoff_s)
@@ -220,7 +223,7 @@ class WalRelay:
                     continue  # the read above waits out the linger
                 whole = len(batch.records) < batch_max  # all there was: the next batch waits out the linger
                 pacer.claimed(time.monotonic(), min(len(batch.records), batch_max), took_all=whole)
-                in_flight = self.publisher.start(batch.records[:batch_max])
+                in_flight = self._start(leader, batch.records[:batch_max])
                 continue
             self._release(leader)
             # Nothing unsent, nothing in Kafka: all the server sent is settled, up to its last keepalive too (a slot
@@ -343,11 +346,19 @@ class WalRelay:
         return min(DEFAULT_STATUS_INTERVAL_S, self.settings.leader.takeover_after_s / 3)
 
     def _heartbeat(self, leader: SlotLeader) -> None:
-        """Its ordinary session's sign of life (leader.py: a waiting relay may not see the walsender's replies)."""
+        """Its lock session's sign of life, which a waiting relay judges it by (leader.py)."""
         now = time.monotonic()
         if now >= self._heartbeat_due:
             leader.heartbeat()
+            self._led_at = now
             self._heartbeat_due = now + self._alive_every_s
+
+    def _start(self, leader: SlotLeader, records: Sequence[OutboxRecord]) -> PendingBatch:
+        """Hand records to Kafka only within half the takeover time of a heartbeat: no relay can have taken over
+        before then, and one that did waits until all of it has expired (leader.py). A relay frozen and thawed after
+        that hands nothing over (publisher.py withdraws it)."""
+        self._heartbeat(leader)
+        return self.publisher.start(records, until=self._led_at + self.settings.leader.takeover_after_s / 2)
 
     def _record(self, event: Message, commit: str, leader: SlotLeader) -> OutboxRecord | None:
         try:
