@@ -140,7 +140,11 @@ class SlotLeader:
                 return
             if waited == 0.0:
                 log.warning("the slot %s is still streamed by pid %s, a relay that is gone: ending it", self._slot, pid)
-                conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                try:
+                    conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                except psycopg.errors.InsufficientPrivilege as exc:  # another role's: START_REPLICATION says so
+                    log.warning("this relay's role may not end pid %s (%s)", pid, str(exc).strip().splitlines()[0])
+                    return
             if waited >= deadline or self._stop.wait(0.1):
                 return  # START_REPLICATION will say the slot is active, and the relay tries again
             waited += 0.1

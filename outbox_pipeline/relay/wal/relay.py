@@ -38,7 +38,7 @@ from .batches import Batch, Confirms
 from .holds import WalHolds
 from .leader import FENCE_MARGIN_S, LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
-from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume
+from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume, SlotInUseError
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +114,15 @@ class WalRelay:
                     if self._stream(leader, deadline):
                         break
                     failures = 0
-                except psycopg.OperationalError as exc:
+                except (psycopg.OperationalError, SlotInUseError) as exc:
                     failures += 1
                     self.stats.errors += 1
                     if self.instruments is not None:
                         self.instruments.error()
-                    log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
+                    if isinstance(exc, SlotInUseError):  # a process the lock does not know of: wait for it
+                        log.warning("%s; trying again", exc)
+                    else:
+                        log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
                     self.publisher.purge()  # its lock may be another relay's by now: none of it may follow theirs
                     leader.release()
                     self.stop.wait(
@@ -217,7 +220,7 @@ class WalRelay:
                     self._back_off(stream, leader, failures)
                     continue
                 failures = 0
-                self._release(leader)
+                self._release(stream, leader)
             if batch.records:
                 if len(batch.records) < batch_max and pacer.pause_s() > 0:
                     continue  # the read above waits out the linger
@@ -225,7 +228,7 @@ class WalRelay:
                 pacer.claimed(time.monotonic(), min(len(batch.records), batch_max), took_all=whole)
                 in_flight = self._start(leader, batch.records[:batch_max])
                 continue
-            self._release(leader)
+            self._release(stream, leader)
             # Nothing unsent, nothing in Kafka: all the server sent is settled, up to its last keepalive too (a slot
             # confirmed only to its last commit of ours would keep the WAL written since, for nothing).
             batch.commits.clear()
@@ -247,13 +250,7 @@ class WalRelay:
         unsettled for up to message.timeout.ms: meanwhile the streamer goes on saying it is alive, to its walsender
         and on its session, or a waiting relay would take it for frozen (leader.py)."""
         records = pending.records
-        if not self.publisher.settled():
-            slice_s = min(1.0, self._alive_every_s / 2)
-            self.publisher.producer.flush(slice_s)  # the usual case: settled in milliseconds
-            while not self.publisher.settled():
-                stream.confirm(stream.confirmed)  # a status update (no new position)
-                self._heartbeat(leader)
-                self.publisher.producer.flush(slice_s)
+        self._wait_settled(stream, leader)
         outcome = self.publisher.finish(pending)
         self.stats.batches += 1
         self.stats.claimed += len(records)
@@ -289,17 +286,27 @@ class WalRelay:
         self.holds.keep(leader.connection, [r for r in withheld if r.id in done])
         return settled, bool(transport)
 
+    def _wait_settled(self, stream: ReplicationStream, leader: SlotLeader) -> None:
+        """Until the producer holds nothing unsettled, the streamer saying it is alive meanwhile (``_settle``)."""
+        if not self.publisher.settled():
+            slice_s = min(1.0, self._alive_every_s / 2)
+            self.publisher.producer.flush(slice_s)  # the usual case: settled in milliseconds
+            while not self.publisher.settled():
+                stream.confirm(stream.confirmed)  # a status update (no new position)
+                self._heartbeat(leader)
+                self.publisher.producer.flush(slice_s)
+
     def _alive(self) -> None:
         """The loop turns and the database answers (the last statement or read did not raise): /healthz."""
         if self.instruments is not None:
             self.instruments.loop()
             self.instruments.database_ok()
 
-    def _release(self, leader: SlotLeader) -> None:
+    def _release(self, stream: ReplicationStream, leader: SlotLeader) -> None:
         """Publish the messages held behind keys an operator released, in order, and let those keys flow again (with
         no batch in Kafka: a released key's later messages are still held, and go after these). From the first one
         Kafka did not take, the key stays held: behind it as its new dead letter if Kafka refused it (holds.py),
-        to be tried again if Kafka was down."""
+        to be tried again if Kafka was down (meanwhile the streamer says it is alive, as in ``_settle``)."""
         now = time.monotonic()
         if not self.holds.keys or now < self._releases_due:
             return
@@ -307,7 +314,9 @@ class WalRelay:
         conn = leader.connection
         for topic, key in self.holds.released(conn):
             records = self.holds.held(conn, topic, key)
-            outcome = self.publisher.publish(records)
+            pending = self._start(leader, records)
+            self._wait_settled(stream, leader)
+            outcome = self.publisher.finish(pending)
             self.stats.published += len(outcome.delivered)
             if self.observer is not None:
                 self.observer(outcome)
