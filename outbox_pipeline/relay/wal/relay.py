@@ -7,8 +7,9 @@ transaction: what was published after it comes again (duplicates bounded by what
 
 Kafka's failures, as the table strategies treat them (relay/kafka_errors.py):
 - the transport (a broker down): nothing after the first such message is confirmed; those messages are published
-  again, in order, after a back-off. Meanwhile the relay keeps answering its walsender, so a waiting relay does
-  not take it for frozen (leader.py) and ``wal_sender_timeout`` does not end the stream;
+  again, in order, after a back-off. Meanwhile the relay keeps answering its walsender (``wal_sender_timeout`` does
+  not end the stream) and saying it is alive on its lock's session (a waiting relay does not take it for frozen,
+  leader.py);
 - a message Kafka will never take (too large, an invalid topic): dead-lettered whole, and with quarantine its key
   held until an operator retries or discards it, every other key flowing (holds.py); the stream goes on.
 """
