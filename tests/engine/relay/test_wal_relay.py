@@ -573,3 +573,24 @@ def _run_catching(relay: WalRelay, failure: list[BaseException]) -> None:
         relay.run()
     except BaseException as exc:  # the test asserts there was none
         failure.append(exc)
+
+
+def test_a_streamer_hands_kafka_nothing_once_it_may_have_been_taken_over(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    """A relay frozen between its last sign of life and handing a batch over may have been replaced when it thaws:
+    from half the takeover time after its last heartbeat on, it hands Kafka nothing (what it handed over is purged)
+    and tries again after a heartbeat (issue 50, case 6). Here the takeover time is shorter than any hand-over."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    _write(db, wal_outbox, topic, *[("k", {"n": n}) for n in range(1000)])
+    settings = WalRelaySettings(
+        leader=LeaderSettings(takeover_after_s=1e-6), max_seconds=3.0, error_backoff_s=0.1, max_backoff_s=0.2
+    )
+    publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers})
+    try:
+        stats = WalRelay(db.info.dsn, wal_outbox, publisher, settings).run()
+    finally:
+        publisher.close()
+
+    assert kafka.consume(topic) == []
+    assert stats.published == 0
