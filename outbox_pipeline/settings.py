@@ -120,8 +120,9 @@ WAL_LINGER_MS = Setting(
 WAL_TAKEOVER_S = Setting(
     "OUTBOX_WAL_TAKEOVER_S",
     30.0,
-    "wal strategy: a waiting relay ends the sessions of the streaming one when its walsender has heard nothing from "
-    "it this long (a frozen pod, a paused VM); a streaming relay answers every 10 s, Kafka down or not",
+    "wal strategy: a waiting relay ends the sessions of the streaming one when its lock's session has said nothing "
+    "this long by the server's clock (a frozen pod, a paused VM), then waits KAFKA_MESSAGE_TIMEOUT_MS plus 2 s before "
+    "it streams; a streaming relay says it is alive every 10 s (a third of this if shorter), Kafka down or not",
     _number,
 )
 WORKER_ID_WAIT_S = Setting(

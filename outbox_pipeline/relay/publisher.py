@@ -12,6 +12,7 @@ in the producer at a time, so "the queue is empty" means "this batch is settled"
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -122,6 +123,18 @@ class KafkaPublisher:
         it, and a standby taking over or a replacement dealt partitions added it to its failover."""
         self.producer  # noqa: B018 - created now; it connects and gets its id in the background
 
+    @property
+    def message_timeout_s(self) -> float:
+        """The producer's ``message.timeout.ms``: no message it was given is sent later than that after."""
+        return float(self._config["message.timeout.ms"]) / 1000.0  # type: ignore[arg-type]
+
+    def purge(self) -> None:
+        """Drop what the producer holds and has not sent (its error reports follow): a relay that lost its stream or
+        its lock hands none of it to Kafka later, behind what another relay publishes meanwhile."""
+        if self._producer is not None:
+            self._producer.purge(in_queue=True, in_flight=False, blocking=False)
+            self._producer.poll(0)
+
     def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
         """Publish one batch and wait for it."""
         if transactional_id is not None:
@@ -155,34 +168,34 @@ class KafkaPublisher:
             down = not outcome.delivered and any(f.kind == "transport" for f in outcome.failed)
         return PublishOutcome(delivered, failed, time.monotonic() - started)
 
-    def start(self, records: Sequence[OutboxRecord]) -> PendingBatch:
+    def start(self, records: Sequence[OutboxRecord], until: float = math.inf) -> PendingBatch:
         """Hand a batch to the producer; returns at once. Call ``finish`` before the next ``start``.
 
         The hot loop of the relay: one ``produce`` per row with the bytes the server prepared, and
-        one shared error callback per batch (no per-message objects beyond the headers list).
+        one shared error callback per batch (no per-message objects beyond the headers list). Nothing is handed
+        over at or after the monotonic ``until`` (a frozen process that thaws: ``_withdraw``).
         """
         pending = PendingBatch(records, time.monotonic())
+        now = time.monotonic
         produce = self.producer.produce
         on_error = partial(self._on_error_report, pending)
         headers_of = self._headers.of
         # Keys with a row the producer refused (too large...): their later rows of this batch are not sent, so
         # a key's stream never gets them ahead of it (they wait: a transport-kind failure, never counted).
         refused: set[tuple[str, bytes]] = set()
-        for record in records:
+        for i, record in enumerate(records):
+            if now() >= until:
+                self._withdraw(pending, records[i:])
+                break
             oid, topic, key, payload, headers_json, message_id, outbox_id, created_at, type_, _, _, _, binary = record
             if refused and key is not None and (topic, key) in refused:
                 pending.errors[oid] = ("not sent: an earlier row of its key was refused in this batch", "transport")
                 continue
-            if topic not in self._valid_topics:
-                if not is_valid_topic(topic):
-                    # A row written past enqueue's checks: librdkafka may take the name and report "unknown
-                    # topic" later (a record failure, retried max_attempts times); it can never be delivered.
-                    pending.errors[oid] = (f"invalid Kafka topic name {topic[:260]!r}", "permanent")
-                    if key is not None:
-                        refused.add((topic, key))
-                    continue
-                self._valid_topics.add(topic)
-                self.limits.check(topic)
+            if topic not in self._valid_topics and not self._topic_is_valid(topic):
+                pending.errors[oid] = (f"invalid Kafka topic name {topic[:260]!r}", "permanent")
+                if key is not None:
+                    refused.add((topic, key))
+                continue
             try:
                 headers = headers_of(topic, message_id, outbox_id, created_at, type_, headers_json, binary)
             except UnencodableHeaders as exc:  # stored past enqueue's checks: it can never be sent as it is
@@ -210,8 +223,29 @@ class KafkaPublisher:
                     if key is not None:
                         refused.add((topic, key))
                     break
+        else:
+            if now() >= until:
+                self._withdraw(pending, ())
         pending.span = start_batch_span(records)
         return pending
+
+    def _topic_is_valid(self, topic: str) -> bool:
+        """A topic's first row: its name (a row written past enqueue's checks: librdkafka may take the name and report
+        "unknown topic" later, a record failure retried max_attempts times, though it can never be delivered), and its
+        limits read."""
+        if not is_valid_topic(topic):
+            return False
+        self._valid_topics.add(topic)
+        self.limits.check(topic)
+        return True
+
+    def _withdraw(self, pending: PendingBatch, unsent: Sequence[OutboxRecord]) -> None:
+        """``start`` ran past its ``until``: what it handed over and the producer has not sent yet is purged (a message
+        produced just now waits linger.ms first), the rest not handed over; all of it fails as "transport"."""
+        log.warning("the batch's time to be handed to Kafka ran out (was the process frozen?): withdrawing it")
+        self.purge()
+        for record in unsent:
+            pending.errors[record.id] = ("not sent: its time to be handed to Kafka ran out", "transport")
 
     def settled(self) -> bool:
         """Whether everything handed to the producer is settled (``finish`` would not wait); serves its reports."""

@@ -42,11 +42,11 @@ def relay_process(dsn: str, table: OutboxTable, bootstrap: str, log: Path, **set
     """`outbox relay` as a Deployment runs it: a new process, a new identity (hostname-pid) each time."""
     env = {
         **os.environ,
-        **settings,
         "OUTBOX_PG_DSN": dsn,
         "OUTBOX_SCHEMA": table.schema,
         "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
         "KAFKA_MESSAGE_TIMEOUT_MS": "5000",
+        **settings,
     }
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -223,6 +223,82 @@ def test_a_frozen_wal_relay_is_taken_over_and_loses_nothing_when_it_thaws(
     report("wal-frozen", "wal", **counted.figures, seconds=0.0)
     assert counted.lost == set() and counted.phantom == set()
     assert out_of_order_keys(before + during + after, records) == []
+
+
+def test_a_frozen_wal_relay_that_thaws_after_the_takeover_leaves_no_key_on_a_stale_value(
+    module_pg: LocalPostgres, wal_table: OutboxTable, proxied_broker: ProxiedBroker, tmp_path: Path
+) -> None:
+    """Issue 50, case 6: a relay frozen with messages in its Kafka producer's queue (the broker out of reach) is taken
+    over; its successor publishes them and newer ones of the same keys; when the frozen relay thaws, librdkafka's
+    threads send what it had queued at once, before any of the relay's code runs. Each key must end on its newest
+    message (on main: every key on the stale one)."""
+    dsn = module_pg.dsn
+    topic = proxied_broker.new_topic()
+    timeout_ms = 15_000  # a long message.timeout.ms, as users run Kafka clients with (120 s)
+    settings = {"OUTBOX_WAL_TAKEOVER_S": "3", "KAFKA_MESSAGE_TIMEOUT_MS": str(timeout_ms)}
+    first = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "first.log", **settings)
+    with psycopg.connect(dsn, autocommit=True) as db:
+        wait_until("the first relay streams", lambda: slot_state(db, wal_table).active_pid is not None, 30.0)
+        frozen_walsender = slot_state(db, wal_table).active_pid
+        second = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "second.log", **settings)
+        try:
+            warm = write(dsn, wal_table, topic, 1, serialized=False)  # the first relay has published to the topic
+            consume(proxied_broker.bootstrap, [topic], warm)
+            proxied_broker.proxy.cut()  # the broker out of reach: what the first relay produces stays queued
+            older = warm + write(dsn, wal_table, topic, 200, serialized=False, keys=200)
+            queued_at = time.monotonic()
+            _wait_until_produced(db, frozen_walsender)
+            os.killpg(first.pid, signal.SIGSTOP)  # frozen with 200 messages in its producer's queue
+            proxied_broker.proxy.restore()
+            newer = write(dsn, wal_table, topic, 200, serialized=False, keys=200)
+            wait_until(
+                "the waiting relay streams",
+                lambda: slot_state(db, wal_table).active_pid not in (None, frozen_walsender),
+                30.0,
+            )
+            consume(proxied_broker.bootstrap, [topic], older + newer, deadline_s=60.0)
+            os.killpg(first.pid, signal.SIGCONT)
+            # What the thawed producer sends, it sends before its messages time out: watch until they have.
+            watch_s = max(1.0, queued_at + timeout_ms / 1000 + 3.0 - time.monotonic())
+            records = consume(proxied_broker.bootstrap, [topic], older + newer, settle_s=watch_s, idle_s=watch_s)
+        finally:
+            proxied_broker.proxy.restore()
+            stop(second)
+            stop(first)
+    counted = tally(older + newer, records)
+    report("wal-thaw-after-takeover", "wal", **counted.figures, seconds=0.0)
+    assert counted.lost == set() and counted.phantom == set()
+    last: dict[bytes | None, str] = {r.key: r.headers["message_id"].decode() for r in records}
+    stale = [key for key, mid in last.items() if mid not in set(newer)]
+    assert stale == [], f"{len(stale)} of {len(last)} keys end on a stale value"
+
+
+def _wait_until_produced(db: psycopg.Connection, walsender: int | None) -> None:
+    """Until the walsender has sent everything committed so far and the relay has answered since (it answers from
+    the loop that waits for Kafka, once its batch is in the producer)."""
+    target = db.execute("SELECT pg_current_wal_lsn()").fetchone()
+    assert target is not None
+    wait_until(
+        "the walsender sent the write",
+        lambda: _one(db, "SELECT sent_lsn >= %s FROM pg_stat_replication WHERE pid = %s", (target[0], walsender)),
+        30.0,
+    )
+    sent_at = db.execute("SELECT clock_timestamp()").fetchone()
+    assert sent_at is not None
+    wait_until(
+        "the relay answered after it",
+        lambda: _one(
+            db,
+            "SELECT reply_time > %s + interval '200 ms' FROM pg_stat_replication WHERE pid = %s",
+            (sent_at[0], walsender),
+        ),
+        30.0,
+    )
+
+
+def _one(db: psycopg.Connection, query: str, params: tuple[object, ...]) -> bool:
+    row = db.execute(query, params).fetchone()
+    return bool(row and row[0])
 
 
 def test_a_server_crash_after_the_slot_was_confirmed_publishes_nothing_again(

@@ -6,7 +6,8 @@ once, or every relay stopped for a switch of strategy, each followed by RECOVERY
 publishing again after a rewind, is not silent; one whose worker hangs while another could take it is.
 
 wal: one relay streams the slot and the others wait; a waiting relay takes over a killed streamer at once and a frozen
-one after ``lease_s`` (the harness's takeover time), so the same bound holds. A streamer cut off from Kafka keeps the
+one after ``lease_s`` (the harness's takeover time), so the same bound holds, once the successor has waited for the
+frozen relay's producer (``WAL_FENCE_S``: an outage). A streamer cut off from Kafka keeps the
 slot (it still answers its walsender) and nothing is published until it reaches Kafka again (docs/wal.md, Kafka
 down): for wal a cut of any worker is an outage."""
 
@@ -18,9 +19,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from outbox_pipeline.relay.wal.leader import FENCE_MARGIN_S
 from tests.faults.helpers import TimedRecord
 
 from .context import Span
+from .relays import MESSAGE_TIMEOUT_MS
 from .schedule import WAL, Setup
 from .writers import Written
 
@@ -29,6 +32,8 @@ RECOVERY_S = 5.0  # after a server fault or a total outage ends: reconnects, pro
 WORKER_FAULTS = ("freeze", "kill", "kafka-cut")  # the slot's worker does not serve meanwhile
 SERVER_FAULTS = ("pg-restart", "broker-freeze", "terminate-backends")
 STOPPED = ("switch-strategy",)  # the operator stops every relay (and starts them again with another strategy)
+# wal: the relay that took over a frozen streamer streams only once what the frozen producer queued has expired.
+WAL_FENCE_S = MESSAGE_TIMEOUT_MS / 1000 + FENCE_MARGIN_S
 
 
 def _outages(spans: Sequence[Span], workers: int, strategy: str) -> list[tuple[float, float]]:
@@ -62,7 +67,7 @@ def silences(
     publish, if later) and the row's first copy, less the outages in between. A partition that is being drained,
     however long its backlog, is not silent; one whose worker hangs is. Keyed rows only (a keyless row's virtual
     partition is drawn at random); every virtual partition is the Kafka partition of the same number."""
-    outages = _merged(_outages(spans, setup.workers, setup.strategy))
+    outages = _merged(_outages(spans, setup.workers, setup.strategy) + _fences(spans, setup))
     held_since: dict[tuple[str, str], float] = {}
     for w in written:
         if not w.good and w.outcome in ("committed", "in-doubt") and w.key is not None:
@@ -99,6 +104,17 @@ def silences(
             during = "; ".join(str(s) for s in spans if s.start <= end and s.end >= start)
             stalls.append(Stall(silent, f"{r.topic}[{r.partition}]", start, end, m, during))
     return stalls, loudest, longest
+
+
+def _fences(spans: Sequence[Span], setup: Setup) -> list[tuple[float, float]]:
+    """wal: after a freeze past the takeover time, the successor's wait for the frozen producer (docs/wal.md)."""
+    if setup.strategy != WAL:
+        return []
+    return [
+        (s.start + setup.lease_s, s.start + setup.lease_s + WAL_FENCE_S)
+        for s in spans
+        if s.action == "freeze" and s.end - s.start > setup.lease_s
+    ]
 
 
 @dataclass(frozen=True)

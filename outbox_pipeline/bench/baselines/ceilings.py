@@ -11,6 +11,7 @@ A relay at 90 % of the lower ceiling has nothing left to win on its own side.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -52,7 +53,7 @@ class ConfirmingPublisher(KafkaPublisher):
     def warm_up(self) -> None:
         """Nothing to start: a producer here would be one more client in the measurement."""
 
-    def start(self, records: Sequence[OutboxRecord]) -> PendingBatch:
+    def start(self, records: Sequence[OutboxRecord], until: float = math.inf) -> PendingBatch:
         return PendingBatch(records, time.monotonic())
 
     def finish(self, pending: PendingBatch) -> PublishOutcome:

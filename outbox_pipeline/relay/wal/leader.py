@@ -7,12 +7,17 @@ take turns by failing. The streamer holds a session advisory lock on an ordinary
   walsender ends when it reads the closed socket. The next relay takes the lock, and terminates that walsender
   if it is still there (it holds the lock, so the walsender's relay is gone).
 - A relay that is frozen (SIGSTOP, a paused VM) keeps its sessions open and stops answering. The streamer says it
-  is alive every few seconds, Kafka down or not (wal/relay.py): a status update to its walsender and a statement on
-  its ordinary session (``heartbeat``). The waiting relay sees the later of the two (``pg_stat_replication.reply_time``,
-  ``pg_stat_activity.state_change`` of the lock's holder) grow older than ``takeover_after_s`` and terminates both of
-  the frozen relay's sessions. Both signals: PostgreSQL shows a walsender's reply time only to superusers and
-  ``pg_read_all_stats``, a session's activity to its own role too; a relay that can see neither (another role,
-  without either right) never takes over a frozen streamer, and says so once.
+  is alive every few seconds, Kafka down or not (wal/relay.py), with a statement on the lock's session
+  (``heartbeat``). The waiting relay sees that session's ``pg_stat_activity.state_change`` (the server's clock, not
+  the relay's: a status update's reply time is the client's own) grow older than ``takeover_after_s``, with or
+  without a walsender left on the slot (``wal_sender_timeout`` may have ended it), and terminates the frozen relay's
+  sessions. PostgreSQL shows a session's activity to its own role and ``pg_read_all_stats``; a relay that cannot see
+  it (another role) never takes over a frozen streamer, and says so once.
+- A frozen relay's Kafka producer still holds what it had queued, and librdkafka's threads send it the moment the
+  process thaws, before any of the relay's own code runs. So the relay that ended a frozen one's sessions waits
+  ``fence_s`` (the producer's ``message.timeout.ms`` plus a margin) before it streams: by then every message the
+  frozen producer queued has timed out, and librdkafka drops timed-out messages before it sends (its timeout scan runs
+  first after a thaw). The thawed relay itself produces nothing once it may have been taken over (wal/relay.py).
 
 Terminating another session needs the same role or ``pg_signal_backend`` (docs/operations.md, Your PostgreSQL).
 """
@@ -36,13 +41,16 @@ log = logging.getLogger(__name__)
 
 # Class of the session advisory lock (class, hashtext(schema)) the streamer of an outbox's slot holds.
 WAL_LEADER_LOCK_CLASS = 0x4F57  # "OW"
+# Added to message.timeout.ms in a successor's wait (fence_s): a request in flight at the expiry, the clocks' drift.
+FENCE_MARGIN_S = 2.0
 
 
 @dataclass(frozen=True)
 class LeaderSettings:
     poll_s: float = 1.0  # how often a waiting relay tries the lock
-    takeover_after_s: float = 30.0  # a streamer whose walsender heard nothing from it this long is frozen
+    takeover_after_s: float = 30.0  # a streamer whose lock session said nothing this long is frozen
     slot_free_timeout_s: float = 10.0  # how long to wait for a gone streamer's walsender to end
+    fence_s: float = 0.0  # after ending a frozen streamer: until its producer's queue has expired (WalRelay sets it)
 
 
 class SlotLeader:
@@ -56,6 +64,7 @@ class SlotLeader:
         self._slot = names_of(table).slot
         self._conn: psycopg.Connection | None = None
         self._blind_logged = False
+        self._fence_until = 0.0  # monotonic: a frozen streamer's queued messages have expired by then
 
     def acquire(self, deadline: float | None = None, waiting: Callable[[], None] | None = None) -> bool:
         """Wait until this relay holds the lock (True), or ``stop`` is set or the monotonic ``deadline`` passes
@@ -71,7 +80,7 @@ class SlotLeader:
             ).fetchone()
             if row and row[0]:
                 self._free_slot(conn)
-                return True
+                return self._await_fence(waiting)
             if not logged:
                 log.info("another relay streams the slot %s; waiting to take over", self._slot)
                 logged = True
@@ -83,6 +92,19 @@ class SlotLeader:
                 wait = min(wait, deadline - time.monotonic())
             self._stop.wait(max(wait, 0.0))
         return False
+
+    def _await_fence(self, waiting: Callable[[], None] | None) -> bool:
+        """Hold the lock, saying it is alive, until what a frozen predecessor's producer queued has expired (True), or
+        until ``stop`` (False, the lock released)."""
+        every_s = min(self._settings.poll_s, self._settings.takeover_after_s / 3)
+        while (left := self._fence_until - time.monotonic()) > 0:
+            if waiting is not None:
+                waiting()
+            self.heartbeat()
+            if self._stop.wait(min(left, every_s)):
+                self.release()
+                return False
+        return True
 
     def release(self) -> None:
         if self._conn is not None:
@@ -118,7 +140,11 @@ class SlotLeader:
                 return
             if waited == 0.0:
                 log.warning("the slot %s is still streamed by pid %s, a relay that is gone: ending it", self._slot, pid)
-                conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                try:
+                    conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                except psycopg.errors.InsufficientPrivilege as exc:  # another role's: START_REPLICATION says so
+                    log.warning("this relay's role may not end pid %s (%s)", pid, str(exc).strip().splitlines()[0])
+                    return
             if waited >= deadline or self._stop.wait(0.1):
                 return  # START_REPLICATION will say the slot is active, and the relay tries again
             waited += 0.1
@@ -129,9 +155,8 @@ class SlotLeader:
         a second more that nothing is published)."""
         row = conn.execute(
             """
-            SELECT s.active_pid, l.pid, extract(epoch FROM now() - greatest(r.reply_time, a.state_change))
+            SELECT s.active_pid, l.pid, extract(epoch FROM now() - a.state_change)
             FROM pg_replication_slots s
-            LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
             LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.classid = %(class)s
                  AND l.objid = hashtext(%(schema)s)::oid AND l.objsubid = 2
                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -143,14 +168,14 @@ class SlotLeader:
         if row is None:
             return math.inf
         walsender, holder, silent_s = row
-        if walsender is not None and holder is not None and silent_s is None and not self._blind_logged:
+        if holder is not None and silent_s is None and not self._blind_logged:
             self._blind_logged = True
             log.warning(
                 "cannot tell whether the relay streaming the slot %s is alive: its session belongs to another role "
                 "and this one has neither that role nor pg_read_all_stats; a frozen streamer is not taken over",
                 self._slot,
             )
-        if walsender is None or silent_s is None:
+        if holder is None or silent_s is None:
             return math.inf
         if float(silent_s) < self._settings.takeover_after_s:
             return self._settings.takeover_after_s - float(silent_s)
@@ -164,4 +189,14 @@ class SlotLeader:
         for pid in (walsender, holder):
             if pid is not None:  # waits (up to 5 s) until the process has exited and its lock is released
                 conn.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        if self._settings.fence_s > 0:
+            self._fence_until = time.monotonic() + self._settings.fence_s
+            log.warning(
+                "waiting %.0f s before streaming the slot %s: the frozen relay's Kafka producer sends what it still "
+                "holds if it thaws, until its message.timeout.ms has passed (this relay's, plus %.0f s: every relay of "
+                "an outbox must use the same KAFKA_MESSAGE_TIMEOUT_MS)",
+                self._settings.fence_s,
+                self._slot,
+                FENCE_MARGIN_S,
+            )
         return 0.0

@@ -7,8 +7,9 @@ transaction: what was published after it comes again (duplicates bounded by what
 
 Kafka's failures, as the table strategies treat them (relay/kafka_errors.py):
 - the transport (a broker down): nothing after the first such message is confirmed; those messages are published
-  again, in order, after a back-off. Meanwhile the relay keeps answering its walsender, so a waiting relay does
-  not take it for frozen (leader.py) and ``wal_sender_timeout`` does not end the stream;
+  again, in order, after a back-off. Meanwhile the relay keeps answering its walsender (``wal_sender_timeout`` does
+  not end the stream) and saying it is alive on its lock's session (a waiting relay does not take it for frozen,
+  leader.py);
 - a message Kafka will never take (too large, an invalid topic): dead-lettered whole, and with quarantine its key
   held until an operator retries or discards it, every other key flowing (holds.py); the stream goes on.
 """
@@ -18,8 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import psycopg
 
@@ -36,9 +37,9 @@ from ..relay_settings import Pacer
 from ..stats import RelayInstruments, RelayStats
 from .batches import Batch, Confirms
 from .holds import WalHolds, dead_letters_not_confirmed
-from .leader import LeaderSettings, SlotLeader
+from .leader import FENCE_MARGIN_S, LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
-from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume
+from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume, SlotInUseError
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,15 @@ class WalRelay:
         self.registered = threading.Event()  # set while this relay streams the slot (a run's tag, a test's wait)
         self._releases_due = 0.0
         self._heartbeat_due = 0.0
+        self._led_at = 0.0  # monotonic: when the last heartbeat was sent (no relay took over before that)
         self._resume: Resume | None = None  # where this relay's last stream ended (stream.py)
         self._attempts: dict[int, int] = {}  # a message's failed attempts of the "record" kind (its position: count)
         self._dead: set[int] = set()  # dead letters the stream may send again (not confirmed past): never published
 
     def run(self) -> RelayStats:
         deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
-        leader = SlotLeader(self.dsn, self.table, self.stop, self.settings.leader)
+        fence_s = self.publisher.message_timeout_s + FENCE_MARGIN_S  # a frozen predecessor's queue expires by then
+        leader = SlotLeader(self.dsn, self.table, self.stop, replace(self.settings.leader, fence_s=fence_s))
         failures = 0
         self.publisher.warm_up()
         try:
@@ -115,12 +118,16 @@ class WalRelay:
                     if self._stream(leader, deadline):
                         break
                     failures = 0
-                except psycopg.OperationalError as exc:
+                except (psycopg.OperationalError, SlotInUseError) as exc:
                     failures += 1
                     self.stats.errors += 1
                     if self.instruments is not None:
                         self.instruments.error()
-                    log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
+                    if isinstance(exc, SlotInUseError):  # a process the lock does not know of: wait for it
+                        log.warning("%s; trying again", exc)
+                    else:
+                        log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
+                    self.publisher.purge()  # its lock may be another relay's by now: none of it may follow theirs
                     leader.release()
                     self.stop.wait(
                         min(self.settings.error_backoff_s * 2 ** (failures - 1), self.settings.max_backoff_s)
@@ -217,15 +224,15 @@ class WalRelay:
                     self._back_off(stream, leader, failures)
                     continue
                 failures = 0
-                self._release(leader)
+                self._release(stream, leader)
             if batch.records:
                 if len(batch.records) < batch_max and pacer.pause_s() > 0:
                     continue  # the read above waits out the linger
                 whole = len(batch.records) < batch_max  # all there was: the next batch waits out the linger
                 pacer.claimed(time.monotonic(), min(len(batch.records), batch_max), took_all=whole)
-                in_flight = self.publisher.start(batch.records[:batch_max])
+                in_flight = self._start(leader, batch.records[:batch_max])
                 continue
-            self._release(leader)
+            self._release(stream, leader)
             # Nothing unsent, nothing in Kafka: all the server sent is settled, up to its last keepalive too (a slot
             # confirmed only to its last commit of ours would keep the WAL written since, for nothing).
             batch.commits.clear()
@@ -247,13 +254,7 @@ class WalRelay:
         unsettled for up to message.timeout.ms: meanwhile the streamer goes on saying it is alive, to its walsender
         and on its session, or a waiting relay would take it for frozen (leader.py)."""
         records = pending.records
-        if not self.publisher.settled():
-            slice_s = min(1.0, self._alive_every_s / 2)
-            self.publisher.producer.flush(slice_s)  # the usual case: settled in milliseconds
-            while not self.publisher.settled():
-                stream.confirm(stream.confirmed)  # a status update (no new position)
-                self._heartbeat(leader)
-                self.publisher.producer.flush(slice_s)
+        self._wait_settled(stream, leader)
         outcome = self.publisher.finish(pending)
         poison = [f for f in outcome.failed if self._gives_up(f)]
         self._count(pending, outcome, len(poison))
@@ -312,17 +313,27 @@ class WalRelay:
         self._attempts[failure.record.id] = attempts
         return False
 
+    def _wait_settled(self, stream: ReplicationStream, leader: SlotLeader) -> None:
+        """Until the producer holds nothing unsettled, the streamer saying it is alive meanwhile (``_settle``)."""
+        if not self.publisher.settled():
+            slice_s = min(1.0, self._alive_every_s / 2)
+            self.publisher.producer.flush(slice_s)  # the usual case: settled in milliseconds
+            while not self.publisher.settled():
+                stream.confirm(stream.confirmed)  # a status update (no new position)
+                self._heartbeat(leader)
+                self.publisher.producer.flush(slice_s)
+
     def _alive(self) -> None:
         """The loop turns and the database answers (the last statement or read did not raise): /healthz."""
         if self.instruments is not None:
             self.instruments.loop()
             self.instruments.database_ok()
 
-    def _release(self, leader: SlotLeader) -> None:
+    def _release(self, stream: ReplicationStream, leader: SlotLeader) -> None:
         """Publish the messages held behind keys an operator released, in order, and let those keys flow again (with
         no batch in Kafka: a released key's later messages are still held, and go after these). From the first one
         Kafka did not take, the key stays held: behind it as its new dead letter if Kafka refused it (holds.py),
-        to be tried again if Kafka was down."""
+        to be tried again if Kafka was down (meanwhile the streamer says it is alive, as in ``_settle``)."""
         now = time.monotonic()
         if not self.holds.keys or now < self._releases_due:
             return
@@ -330,7 +341,9 @@ class WalRelay:
         conn = leader.connection
         for topic, key in self.holds.released(conn):
             records = self.holds.held(conn, topic, key)
-            outcome = self.publisher.publish(records)
+            pending = self._start(leader, records)
+            self._wait_settled(stream, leader)
+            outcome = self.publisher.finish(pending)
             self.stats.published += len(outcome.delivered)
             if self.observer is not None:
                 self.observer(outcome)
@@ -371,11 +384,19 @@ class WalRelay:
         return min(DEFAULT_STATUS_INTERVAL_S, self.settings.leader.takeover_after_s / 3)
 
     def _heartbeat(self, leader: SlotLeader) -> None:
-        """Its ordinary session's sign of life (leader.py: a waiting relay may not see the walsender's replies)."""
+        """Its lock session's sign of life, which a waiting relay judges it by (leader.py)."""
         now = time.monotonic()
         if now >= self._heartbeat_due:
             leader.heartbeat()
+            self._led_at = now
             self._heartbeat_due = now + self._alive_every_s
+
+    def _start(self, leader: SlotLeader, records: Sequence[OutboxRecord]) -> PendingBatch:
+        """Hand records to Kafka only within half the takeover time of a heartbeat: no relay can have taken over
+        before then, and one that did waits until all of it has expired (leader.py). A relay frozen and thawed after
+        that hands nothing over (publisher.py withdraws it)."""
+        self._heartbeat(leader)
+        return self.publisher.start(records, until=self._led_at + self.settings.leader.takeover_after_s / 2)
 
     def _record(self, event: Message, commit: str, leader: SlotLeader) -> OutboxRecord | None:
         """The record of a message under the outbox's prefix; None for one that is not to be published: a dead letter

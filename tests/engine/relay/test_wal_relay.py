@@ -18,6 +18,7 @@ from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
 from outbox_pipeline.relay.publisher import KafkaPublisher
 from outbox_pipeline.relay.wal.leader import LeaderSettings, SlotLeader
+from outbox_pipeline.relay.wal.pgoutput import pg_clock_us, standby_status
 from outbox_pipeline.relay.wal.relay import WalRelay, WalRelaySettings
 from outbox_pipeline.relay.wal.stream import ReplicationStream
 from outbox_pipeline.store.schema import init_db
@@ -190,6 +191,60 @@ def test_a_waiting_relay_takes_over_a_frozen_streamer_when_it_is_due_not_at_its_
         waiting.release()
         stream.close()
         frozen.release()
+
+
+@pytest.mark.timing
+def test_a_frozen_streamer_whose_walsender_the_server_timed_out_is_taken_over(
+    db: psycopg.Connection, dsn: str, wal_outbox: OutboxTable
+) -> None:
+    """``wal_sender_timeout`` shorter than the takeover time ends a frozen relay's walsender first; its lock's session
+    stays, silent, and is what tells the waiting relay it is frozen (issue 50, case 7: never taken over)."""
+    names = names_of(wal_outbox)
+    frozen = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings())
+    assert frozen.acquire()
+    short = make_conninfo(dsn, options="-c wal_sender_timeout=1000")  # a user setting (PostgreSQL 12+)
+    stream = ReplicationStream.open(short, names.slot, names.publication, status_interval_s=3600.0)
+    wait_until("the server ends the silent walsender", lambda: slot_state(db, wal_outbox).active_pid is None, 15.0)
+    waiting = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings(poll_s=0.2, takeover_after_s=2.0))
+    try:
+        assert waiting.acquire(deadline=time.monotonic() + 20.0), "the waiting relay did not take the lock"
+    finally:
+        waiting.release()
+        stream.close()
+        frozen.release()
+
+
+@pytest.mark.timing
+def test_a_frozen_streamer_whose_clock_runs_ahead_is_taken_over(
+    db: psycopg.Connection, dsn: str, wal_outbox: OutboxTable
+) -> None:
+    """A status update carries the client's clock (``pg_stat_replication.reply_time``): a frozen relay whose clock ran
+    an hour ahead looked alive for that hour. The takeover judges by the server's clock only (issue 50, case 12)."""
+    names = names_of(wal_outbox)
+    frozen = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings())
+    assert frozen.acquire()
+    stream = ReplicationStream.open(dsn, names.slot, names.publication, status_interval_s=3600.0)
+    ahead = standby_status(stream.confirmed, stream.confirmed, stream.confirmed, pg_clock_us(time.time() + 3600))
+    stream._pgconn.put_copy_data(ahead)
+    stream._pgconn.flush()
+    wait_until(
+        "the server has the status update",
+        lambda: _replied_from_the_future(db, slot_state(db, wal_outbox).active_pid),
+        10.0,
+    )
+    waiting = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings(poll_s=0.2, takeover_after_s=2.0))
+    try:
+        assert waiting.acquire(deadline=time.monotonic() + 20.0), "the waiting relay did not take the lock"
+        assert slot_state(db, wal_outbox).active_pid is None  # the frozen stream's walsender was ended
+    finally:
+        waiting.release()
+        stream.close()
+        frozen.release()
+
+
+def _replied_from_the_future(db: psycopg.Connection, walsender: int | None) -> bool:
+    row = db.execute("SELECT reply_time > now() FROM pg_stat_replication WHERE pid = %s", (walsender,)).fetchone()
+    return bool(row and row[0])
 
 
 def _write(db: psycopg.Connection, table: OutboxTable, topic: str, *messages: tuple[str, object]) -> None:
@@ -482,3 +537,110 @@ def test_a_streaming_relay_waiting_for_a_broker_that_is_down_is_not_taken_for_fr
             thread.join(30)
 
     assert not taken_over
+
+
+@pytest.mark.timing
+def test_a_streaming_relay_publishing_a_released_key_to_a_broker_that_is_down_is_not_taken_for_frozen(
+    db: psycopg.Connection, wal_outbox: OutboxTable, new_topic: object
+) -> None:
+    """What a key held when an operator released it goes to Kafka while the streamer goes on saying it is alive
+    (issue 50, case 12: with Kafka down, a waiting relay ended the live streamer, and the two took turns)."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    stops = threading.Event(), threading.Event()
+    settings = WalRelaySettings(leader=LeaderSettings(poll_s=0.2, takeover_after_s=4.0), max_backoff_s=1.0)
+    down = {"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 9000, **SMALL}
+    relays = [WalRelay(db.info.dsn, wal_outbox, KafkaPublisher(down), settings, stop) for stop in stops]
+    threads = [threading.Thread(target=relay.run) for relay in relays]
+    threads[0].start()
+    try:
+        wait_until("the first relay streams", relays[0].registered.is_set, 10.0)
+        _write(db, wal_outbox, topic, ("b", POISON), ("b", {"n": 2}))  # refused by the producer itself: no broker
+        wait_until("the key is held", lambda: _count(db, wal_outbox.schema, "outbox_held") == 1, 15.0)
+        threads[1].start()
+        [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
+        discard_dead_letters(db, wal_outbox, [dead_letter], reason="a test")
+        deadline = time.monotonic() + 9.0  # the released message waits on Kafka for longer than the takeover time
+        while time.monotonic() < deadline and not relays[1].registered.is_set():
+            stops[0].wait(0.1)
+        taken_over = relays[1].registered.is_set()
+    finally:
+        for stop in stops:
+            stop.set()
+        for thread in threads:
+            if thread.is_alive():
+                thread.join(30)
+
+    assert not taken_over
+
+
+def _count(db: psycopg.Connection, schema: str, table: str) -> int:
+    row = db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, table))).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_relay_that_finds_the_slot_streamed_by_a_process_it_cannot_end_waits_and_streams_once_it_is_gone(
+    db: psycopg.Connection, dsn: str, kafka: KafkaProbe, new_topic: object
+) -> None:
+    """Another process streams the slot and this relay's role may not end it (a superuser's pg_recvlogical): the
+    relay waits and tries again, as for any other streamer of the slot (issue 50, case 12: the worker ended)."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    role = f"relay_{uuid.uuid4().hex[:8]}"
+    db.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION NOSUPERUSER").format(sql.Identifier(role)))
+    db.execute(
+        sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db.info.dbname), sql.Identifier(role))
+    )
+    as_role = make_conninfo(dsn, user=role)
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    with psycopg.connect(as_role, autocommit=True) as conn:
+        init_db(conn, table, strategies=["wal"])
+    names = names_of(table)
+    holder = ReplicationStream.open(dsn, names.slot, names.publication)  # the superuser's
+    stop = threading.Event()
+    settings = WalRelaySettings(error_backoff_s=0.2, max_backoff_s=0.5)
+    relay = WalRelay(as_role, table, KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers}), settings, stop)
+    failure: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _run_catching(relay, failure))
+    try:
+        thread.start()
+        wait_until("the relay has tried twice", lambda: relay.stats.errors >= 2 or not thread.is_alive(), 15.0)
+        holder.close()
+        _write(db, table, topic, ("k", {"n": 1}))
+        wait_until("the relay publishes", lambda: relay.stats.published == 1 or not thread.is_alive(), 20.0)
+        assert failure == []
+        assert relay.stats.published == 1
+    finally:
+        stop.set()
+        thread.join(15.0)
+        holder.close()
+        drop_slot(db, table)
+        db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(table.schema_ident))
+        db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def _run_catching(relay: WalRelay, failure: list[BaseException]) -> None:
+    try:
+        relay.run()
+    except BaseException as exc:  # the test asserts there was none
+        failure.append(exc)
+
+
+def test_a_streamer_hands_kafka_nothing_once_it_may_have_been_taken_over(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+) -> None:
+    """A relay frozen between its last sign of life and handing a batch over may have been replaced when it thaws:
+    from half the takeover time after its last heartbeat on, it hands Kafka nothing (what it handed over is purged)
+    and tries again after a heartbeat (issue 50, case 6). Here the takeover time is shorter than any hand-over."""
+    topic = new_topic("wal")  # type: ignore[operator]
+    _write(db, wal_outbox, topic, *[("k", {"n": n}) for n in range(1000)])
+    settings = WalRelaySettings(
+        leader=LeaderSettings(takeover_after_s=1e-6), max_seconds=3.0, error_backoff_s=0.1, max_backoff_s=0.2
+    )
+    publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers})
+    try:
+        stats = WalRelay(db.info.dsn, wal_outbox, publisher, settings).run()
+    finally:
+        publisher.close()
+
+    assert kafka.consume(topic) == []
+    assert stats.published == 0
