@@ -376,23 +376,30 @@ def test_a_relay_refuses_a_wal_outbox_whose_slot_is_gone_and_says_how_to_recover
         make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
 
 
+def _outbox_of_a_relay_role(db: psycopg.Connection, dsn: str) -> tuple[str, str, OutboxTable]:
+    """A wal outbox made by a role of the relays' own (REPLICATION, no superuser, no monitoring rights): the role,
+    its conninfo and the outbox. init-db's role emits (docs/wal.md): the right a superuser's init-db revoked from
+    PUBLIC here."""
+    role = f"relay_{uuid.uuid4().hex[:8]}"
+    db.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION NOSUPERUSER").format(sql.Identifier(role)))
+    db.execute(
+        sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db.info.dbname), sql.Identifier(role))
+    )
+    db.execute(sql.SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(sql.SQL(emit_function(db)), sql.Identifier(role)))
+    as_role = make_conninfo(dsn, user=role)
+    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
+    with psycopg.connect(as_role, autocommit=True) as conn:
+        init_db(conn, table, strategies=["wal"])
+    return role, as_role, table
+
+
 def test_a_streaming_relay_of_a_role_without_monitoring_rights_is_not_taken_for_frozen(
     db: psycopg.Connection, dsn: str, kafka: KafkaProbe
 ) -> None:
     """pg_stat_replication shows a walsender's reply time only to superusers and pg_read_all_stats; a relay's role
     has REPLICATION (docs/wal.md), and a waiting relay of that role must still tell a live streamer from a frozen one.
     Found by the harness (seed 1, wal, 20 s): every streamer was ended by the waiting relay, busy or idle."""
-    role = f"relay_{uuid.uuid4().hex[:8]}"
-    db.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION NOSUPERUSER").format(sql.Identifier(role)))
-    db.execute(
-        sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db.info.dbname), sql.Identifier(role))
-    )
-    # init-db's role emits (docs/wal.md): the right a superuser's init-db revoked from PUBLIC in this database.
-    db.execute(sql.SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(sql.SQL(emit_function(db)), sql.Identifier(role)))
-    as_role = make_conninfo(dsn, user=role)
-    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
-    with psycopg.connect(as_role, autocommit=True) as conn:
-        init_db(conn, table, strategies=["wal"])
+    role, as_role, table = _outbox_of_a_relay_role(db, dsn)
     takeover = LeaderSettings(poll_s=0.1, takeover_after_s=1.0)
     stops = [threading.Event(), threading.Event()]
     relays = [
@@ -584,15 +591,7 @@ def test_a_relay_that_finds_the_slot_streamed_by_a_process_it_cannot_end_waits_a
     """Another process streams the slot and this relay's role may not end it (a superuser's pg_recvlogical): the
     relay waits and tries again, as for any other streamer of the slot (issue 50, case 12: the worker ended)."""
     topic = new_topic("wal")  # type: ignore[operator]
-    role = f"relay_{uuid.uuid4().hex[:8]}"
-    db.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION NOSUPERUSER").format(sql.Identifier(role)))
-    db.execute(
-        sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db.info.dbname), sql.Identifier(role))
-    )
-    as_role = make_conninfo(dsn, user=role)
-    table = OutboxTable(schema=f"w_{uuid.uuid4().hex[:12]}", write_to="wal")
-    with psycopg.connect(as_role, autocommit=True) as conn:
-        init_db(conn, table, strategies=["wal"])
+    role, as_role, table = _outbox_of_a_relay_role(db, dsn)
     names = names_of(table)
     holder = ReplicationStream.open(dsn, names.slot, names.publication)  # the superuser's
     stop = threading.Event()
