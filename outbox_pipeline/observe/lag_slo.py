@@ -161,6 +161,8 @@ def evaluate_wal_lag(wal: WalLag, thresholds: LagThresholds) -> LagVerdict:
     reasons: list[str] = []
     if wal.problem is not None:
         severity, reasons = "error", ["the slot cannot stream"]
+    elif wal.gap is not None:
+        severity, reasons = "error", [wal.gap]
     elif slot.wal_status == "unreserved":
         severity = "error"
         reasons = [f"slot {slot.slot} is unreserved: the next checkpoint removes WAL it needs (max_slot_wal_keep_size)"]

@@ -38,6 +38,7 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..store.wal.objects import names_of
+from ..store.wal.position import gap_report
 from ..store.wal.slot import SlotState, slot_state, unusable_reason
 
 # A status or lag read decodes at most this long, and stops after the first transaction that brings the output to
@@ -88,6 +89,8 @@ class WalLag:
     age_measured_by: str
     # A missing or lost slot: what it is and the procedure (store/wal/slot.py); None while it can stream.
     problem: str | None
+    # Messages that may never have been streamed (a slot made again behind the relay: store/wal/position.py).
+    gap: str | None = None
 
     @property
     def streamed_by(self) -> int | None:
@@ -106,9 +109,10 @@ class WalLag:
         )
         safe = "no max_slot_wal_keep_size" if s.safe_wal_size is None else f"safe_wal_size {_bytes(s.safe_wal_size)}"
         relay = f"streamed by pid {s.active_pid}" if s.active_pid is not None else "no relay streams it"
+        gap = "" if self.gap is None else f"; {self.gap}"
         return (
             f"wal slot {s.slot}: {_bytes(s.retained_bytes)} of WAL retained, {_bytes(s.unconfirmed_bytes)} not "
-            f"confirmed, {age}, wal_status {s.wal_status}, {safe}, {relay}"
+            f"confirmed, {age}, wal_status {s.wal_status}, {safe}, {relay}{gap}"
         )
 
     def as_json(self) -> dict[str, object]:
@@ -125,6 +129,7 @@ class WalLag:
             "oldest_unpublished_age_s": self.oldest_unpublished_age_s,
             "age_measured_by": self.age_measured_by,
             "problem": self.problem,
+            "gap": self.gap,
             "partitions": None,
             "note": NO_PARTITIONS,
         }
@@ -144,12 +149,13 @@ def wal_lag(
     problem = unusable_reason(table, state)
     if problem is not None:
         return WalLag(state, None, "the slot cannot stream", problem)
+    gap = gap_report(conn, table)
     if state.unconfirmed_bytes is not None and state.unconfirmed_bytes <= 0:
-        return WalLag(state, 0.0, CAUGHT_UP, None)
+        return WalLag(state, 0.0, CAUGHT_UP, None, gap)
     if not measure_age:
-        return WalLag(state, None, "not asked for", None)
+        return WalLag(state, None, "not asked for", None, gap)
     age, how = _decoded_age(conn, table, decode_timeout_s, decode_rows)
-    return WalLag(state, age, how, None)
+    return WalLag(state, age, how, None, gap)
 
 
 def _decoded_age(conn: psycopg.Connection, table: OutboxTable, timeout_s: float, rows: int) -> tuple[float | None, str]:
