@@ -57,10 +57,10 @@ _READ = """
 _RECORD = """
     INSERT INTO {position} (system, timeline, lsn, bound)
     VALUES (%(system)s, %(timeline)s, '0/0'::pg_lsn + %(lsn)s::numeric,
-            pg_current_wal_insert_lsn() + (%(own)s + %(margin)s)::numeric)
+            pg_current_wal_insert_lsn() + (%(own)s::bigint + %(margin)s::bigint)::numeric)
     ON CONFLICT (one) DO UPDATE SET system = EXCLUDED.system, timeline = EXCLUDED.timeline, lsn = EXCLUDED.lsn,
                                     bound = EXCLUDED.bound, recorded_at = now()
-    RETURNING bound - '0/0'::pg_lsn, bound - '0/0'::pg_lsn - %(margin)s
+    RETURNING bound - '0/0'::pg_lsn, bound - '0/0'::pg_lsn - %(margin)s::bigint
 """
 
 #: An allowance for a record's own WAL (its row's update and its commit; a full-page image of the row's page, the

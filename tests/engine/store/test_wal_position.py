@@ -48,7 +48,8 @@ def test_steady_traffic_costs_about_one_record_a_second(
     db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
 ) -> None:
     """Not a write per batch: the records a streaming relay writes under steady traffic (a trigger of the test's
-    counts them) are about one a second, plus the few a burst's start costs (relay/wal/position.py)."""
+    counts them) are about one a second, plus the few a burst's start costs (relay/wal/position.py); and the relay
+    publishes everything meanwhile (a bound past 32 KiB once overflowed a smallint parameter and ended it)."""
     seen = wal_outbox.ident("records_seen")
     db.execute(sql.SQL("CREATE TABLE {} (at timestamptz NOT NULL DEFAULT clock_timestamp())").format(seen))
     db.execute(
@@ -72,9 +73,11 @@ def test_steady_traffic_costs_about_one_record_a_second(
     writer.start()
     writer.join(60)
     seconds = time.monotonic() - started
+    arrived = kafka.consume(topic, expect=len(writer.committed))  # the relay streamed on throughout
     stop.set()
     streaming.join(30)
     writer.check()
+    assert {r.headers["message_id"].decode() for r in arrived} == set(writer.committed)
     row = db.execute(sql.SQL("SELECT count(*) FROM {}").format(seen)).fetchone()
     assert row is not None
     assert row[0] <= seconds + 12, f"{row[0]} records in {seconds:.1f} s"
