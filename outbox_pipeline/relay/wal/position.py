@@ -51,7 +51,8 @@ def resume_from(recorded: Recorded) -> Resume | None:
 
 class RecordedConfirms:
     """Positions confirmed to the slot at most every CONFIRM_INTERVAL_S and never past the last recorded bound; the
-    last one always goes (recorded first when it must) before the relay waits, backs off or stops."""
+    last one goes before the relay waits or backs off (past the bound: at its next turn, once recorded), and
+    ``flush(final=True)`` records and confirms it at once (the relay stops, or its run is over)."""
 
     def __init__(self, stream: ReplicationStream, leader: SlotLeader, table: OutboxTable, recorded: Recorded) -> None:
         self._stream = stream

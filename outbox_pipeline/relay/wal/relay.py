@@ -2,9 +2,9 @@
 
 The slot streams each committed transaction whole, in commit order (PostgreSQL decodes the WAL at commit): the
 relay publishes what arrives, in the order it arrives, and confirms a transaction's end to the slot only once Kafka
-has confirmed every message up to it, and once that position is recorded in the outbox (position.py). A crash
-resumes from the last recorded position: what was published after it comes again (duplicates bounded by a second of
-traffic and what was in flight), nothing is skipped.
+has confirmed every message up to it, never past the bound it last recorded in the outbox (position.py). A crash
+resumes from the slot's position, or the recorded one if later: what was published after it comes again (duplicates
+bounded by what was in flight; after a crash of PostgreSQL, the second before it too), nothing is skipped.
 
 Kafka's failures, as the table strategies treat them (relay/kafka_errors.py):
 - the transport (a broker down): nothing after the first such message is confirmed; those messages are published
