@@ -188,6 +188,8 @@ def _slot_findings(wal: WalLag, thresholds: LagThresholds) -> list[tuple[Severit
     slot = wal.slot
     if wal.problem is not None:
         return [("error", "the slot cannot stream")]
+    if wal.gap is not None:
+        return [("error", wal.gap)]
     if slot.wal_status == "unreserved":
         return [
             (

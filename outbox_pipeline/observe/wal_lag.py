@@ -39,6 +39,7 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..store.wal.objects import names_of, stored_rows, stored_rows_problem
+from ..store.wal.position import gap_report
 from ..store.wal.slot import SlotState, slot_state, unusable_reason
 from .lag import HeldKey, held_keys
 
@@ -96,6 +97,8 @@ class WalLag:
     held: tuple[HeldKey, ...] = ()
     role: str = ""
     role_can_stream: bool = True
+    # Messages that may never have been streamed (a slot made again behind the relay: store/wal/position.py).
+    gap: str | None = None
 
     @property
     def streamed_by(self) -> int | None:
@@ -114,9 +117,10 @@ class WalLag:
         )
         safe = "no max_slot_wal_keep_size" if s.safe_wal_size is None else f"safe_wal_size {_bytes(s.safe_wal_size)}"
         relay = f"streamed by pid {s.active_pid}" if s.active_pid is not None else "no relay streams it"
+        gap = "" if self.gap is None else f"; {self.gap}"
         return (
             f"wal slot {s.slot}: {_bytes(s.retained_bytes)} of WAL retained, {_bytes(s.unconfirmed_bytes)} not "
-            f"confirmed, {age}, wal_status {s.wal_status}, {safe}, {relay}"
+            f"confirmed, {age}, wal_status {s.wal_status}, {safe}, {relay}{gap}"
         )
 
     def notes(self, table: OutboxTable) -> list[str]:
@@ -163,6 +167,7 @@ class WalLag:
             "oldest_unpublished_age_s": self.oldest_unpublished_age_s,
             "age_measured_by": self.age_measured_by,
             "problem": self.problem,
+            "gap": self.gap,
             "partitions": None,
             "note": NO_PARTITIONS,
         }
@@ -183,12 +188,13 @@ def wal_lag(
     problem = unusable_reason(table, state)
     if problem is not None:
         return WalLag(state, None, "the slot cannot stream", problem, *beside)
+    gap = gap_report(conn, table)
     if state.unconfirmed_bytes is not None and state.unconfirmed_bytes <= 0:
-        return WalLag(state, 0.0, CAUGHT_UP, None, *beside)
+        return WalLag(state, 0.0, CAUGHT_UP, None, *beside, gap=gap)
     if not measure_age:
-        return WalLag(state, None, "not asked for", None, *beside)
+        return WalLag(state, None, "not asked for", None, *beside, gap=gap)
     age, how = _decoded_age(conn, table, decode_timeout_s, decode_rows)
-    return WalLag(state, age, how, None, *beside)
+    return WalLag(state, age, how, None, *beside, gap=gap)
 
 
 # Whether the role may open a replication connection: the attribute, or (RDS) the rds_replication role's membership.

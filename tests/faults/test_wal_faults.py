@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,13 +20,17 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
-from outbox_pipeline import OutboxTable
+from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.localstack import LocalPostgres
+from outbox_pipeline.relay.wal.pgoutput import format_lsn
 from outbox_pipeline.store.schema import init_db
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import slot_state
 from tests.kit.probes import wait_until
+from tests.kit.servers import restore_data_dir, snapshot_data_dir
+from tests.kit.tcp_proxy import TcpProxy
 from tests.kit.writer import Writer, write
 
 from .conftest import ProxiedBroker
@@ -306,7 +311,9 @@ def test_a_server_crash_after_the_slot_was_confirmed_publishes_nothing_again(
 ) -> None:
     """PostgreSQL keeps a slot's confirmed position in memory and writes it down only now and then: a crash sent the
     slot back, and the relay published again everything it had confirmed since (300 of 300 here), nothing of it in
-    flight. The relay resumes from what it confirmed itself, on the same server and timeline."""
+    flight. The relay resumes from the position it recorded in the outbox, on the same server and timeline: a burst
+    after a quiet spell is recorded before the slot is confirmed past it (relay/wal/position.py), so nothing again;
+    under steady traffic, at most the second before the crash."""
     dsn = module_pg.dsn
     topic = proxied_broker.new_topic(partitions=2)
     relay = relay_process(dsn, wal_table, proxied_broker.bootstrap, tmp_path / "relay.log")
@@ -336,3 +343,142 @@ def test_a_server_crash_after_the_slot_was_confirmed_publishes_nothing_again(
     report("wal-pg-crash-confirmed", "wal", **counted.figures, seconds=0.0)
     assert counted.lost == set() and counted.phantom == set()
     assert counted.dupes == 0
+
+
+def commit_each(dsn: str, table: OutboxTable, topic: str, count: int, *, keys: int = 8) -> list[str]:
+    """``count`` messages, one transaction each (each its own commit position); their message_ids."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [str(enqueue(conn, topic, {"n": i}, key=f"k{i % keys}", table=table).message_id) for i in range(count)]
+
+
+def wal_insert_lsn(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as db:
+        row = db.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def slot_confirmed(dsn: str, table: OutboxTable) -> int:
+    """The slot's confirmed position as the server holds it (in memory)."""
+    query = "SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots WHERE slot_name = %s"
+    with psycopg.connect(dsn, autocommit=True) as db:
+        row = db.execute(query, (names_of(table).slot,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def wait_slot_confirmed(dsn: str, table: OutboxTable, lsn: int) -> None:
+    """Until the relay confirmed the slot up to ``lsn`` at least."""
+    with psycopg.connect(dsn, autocommit=True) as db:
+        query = "SELECT confirmed_flush_lsn - '0/0'::pg_lsn >= %s FROM pg_replication_slots WHERE slot_name = %s"
+        wait_until(
+            "the slot is confirmed past every message",
+            lambda: db.execute(query, (lsn, names_of(table).slot)).fetchone() == (True,),
+            30.0,
+        )
+
+
+def last_of_each_key(records: Sequence[TimedRecord]) -> dict[bytes | None, str]:
+    """Each key's last record in Kafka (a key's records are in one partition, in its order): its message_id."""
+    return {r.key: r.headers["message_id"].decode() for r in records}
+
+
+def test_a_server_restored_from_a_storage_snapshot_under_a_running_relay_loses_nothing(
+    module_pg: LocalPostgres, wal_table: OutboxTable, proxied_broker: ProxiedBroker, tmp_path: Path
+) -> None:
+    """A volume snapshot restored (same system identifier and timeline, crash recovery) writes new commits at the
+    positions the undone ones had, which the relay had confirmed. A relay that outlived the restore resumed from the
+    position it remembered and skipped every new commit below it. The relay reaches PostgreSQL through a proxy, cut
+    while the server is restored and written to, as a relay whose reconnect comes after the new commits."""
+    dsn = module_pg.dsn
+    topic = proxied_broker.new_topic(partitions=2)
+    with TcpProxy(module_pg.spec.port) as pg_proxy:
+        relayed_dsn = make_conninfo(dsn, port=str(pg_proxy.port))
+        relay = relay_process(relayed_dsn, wal_table, proxied_broker.bootstrap, tmp_path / "relay.log")
+        try:
+            with psycopg.connect(dsn, autocommit=True) as db:
+                wait_until("the relay streams", lambda: slot_state(db, wal_table).active_pid is not None, 30.0)
+            before = write(dsn, wal_table, topic, 50, serialized=False)
+            consume(proxied_broker.bootstrap, [topic], before)
+            module_pg.stop("immediate")
+            snapshot_data_dir(module_pg, tmp_path / "snapshot")  # crash-consistent
+            module_pg.start()
+            undone = write(dsn, wal_table, topic, 100, serialized=False)  # the restore takes these back
+            confirmed = wal_insert_lsn(dsn)
+            consume(proxied_broker.bootstrap, [topic], before + undone)
+            wait_slot_confirmed(dsn, wal_table, confirmed)
+            pg_proxy.cut()
+            remembered = slot_confirmed(dsn, wal_table)  # the relay confirmed this far, and remembers it
+            module_pg.stop("immediate")
+            restore_data_dir(module_pg, tmp_path / "snapshot")
+            module_pg.start()
+            after = commit_each(dsn, wal_table, topic, 600)
+            assert wal_insert_lsn(dsn) > remembered  # the new commits are at positions the relay had confirmed
+            pg_proxy.restore()
+            # The relay reconnects after its back-off (doubling while it could not): a quiet spell is not the end.
+            records = consume(proxied_broker.bootstrap, [topic], before + undone + after, idle_s=40.0, deadline_s=120.0)
+        finally:
+            stop(relay)
+    counted = tally(before + undone + after, records)
+    report("wal-snapshot-restore", "wal", **counted.figures, seconds=0.0)
+    assert counted.lost == set(), f"{len(counted.lost & set(after))} of {len(after)} new commits lost"
+    assert counted.phantom == set()
+    assert out_of_order_keys(after, records) == []
+    newest = {f"k{i % 8}".encode(): mid for i, mid in enumerate(after)}
+    assert last_of_each_key(records) == newest
+
+
+def outbox_status(dsn: str, table: OutboxTable) -> str:
+    """`outbox status` as an operator runs it: what it prints."""
+    env = {**os.environ, "OUTBOX_PG_DSN": dsn, "OUTBOX_SCHEMA": table.schema}
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox_pipeline.cli", "status"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_slot_dropped_and_created_again_behind_the_relay_is_reported_with_the_positions_it_skipped(
+    module_pg: LocalPostgres, wal_table: OutboxTable, proxied_broker: ProxiedBroker, tmp_path: Path
+) -> None:
+    """A slot created again starts at the WAL's end of that moment: what committed since the old slot's confirmed
+    position is never streamed. The relay cannot publish it; it says so (its log, `outbox status`), with the positions
+    between which messages may be missing, and how to clear the report once they are republished."""
+    dsn = module_pg.dsn
+    topic = proxied_broker.new_topic()
+    log = tmp_path / "relay.log"
+    with TcpProxy(module_pg.spec.port) as pg_proxy:
+        relay = relay_process(make_conninfo(dsn, port=str(pg_proxy.port)), wal_table, proxied_broker.bootstrap, log)
+        try:
+            with psycopg.connect(dsn, autocommit=True) as db:
+                wait_until("the relay streams", lambda: slot_state(db, wal_table).active_pid is not None, 30.0)
+            before = write(dsn, wal_table, topic, 10, serialized=False)
+            wait_slot_confirmed(dsn, wal_table, wal_insert_lsn(dsn))
+            pg_proxy.cut()
+            with psycopg.connect(dsn, autocommit=True) as db:
+                query = sql.SQL("SELECT lsn - '0/0'::pg_lsn FROM {}").format(wal_table.ident("outbox_wal_position"))
+                row = db.execute(query).fetchone()
+                assert row is not None
+                recorded = int(row[0])  # Kafka has every message before it: the gap may start there
+                assert recorded <= slot_confirmed(dsn, wal_table)
+                drop_slot(db, wal_table)
+            write(dsn, wal_table, topic, 5, serialized=False)  # never streamed: no slot kept its WAL for the relay
+            with psycopg.connect(dsn, autocommit=True) as db:
+                init_db(db, wal_table, strategies=["wal"])  # a deploy's init-db makes the slot again
+            created = slot_confirmed(dsn, wal_table)
+            after = write(dsn, wal_table, topic, 5, serialized=False)
+            pg_proxy.restore()
+            records = consume(proxied_broker.bootstrap, [topic], before + after, idle_s=40.0, deadline_s=120.0)
+            reported = outbox_status(dsn, wal_table)
+        finally:
+            stop(relay)
+    gap = f"between {format_lsn(recorded)} and {format_lsn(created)}"
+    assert tally(before + after, records).lost == set()
+    assert "lag objective: ERROR" in reported and gap in reported, reported
+    assert any("ERROR" in line and gap in line for line in log.read_text().splitlines())
+    clear = re.search(r"UPDATE \S+ SET gap_from = NULL, gap_to = NULL", reported)
+    assert clear is not None, reported
+    with psycopg.connect(dsn, autocommit=True) as db:
+        db.execute(clear[0])  # the advice, as printed
+    cleared = outbox_status(dsn, wal_table)
+    assert "lag objective: OK" in cleared and gap not in cleared, cleared

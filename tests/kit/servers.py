@@ -3,7 +3,9 @@ it, fresh topics per test. Nothing here mocks either server."""
 
 from __future__ import annotations
 
+import shutil
 import signal
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -128,3 +130,15 @@ def open_transaction(connect: Callable[[], psycopg.Connection]) -> Iterator[psyc
     yield lunch
     if not lunch.closed:
         lunch.execute("ROLLBACK")
+
+
+def snapshot_data_dir(server: LocalPostgres, to: Path) -> None:
+    """A storage snapshot of a stopped server (``pg_ctl stop -m immediate`` leaves a crash-consistent one): its data
+    directory copied with owners and modes, as a volume snapshot keeps them."""
+    subprocess.run(["cp", "-a", str(server.spec.data_dir), str(to)], check=True)
+
+
+def restore_data_dir(server: LocalPostgres, snapshot: Path) -> None:
+    """The stopped server's data directory replaced by ``snapshot`` (snapshot_data_dir): a restored volume."""
+    shutil.rmtree(server.spec.data_dir)
+    subprocess.run(["cp", "-a", str(snapshot), str(server.spec.data_dir)], check=True)

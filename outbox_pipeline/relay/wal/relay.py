@@ -1,9 +1,10 @@
 """Engine room (relay, wal): the wal strategy's relay: the slot's messages to Kafka in commit order.
 
-The slot streams each committed transaction whole, in commit order (PostgreSQL decodes the WAL at commit), so the
-relay keeps no position of its own: it publishes what arrives, in the order it arrives, and confirms a transaction's
-end to the slot only once Kafka has confirmed every message up to it. A crash resumes from the last confirmed
-transaction: what was published after it comes again (duplicates bounded by what was in flight), nothing is skipped.
+The slot streams each committed transaction whole, in commit order (PostgreSQL decodes the WAL at commit): the
+relay publishes what arrives, in the order it arrives, and confirms a transaction's end to the slot only once Kafka
+has confirmed every message up to it, never past the bound it last recorded in the outbox (position.py). A crash
+resumes from the slot's position, or the recorded one if later: what was published after it comes again (duplicates
+bounded by what was in flight; after a crash of PostgreSQL, the second before it too), nothing is skipped.
 
 Kafka's failures, as the table strategies treat them (relay/kafka_errors.py):
 - the transport (a broker down): nothing after the first such message is confirmed; those messages are published
@@ -26,6 +27,7 @@ import psycopg
 
 from ... import settings
 from ...config import OutboxTable
+from ...store.wal import position as wal_position
 from ...store.wal.format import MALFORMED_TOPIC, MalformedMessage
 from ...store.wal.format import record as wal_record
 from ...store.wal.objects import names_of
@@ -35,11 +37,12 @@ from ...strategies.quarantine import OnPoison
 from ..publisher import KafkaPublisher, PendingBatch
 from ..relay_settings import Pacer
 from ..stats import RelayInstruments, RelayStats
-from .batches import Batch, Confirms
+from .batches import Batch
 from .holds import WalHolds, dead_letters_not_confirmed
 from .leader import FENCE_MARGIN_S, LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
-from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, Resume, SlotInUseError
+from .position import RecordedConfirms, resume_from
+from .stream import DEFAULT_STATUS_INTERVAL_S, ReplicationStream, SlotInUseError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,6 @@ class WalRelay:
         self._releases_due = 0.0
         self._heartbeat_due = 0.0
         self._led_at = 0.0  # monotonic: when the last heartbeat was sent (no relay took over before that)
-        self._resume: Resume | None = None  # where this relay's last stream ended (stream.py)
         self._attempts: dict[int, int] = {}  # a message's failed attempts of the "record" kind (its position: count)
         self._dead: set[int] = set()  # dead letters the stream may send again (not confirmed past): never published
 
@@ -148,22 +150,28 @@ class WalRelay:
         idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
         self.holds.load(leader.connection)
         self._dead = dead_letters_not_confirmed(leader.connection, self.table, self._names.slot)
+        # Where Kafka has everything before, as the database remembers it (a crash, a restore: position.py).
+        recorded = wal_position.read(leader.connection, self.table, self._names.slot)
         with ReplicationStream.open(
             self.dsn,
             self._names.slot,
             self._names.publication,
             status_interval_s=self._alive_every_s,
-            resume=self._resume,
+            resume=resume_from(recorded),
         ) as stream:
             log.info("streaming the slot %s", self._names.slot)
             self.registered.set()
-            try:
-                return self._stream_events(stream, leader, deadline, idle_at)
-            finally:
-                self._resume = stream.resume  # a crash of the server may send the slot back: start after it again
+            return self._stream_events(
+                stream, leader, deadline, idle_at, RecordedConfirms(stream, leader, self.table, recorded)
+            )
 
     def _stream_events(
-        self, stream: ReplicationStream, leader: SlotLeader, deadline: float | None, idle_at: int | None
+        self,
+        stream: ReplicationStream,
+        leader: SlotLeader,
+        deadline: float | None,
+        idle_at: int | None,
+        confirms: RecordedConfirms,
     ) -> bool:
         """The stream's events, published in order (``_stream_slot``).
 
@@ -177,7 +185,6 @@ class WalRelay:
         batch_max = self.settings.batch_max
         prefix = self._prefix
         holds = self.holds
-        confirms = Confirms(stream)
         pacer = Pacer(self.settings.linger_s, full_rows=1)
         while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
             self._alive()
@@ -239,13 +246,13 @@ class WalRelay:
             if reached:
                 confirms.confirm(reached)
             if idle_at is not None and reached >= idle_at:
-                confirms.flush()
+                confirms.flush(final=True)
                 return True
         if in_flight is not None:  # stopping: confirm what Kafka took
             settled, _ = self._settle(in_flight, stream, leader)
             if (lsn := batch.confirmable(settled)) is not None:
                 confirms.confirm(lsn)
-        confirms.flush()
+        confirms.flush(final=True)
         return True
 
     def _settle(self, pending: PendingBatch, stream: ReplicationStream, leader: SlotLeader) -> tuple[int, bool]:

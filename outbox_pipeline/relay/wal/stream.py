@@ -9,11 +9,12 @@ libpq's own buffer; psycopg2's replication cursor would be a second driver for o
 The slot keeps its confirmed position across connections, and across restarts only as PostgreSQL last wrote it
 down: it holds the position in memory and saves it now and then (when the slot's restart point moves, at a clean
 shutdown from 17 on), so a crash sends the slot back, and a relay that streamed from it would publish again what it
-had confirmed since. A stream therefore starts after the last position confirmed to it (``confirm``), or after the
-position its relay confirmed itself (``Resume``) when that is later and the server is the same one on the same
-timeline (IDENTIFY_SYSTEM), its WAL past that point: PostgreSQL skips the transactions that committed before a
-stream's start. Whatever was read but not confirmed is sent again (at least once). Another server (a promoted
-standby, a restored backup) has other WAL under the same positions: the slot's own position then.
+had confirmed since. A stream therefore starts after the last position confirmed to it (``confirm``), or at
+``Resume``, the position its relay recorded in the database (relay/wal/position.py), when that is later and the
+server is the same one on the same timeline (IDENTIFY_SYSTEM), its WAL past that point: PostgreSQL skips the
+transactions that committed before a stream's start. Whatever was read but not confirmed is sent again (at least
+once). Another server (a promoted standby, a restored backup) has other WAL under the same positions: the slot's own
+position then.
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ class StreamEndedError(psycopg.OperationalError):
 
 @dataclass(frozen=True)
 class Resume:
-    """Where a relay's own stream of a slot ended: the server (its system identifier and timeline) and the last position
-    it confirmed, every message before which Kafka has."""
+    """Where a relay's stream of a slot may start: the server (its system identifier and timeline) and the position
+    recorded on it, every message before which Kafka has."""
 
     system: str
     timeline: int
@@ -154,7 +155,7 @@ class ReplicationStream:
         resume: Resume | None = None,
     ) -> ReplicationStream:
         """Stream ``slot`` from ``start_lsn``; 0 (``0/0``) starts at the slot's confirmed position, as does any
-        position before it; ``resume``, where this relay's last stream ended, if it is later and on this server and
+        position before it; ``resume``, the position the relays recorded, if it is later and on this server and
         timeline. ``publication`` must exist (pgoutput requires one; an empty one sends no row changes)."""
         conn = _connect(dsn)
         try:
@@ -187,9 +188,9 @@ class ReplicationStream:
         return self._confirmed
 
     @property
-    def resume(self) -> Resume:
-        """Where a later stream of this relay may start (``open``'s ``resume``)."""
-        return Resume(*self._server, self._confirmed)
+    def server(self) -> tuple[str, int]:
+        """The server streamed: its system identifier and timeline (IDENTIFY_SYSTEM)."""
+        return self._server
 
     def read(self, timeout_s: float) -> list[StreamEvent]:
         """Everything the server has sent so far, decoded; if nothing, waits up to ``timeout_s`` for the first

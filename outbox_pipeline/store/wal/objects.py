@@ -34,7 +34,7 @@ from ...errors import SchemaError
 from ..record_size import sql_enqueue_size_check
 from ..routing import sql_checks
 from ..topic_names import TOPIC_CHECK_PATTERN
-from . import grants
+from . import grants, position
 from .format import CREATED_AT_OFFSET, prefix_of
 
 # PostgreSQL's epoch (2000-01-01) in Unix seconds: format.py's timestamps count from it, as the binary timestamptz.
@@ -242,6 +242,7 @@ def install_functions(conn: psycopg.Connection, table: OutboxTable) -> None:
     )
     conn.execute(sql.SQL(_ENQUEUE).format(enqueue=table.ident("enqueue"), **common))
     conn.execute(sql.SQL(_EMIT_ROW).format(emit_row=table.ident("outbox_emit_row"), **common))
+    position.create_table(conn, table)  # the relay's recorded position (position.py); on an existing outbox too
     conn.execute(
         sql.SQL("DROP TRIGGER IF EXISTS {trigger} ON {messages}").format(
             trigger=sql.Identifier(EMIT_TRIGGER), messages=table.messages
