@@ -461,9 +461,11 @@ def test_a_slot_dropped_and_created_again_behind_the_relay_is_reported_with_the_
                 assert row is not None
                 recorded = int(row[0])  # Kafka has every message before it: the gap may start there
                 assert recorded <= slot_confirmed(dsn, wal_table)
-                drop_slot(db, wal_table)
-            write(dsn, wal_table, topic, 5, serialized=False)  # never streamed: no slot kept its WAL for the relay
+            # Committed while the relay is cut off, so not yet streamed: the slot made again never streams them (a
+            # write while no slot exists is refused: test_wal_report.py).
+            write(dsn, wal_table, topic, 5, serialized=False)
             with psycopg.connect(dsn, autocommit=True) as db:
+                drop_slot(db, wal_table)
                 init_db(db, wal_table, strategies=["wal"])  # a deploy's init-db makes the slot again
             created = slot_confirmed(dsn, wal_table)
             after = write(dsn, wal_table, topic, 5, serialized=False)
