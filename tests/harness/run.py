@@ -92,6 +92,7 @@ def run(servers: Servers, schedule: Schedule, directory: Path) -> Result:
         secret=servers.secret,
         problems=problems,
         switches=list(ctx.switches),
+        released=list(ctx.released),
     )
     result = Result(schedule, check(evidence), time.monotonic() - started)
     _keep(directory, result, ctx, servers.secret)
@@ -220,7 +221,7 @@ def _dead_letters(outbox: Outbox) -> list[DeadRow]:
         rows = conn.execute(
             sql.SQL(
                 "SELECT message_id::text, coalesce(last_error, ''), attempts, retried_at IS NOT NULL, "
-                "discarded_at IS NOT NULL FROM {}"
+                "discarded_at IS NOT NULL, extract(epoch FROM coalesce(retried_at, discarded_at))::float8 FROM {}"
             ).format(outbox.table.dead_letters)
         ).fetchall()
     return [DeadRow(*row) for row in rows]
