@@ -65,9 +65,18 @@ from .writers import BAD_ROWS, Written
 # Defects the harness found and reported, not fixed yet: a finding (or a failed command's whole output) that matches
 # is listed as KNOWN instead of failing the run. Remove an entry with its fix: the harness then fails on it again.
 KNOWN_DEFECTS: dict[str, re.Pattern[str]] = {
-    # None open. Fixed: `outbox relay --until-empty` crashed when the database went away as it asked what is still
-    # pending (seeds 7 partitioned, 22 locking); a plain INSERT stored a header named as the relay's own and the relay
-    # sent both (seed 66 partitioned).
+    # Found by the wal CI schedule (tests/harness/ci.py, 2026-11-29): after a PostgreSQL crash the slot streams again
+    # a message whose dead letter the operator had discarded meanwhile; the relay's dead letter insert keeps the
+    # closed one (same id: the message's WAL position) and holds the key behind it again, so the key is held for good
+    # (relay/wal/holds.py, WalHolds.dead_letter). The wal lane's fix, not the harness's.
+    "wal: a message streamed again re-holds its key behind its closed dead letter": re.compile(
+        r"^hold .* without its open dead letter \d+ \(exists=True\)"
+        r"|^dead letters or held rows still there after \d+ rounds"
+        r"|^bad row \S+ by \S+ \(\S+\) is still held at the end"
+    ),
+    # Fixed: `outbox relay --until-empty` crashed when the database went away as it asked what is still pending
+    # (seeds 7 partitioned, 22 locking); a plain INSERT stored a header named as the relay's own and the relay sent
+    # both (seed 66 partitioned).
 }
 
 
@@ -99,6 +108,7 @@ class Evidence:
     switches: list[Switch] = field(default_factory=list)  # the switches of strategy done, in order
     # wal: the held messages behind each dead letter the operator released, counted before the command ran
     released: list[int] = field(default_factory=list)
+    held: set[str] = field(default_factory=set)  # message ids still held (outbox_held) at the end
 
 
 @dataclass
@@ -139,7 +149,7 @@ def check(ev: Evidence) -> Verdict:
             for m, rows in sorted(dead.items())
             if m in good
         ),
-        *_bad_rows(ev.written, first, dead),
+        *_bad_rows(ev.written, first, dead, ev.held),
         *_some(
             "good row refused at enqueue",
             [f"{w.writer} {w.key!r}: {w.error}" for w in ev.written if w.good and w.outcome == "refused"],
@@ -288,7 +298,9 @@ ADVISORY = "advisory"
 ADVISORY_SLACK_S = MESSAGE_TIMEOUT_MS / 1000 + 1.0  # a batch read ahead waits for one publish before its own
 
 
-def _bad_rows(written: Iterable[Written], first: dict[str, TimedRecord], dead: dict[str, list[DeadRow]]) -> list[str]:
+def _bad_rows(
+    written: Iterable[Written], first: dict[str, TimedRecord], dead: dict[str, list[DeadRow]], held: set[str]
+) -> list[str]:
     findings = []
     for w in written:
         if w.good or w.outcome != "committed" or w.bad is None:
@@ -297,6 +309,8 @@ def _bad_rows(written: Iterable[Written], first: dict[str, TimedRecord], dead: d
         pattern = BAD_ROWS[w.bad]
         if w.message_id in first:
             findings.append(f"{what} was delivered to Kafka")
+        elif w.message_id in held:
+            findings.append(f"{what} is still held at the end (behind a hold that outlived its dead letter)")
         elif not dead.get(w.message_id or ""):
             findings.append(f"{what} was stored and never dead-lettered")
         elif pattern is not None and not any(re.search(pattern, d.error) for d in dead[w.message_id or ""]):

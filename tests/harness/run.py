@@ -30,6 +30,7 @@ from .writers import Writer, start_writers
 
 ACTIONS: dict[str, Registered] = {**FAULTS.actions, **OPERATIONS.actions}
 SETTLE_S = 90.0  # the relays' time to finish once the faults end
+AFTER_SWITCH_S = 30.0  # a chosen schedule's events after a switch: the longest they wait past the run's length
 
 
 def schedule_for(seed: int, strategy: str, seconds: float, *, workers: int = 2, lease_s: float = 5.0) -> Schedule:
@@ -93,6 +94,7 @@ def run(servers: Servers, schedule: Schedule, directory: Path) -> Result:
         problems=problems,
         switches=list(ctx.switches),
         released=list(ctx.released),
+        held=_held(outbox),
     )
     result = Result(schedule, check(evidence), time.monotonic() - started)
     _keep(directory, result, ctx, servers.secret)
@@ -119,6 +121,8 @@ def _play(ctx: Context, schedule: Schedule, problems: list[str]) -> list[Writer]
     try:
         nemesis.start()
         ctx.stop.wait(setup.seconds)
+        if schedule.after_switch:  # a chosen schedule: its events after a slow switch are played too
+            nemesis.join(AFTER_SWITCH_S)
     finally:
         nemesis.stop()
         stop_writing.set()
@@ -214,6 +218,12 @@ def _last_operator_step(ctx: Context, good: set[str | None], rounds: int = 20) -
         ):
             return problems
     return [f"dead letters or held rows still there after {rounds} rounds of retry and discard"]
+
+
+def _held(outbox: Outbox) -> set[str]:
+    with admin(outbox) as conn:
+        query = sql.SQL("SELECT message_id::text FROM {}").format(outbox.table.held)
+        return {str(row[0]) for row in conn.execute(query).fetchall()}
 
 
 def _dead_letters(outbox: Outbox) -> list[DeadRow]:

@@ -43,6 +43,7 @@ def _evidence(
     commands: Sequence[CliResult] = (),
     dead: Sequence[DeadRow] = (),
     released: Sequence[int] = (),
+    held: Sequence[str] = (),
 ) -> Evidence:
     setup = Setup(strategy, 20, 2, 5.0, 50, "UTF8", "delete", 0.01, 0.05)
     return Evidence(
@@ -58,6 +59,7 @@ def _evidence(
         SECRET,
         switches=list(switches),
         released=list(released),
+        held=set(held),
     )
 
 
@@ -440,3 +442,14 @@ def test_a_stored_bad_row_is_dead_lettered_with_its_reason_and_never_delivered(
     verdict = check(_evidence([bad], [_copy("x", 0.1, 0)] if delivered else [], dead=dead))
 
     assert len(verdict.findings) == 1 and finding in verdict.findings[0], verdict.findings
+
+
+def test_a_bad_row_still_held_at_the_end_is_a_finding_of_its_own() -> None:
+    """A hold that outlived its dead letter keeps the key's later rows for good (the wal defect in KNOWN_DEFECTS)."""
+    bad = _row("x", 0.0)
+    bad.bad = "missing-topic"
+
+    verdict = check(_evidence([bad], [], held=["x"]))
+
+    assert [f.split(" (")[0] for f in verdict.findings + verdict.known] == ["bad row missing-topic by enqueue"]
+    assert "still held at the end" in (verdict.findings + verdict.known)[0]
