@@ -126,12 +126,7 @@ def check(ev: Evidence) -> Verdict:
     committed = {w.message_id: w for w in ev.written if w.outcome == "committed" and w.message_id}
     in_doubt = {w.message_id for w in ev.written if w.outcome == "in-doubt" and w.message_id}
     good = {m: w for m, w in committed.items() if w.good}
-    first: dict[str, TimedRecord] = {}
-    copies: Counter[str] = Counter()
-    for r in sorted(ev.records, key=lambda r: (r.timestamp_ms, r.topic, r.partition, r.offset)):
-        mid = r.headers["message_id"].decode()
-        copies[mid] += 1
-        first.setdefault(mid, r)
+    first, copies = _arrivals(ev.records)
     dead: dict[str, list[DeadRow]] = defaultdict(list)
     for d in ev.dead:
         dead[d.message_id].append(d)
@@ -159,14 +154,11 @@ def check(ev: Evidence) -> Verdict:
     ]
     dupes_found, figures = _duplicates(ev, committed, in_doubt, copies, dead)
     findings += dupes_found
-    findings += _stalls(ev, good, first)
+    stalls, silence, longest = silences(ev.setup, ev.written, ev.spans, good, first, ev.records, ev.dead)
+    findings += _stalls(ev.setup, stalls)
     findings += _secrets(ev.outputs, ev.secret)
-    known: list[str] = []
-    for c in ev.commands:
-        if exits.failed(c):
-            which = _known(c.output)
-            why = which or _tail(c.output, ev.secret)
-            (known if which else findings).append(f"operator command failed: {c}: {why}")
+    failed, known = _operator_commands(ev)
+    findings += failed
     refused = Counter(f"{w.bad}/{w.writer}" for w in ev.written if w.bad and w.outcome == "refused")
     figures = {
         "committed": len(good),
@@ -178,7 +170,8 @@ def check(ev: Evidence) -> Verdict:
         "phantom": len(phantom),
         **figures,
         "dead_letters": len(ev.dead),
-        **_silence_figures(ev, good, first),
+        "longest_wait": f"{longest[0]:.1f}s{longest[1]}",
+        "longest_silence": f"{silence:.1f}s",
         "faults": dict(Counter(s.action for s in ev.spans)),
         "commands": dict(Counter(f"{c.argv[0]}:{c.code}" for c in ev.commands)),
     }
@@ -240,19 +233,36 @@ def _duplicates(
     return findings, figures
 
 
-def _stalls(ev: Evidence, good: dict[str, Written], first: dict[str, TimedRecord]) -> list[str]:
-    stalls, _, _ = silences(ev.setup, ev.written, ev.spans, good, first, ev.records, ev.dead)
+def _arrivals(records: Sequence[TimedRecord]) -> tuple[dict[str, TimedRecord], Counter[str]]:
+    """Each message's first copy (by CreateTime) and its number of copies."""
+    first: dict[str, TimedRecord] = {}
+    copies: Counter[str] = Counter()
+    for r in sorted(records, key=lambda r: (r.timestamp_ms, r.topic, r.partition, r.offset)):
+        mid = r.headers["message_id"].decode()
+        copies[mid] += 1
+        first.setdefault(mid, r)
+    return first, copies
+
+
+def _operator_commands(ev: Evidence) -> tuple[list[str], list[str]]:
+    """(findings, known): the operator commands whose exit, read with their output, is a failure (exits.py)."""
+    findings: list[str] = []
+    known: list[str] = []
+    for c in ev.commands:
+        if exits.failed(c):
+            which = _known(c.output)
+            why = which or _tail(c.output, ev.secret)
+            (known if which else findings).append(f"operator command failed: {c}: {why}")
+    return findings, known
+
+
+def _stalls(setup: Setup, stalls: Sequence[Stall]) -> list[str]:
     worst: dict[str, Stall] = {}
     for stall in stalls:  # the longest silence of each partition, once per silence
         if stall.partition not in worst or stall.seconds > worst[stall.partition].seconds:
             worst[stall.partition] = stall
-    limit = f"lease_s {ev.setup.lease_s:g} + steal {STEAL_S:g}"
+    limit = f"lease_s {setup.lease_s:g} + steal {STEAL_S:g}"
     return [f"stalled (> {limit}): {s}" for s in sorted(worst.values(), key=lambda s: -s.seconds)]
-
-
-def _silence_figures(ev: Evidence, good: dict[str, Written], first: dict[str, TimedRecord]) -> dict[str, object]:
-    _, silence, longest = silences(ev.setup, ev.written, ev.spans, good, first, ev.records, ev.dead)
-    return {"longest_wait": f"{longest[0]:.1f}s{longest[1]}", "longest_silence": f"{silence:.1f}s"}
 
 
 def _known(text: str) -> str | None:

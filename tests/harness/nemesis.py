@@ -57,6 +57,11 @@ def kill(ctx: Context, event: Event) -> str:
         return f"{old} -> {ctx.pool.replace(event.slot).name}"
 
 
+# A kafka-cut whose choice has this bit ends with the worker killed while still cut off (and replaced, as a kill
+# does): what it had handed to Kafka never arrives. Drawn choices are below it (schedule.py): chosen schedules set it.
+KILL_WHILE_CUT = 1 << 30
+
+
 @FAULTS.action("worker", 1.5, strategies=ALL, duration=lambda rng, setup: rng.uniform(0.5, 2.5 * setup.lease_s))
 def kafka_cut(ctx: Context, event: Event) -> str:
     """Cut one worker off from the broker only (PostgreSQL stays reachable): its connections break, new ones drop.
@@ -65,11 +70,16 @@ def kafka_cut(ctx: Context, event: Event) -> str:
     with ctx.pool.lock:
         worker = ctx.pool.slots[event.slot]
     cut = ctx.servers.proxy.isolate(worker.pid)
+    killed = ""
     try:
         ctx.stop.wait(event.duration_s)
+        if event.choice & KILL_WHILE_CUT:
+            with ctx.pool.lock:
+                if ctx.pool.slots[event.slot] is worker:
+                    killed = f"; killed while cut off -> {ctx.pool.replace(event.slot).name}"
     finally:
         ctx.servers.proxy.rejoin(worker.pid)
-    return f"{worker.name}: {cut} connections cut"
+    return f"{worker.name}: {cut} connections cut{killed}"
 
 
 @FAULTS.action("server", 2, strategies=ALL)
@@ -175,8 +185,8 @@ class Nemesis:
         self.threads: list[threading.Thread] = []
         self.errors: list[str] = []
         self.t0 = 0.0
-        # A chosen schedule (Schedule.after_switch): each switch's end, which the events after it wait for.
-        self.switches = [e for e in schedule.events if e.to is not None] if schedule.after_switch else []
+        # A chosen schedule (Schedule.chosen): each switch's end, which the events after it wait for.
+        self.switches = [e for e in schedule.events if e.to is not None] if schedule.chosen else []
         self.switched = {e.at_s: threading.Event() for e in self.switches}
         self.switched_at: dict[float, float] = {}
 

@@ -53,7 +53,9 @@ class Result:
         if self.verdict.ok:
             return head
         replay = (
-            f"replay: python -m tests.harness --strategy {s.setup.strategy} --seed {s.seed} "
+            f"replay: python -m tests.harness --ci --strategy {s.setup.strategy} --lease-s {s.setup.lease_s:g}"
+            if s.chosen
+            else f"replay: python -m tests.harness --strategy {s.setup.strategy} --seed {s.seed} "
             f"--seconds {s.setup.seconds:g} --workers {s.setup.workers} --lease-s {s.setup.lease_s:g}"
         )
         return "\n".join([head, *(f"  FINDING {f}" for f in self.verdict.findings), replay, s.render()])
@@ -121,7 +123,7 @@ def _play(ctx: Context, schedule: Schedule, problems: list[str]) -> list[Writer]
     try:
         nemesis.start()
         ctx.stop.wait(setup.seconds)
-        if schedule.after_switch:  # a chosen schedule: its events after a slow switch are played too
+        if schedule.chosen:  # a chosen schedule: its events after a slow switch are played too
             nemesis.join(AFTER_SWITCH_S)
     finally:
         nemesis.stop()

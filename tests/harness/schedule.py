@@ -121,7 +121,7 @@ class Schedule:
     events: tuple[Event, ...]
     # chosen (ci.py): the events after a switch of strategy are timed from its planned end and wait for its actual
     # one, so that they meet the new strategy's relays however long the switch took (the run lasts until they ran)
-    after_switch: bool = False
+    chosen: bool = False
 
     def render(self) -> str:
         return "\n".join([f"seed={self.seed} {self.setup}", *(f"  {e}" for e in self.events)])
