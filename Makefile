@@ -67,9 +67,10 @@ test: $(STAMP) tools lint
 	$(BIN)/python -m pytest -m "timing and not nightly" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-pg15 PG15_SUITES="$(PG15_CI_SUITES)" PG15_TIMING=no
 
-# What `make test` leaves out for its 20 minutes: the runs at size, four of the harness's six seeds and today's, the
-# scale-out of the strategies other than partitioned, and the whole engine and fault suites on the 15. The timing
-# scenarios among them run alone, as in `make test`.
+# What `make test` leaves out for its 20 minutes: the runs at size, the harness's six drawn seeds and today's (`make
+# test` runs its chosen CI schedules), the scale-out of the strategies other than partitioned, and the whole engine and
+# fault suites on the 15. The timing scenarios among them run alone, as in `make test`. The mutation runs are
+# `make test-mutants`, nightly too.
 test-nightly: $(STAMP) tools
 	$(BIN)/python -m pytest -n 4 -m "nightly and not timing" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m "nightly and timing" $(PYTEST_ARGS)

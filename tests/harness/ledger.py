@@ -1,22 +1,26 @@
 """The checker: what the writers committed, what arrived in Kafka, what the database says at the end and what the
 nemesis did when, held against the product's promises. Each finding is one line naming the check.
 
-- every committed good row is in Kafka, with its key, value and headers as written (a key is its UTF-8 bytes whatever
-  the database's encoding), and nothing arrives that no one committed;
-- per key, first arrivals in the strategy's order (partitioned: (transaction id, id); serialized: id, = commit order);
-  locking, advisory and lease keep no per-key order (docs/strategies.md). Across a switch of strategy the order is
+- every committed good row is in Kafka, with its key, value and headers as written on every copy (a key is its UTF-8
+  bytes whatever the database's encoding), and nothing arrives that no one committed;
+- per key, first arrivals in the strategy's order (partitioned: (transaction id, id); serialized: id, = commit order;
+  advisory: id, except a row committed after a higher id went out); locking and lease keep no order
+  (docs/strategies.md). Across a switch of strategy the order is
   promised only where both keep it: a first copy belongs to the strategy that relayed when it was stamped, and the
   key's first copies are checked within each stretch of ordered strategies (partitioned then serialized, or back,
   is one stretch, by (transaction id, id): the run's writers took the serialized lock before their first write, so
   that order is also their ids'); a stretch of a row strategy is not checked;
-- duplicates within the documented bound: IN_FLIGHT_BATCHES batches per fault per relay it hit (tests/faults/helpers),
-  one per failed attempt of a dead-lettered row, plus what an operator replayed on purpose, plus what each switch
-  publishes again (the rows relayed past its new positions, docs/operations.md), plus a fault per worker it killed;
+- duplicates within the documented bound, per fault that did something (duplicates.py): IN_FLIGHT_BATCHES batches
+  per relay it hit (tests/faults/helpers), one per failed attempt of a dead-lettered row, plus what an operator
+  replayed on purpose, plus what each switch publishes again (the rows relayed past its new positions,
+  docs/operations.md), plus a fault per worker it killed; per row, no more copies than those could make; across each
+  switch, no more than it and the faults just before it publish again;
 - every bad row refused at enqueue or dead-lettered with its reason, never delivered; no good row dead-lettered;
 - no hold left without its open dead letter (checked by the run before its last operator step);
 - no partition silent longer than ``lease_s`` plus a steal while a keyed row of it waited and a worker could serve it
   (silences.py);
-- no password in any process's output or log; no traceback, hang or unexpected exit code from an operator command.
+- no password in any process's output or log; no traceback or hang from an operator command, and its exit code read
+  with what it printed (exits.py).
 
 A wal outbox (issue 42) keeps no rows, so its ledger is what the writers committed (``Written``: each message's id,
 its writer's transaction, when that transaction's COMMIT was sent and when it returned), and two of the promises are
