@@ -87,7 +87,9 @@ def run_one(mutant: Mutant, log: Path) -> Outcome:
             return Outcome(mutant, "does not apply", why, time.monotonic() - started)
         env = {**os.environ, "PYTHONPATH": str(tree)}
         for args in mutant.kills:
-            command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *args]
+            # Its own --basetemp: pytest prunes old numbered temp dirs, another session's among them (a server's data).
+            basetemp = f"--basetemp={tree / '.pytest-tmp'}"
+            command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", basetemp, *args]
             with log.open("a") as out:
                 out.write(f"\n=== {mutant.name}: {' '.join(args)}\n")
                 out.flush()
