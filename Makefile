@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: dev test test-nightly test-pg15 lint install clean tools
+.PHONY: dev test test-nightly test-mutants test-pg15 lint install clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,13 +67,21 @@ test: $(STAMP) tools lint
 	$(BIN)/python -m pytest -m "timing and not nightly" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-pg15 PG15_SUITES="$(PG15_CI_SUITES)" PG15_TIMING=no
 
-# What `make test` leaves out for its 20 minutes: the runs at size, four of the harness's six seeds and today's, the
-# scale-out of the strategies other than partitioned, and the whole engine and fault suites on the 15. The timing
-# scenarios among them run alone, as in `make test`.
+# What `make test` leaves out for its 20 minutes: the runs at size, the harness's six drawn seeds and today's (`make
+# test` runs its chosen CI schedules), the scale-out of the strategies other than partitioned, and the whole engine and
+# fault suites on the 15. The timing scenarios among them run alone, as in `make test`. The mutation runs are
+# `make test-mutants`, nightly too.
 test-nightly: $(STAMP) tools
 	$(BIN)/python -m pytest -n 4 -m "nightly and not timing" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m "nightly and timing" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-pg15
+
+# Mutation runs (nightly, not in `make test`): each engine mutant of tests/mutants/ applied alone to a scratch copy of
+# the tree under /tmp, and the harness's CI schedules and the fault tests its patch names run against it until one
+# fails. Prints each mutant killed, survived or "does not apply" (its code moved on), and the score (docs/faults.md);
+# fails unless every mutant that applies is killed. About 25 minutes on 2 cores. MUTANTS="name ..." runs some.
+test-mutants: $(STAMP)
+	$(BIN)/python -m tests.mutants $(MUTANTS)
 
 # The engine and fault suites again on Debian's PostgreSQL 15 at its defaults. Where the package cannot be installed
 # (no apt-get, not root), this says how to run it and passes: elsewhere, set PG15_BIN to any build's bin folder, or

@@ -1,7 +1,8 @@
 """The harness (tests/harness/, docs/faults.md "The harness") in CI: a short seeded schedule of faults and operator
 actions per strategy against the real PostgreSQL and broker, with fixed seeds, and one more run with a seed drawn
 from today's date (printed, so that a red one can be replayed with ``python -m tests.harness``); `make test` runs
-two of the seeds, `make test-nightly` the rest. Each run checks
+the chosen schedules of tests/harness/ci.py instead (every strategy it relays meets each kind of fault while it
+relays), `make test-nightly` the seeds. Each run checks
 every promise of the ledger (tests/harness/ledger.py): nothing lost or invented, per-key order, duplicates in their
 bound, bad rows refused or dead-lettered, holds with their dead letters, no partition silent past ``lease_s`` plus a
 steal while a worker could serve it, no password in any output; partitioned's schedule switches strategy midway,
@@ -16,9 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import ci
+from tests.harness.ci import ci_schedule
 from tests.harness.cluster import Servers
-from tests.harness.run import Result, run, schedule_for
-from tests.harness.schedule import STRATEGIES, SWITCH
+from tests.harness.nemesis import KILL_WHILE_CUT
+from tests.harness.relays import MESSAGE_TIMEOUT_MS
+from tests.harness.run import ACTIONS, Result, run, schedule_for
+from tests.harness.schedule import STRATEGIES, SWITCH, Event, Relaying, Schedule
 
 from .helpers import report
 
@@ -26,9 +31,10 @@ pytestmark = [pytest.mark.faults, pytest.mark.timing]
 
 SECONDS = 20.0
 FIXED_SEEDS = {"locking": 159, "advisory": 538, "lease": 337, "partitioned": 286, "serialized": 176, "wal": 777}
-# `make test` runs the seeds that draw the switch of strategy (partitioned) and the wal lane's takeover; the other
-# four, and today's seed, are `make test-nightly`'s (about four minutes that `make test`'s 20 could not hold).
-IN_MAKE_TEST = frozenset({"partitioned", "wal"})
+# `make test` runs the chosen schedules of tests/harness/ci.py (partitioned, switching to advisory; wal); the six
+# seeds' drawn schedules and today's seed are `make test-nightly`'s (about four minutes that `make test`'s 20 could
+# not hold).
+IN_MAKE_TEST = tuple(ci.EVENTS)
 
 
 @pytest.fixture(scope="module")
@@ -56,31 +62,49 @@ def _figures(result: Result) -> None:
     )
 
 
-def test_a_ci_schedule_switches_strategy_midway() -> None:
-    """The switch-strategy procedure runs in CI: the fixed seed of partitioned draws it (a new action in the
-    catalogue changes every schedule: pick a seed that still draws it)."""
-    switches = [
-        e
-        for strategy, seed in FIXED_SEEDS.items()
-        for e in schedule_for(seed, strategy, SECONDS).events
-        if e.action == SWITCH
+def _stretches(schedule: Schedule) -> list[tuple[str, list[Event]]]:
+    """The schedule's events by the strategy that relays when they come (a switch starts a stretch)."""
+    stretches: list[tuple[str, list[Event]]] = [(schedule.setup.strategy, [])]
+    for event in schedule.events:
+        if event.to is not None:
+            stretches.append((event.to.strategy, []))
+        else:
+            stretches[-1][1].append(event)
+    return stretches
+
+
+@pytest.mark.parametrize("strategy", IN_MAKE_TEST)
+def test_every_strategy_a_ci_schedule_relays_meets_kafka_cut_off_a_kill_while_cut_off_a_frozen_broker_and_restarts(
+    strategy: str,
+) -> None:
+    """Each stretch of a CI schedule: a worker cut off from Kafka past the producers' message timeout (its messages
+    fail) and killed while still cut off (a batch in flight when the relay dies), a frozen broker, a server fault."""
+    schedule = ci_schedule(strategy, ACTIONS)
+    for relaying, events in _stretches(schedule):
+        actions = {e.action for e in events}
+        assert {"kafka-cut", "broker-freeze"} <= actions, (relaying, actions)
+        assert actions & {"pg-restart", "terminate-backends"}, (relaying, actions)
+        cuts = [e for e in events if e.action == "kafka-cut" and e.choice & KILL_WHILE_CUT]
+        assert cuts and all(e.duration_s > 2 * MESSAGE_TIMEOUT_MS / 1000 for e in cuts), (relaying, cuts)
+
+
+def test_the_ci_schedules_freeze_a_worker_past_its_lease_or_takeover_and_switch_strategy() -> None:
+    for strategy in IN_MAKE_TEST:
+        schedule = ci_schedule(strategy, ACTIONS)
+        first = _stretches(schedule)[0][1]
+        assert any(e.action == "freeze" and e.duration_s > schedule.setup.lease_s for e in first), strategy
+    assert [e.to for e in ci_schedule("partitioned", ACTIONS).events if e.action == SWITCH] == [
+        Relaying("advisory", "mark-sent")
     ]
 
-    assert switches, "no CI schedule switches strategy"
 
+def test_the_wal_ci_schedule_ends_the_walsender_of_its_streamer_while_kafka_is_cut_off_from_it() -> None:
+    """Slot 0 streams first (relays.py): the stream restarts while its batch waits for Kafka, then it is killed."""
+    events = ci_schedule("wal", ACTIONS).events
+    cut = next(e for e in events if e.action == "kafka-cut" and e.slot == 0)
+    walsender = next(e for e in events if e.action == "terminate-backends" and e.choice % 2)
 
-def test_the_wal_ci_schedule_freezes_its_streamer_past_the_takeover_and_kills_the_relay_that_took_over() -> None:
-    """Slot 0 streams first: its freeze past lease_s (wal's takeover time in the harness) hands the slot to slot 1,
-    whose kill hands it back; a poison message needs the higher share of bad rows (a new action in the catalogue of
-    wal changes its schedules: pick a seed that still draws these)."""
-    schedule = schedule_for(FIXED_SEEDS["wal"], "wal", SECONDS)
-    freeze = next(e for e in schedule.events if e.action == "freeze" and e.slot == 0)
-    kill = next(e for e in schedule.events if e.action == "kill")
-
-    assert freeze.duration_s > schedule.setup.lease_s and kill.slot == 1
-    assert freeze.at_s < kill.at_s < freeze.at_s + freeze.duration_s
-    assert schedule.setup.bad_rate == 0.01
-    assert {"long-transaction", "pg-restart", "dead-letter-retry"} <= {e.action for e in schedule.events}
+    assert cut.at_s < walsender.at_s < cut.at_s + cut.duration_s and cut.choice & KILL_WHILE_CUT
 
 
 def test_a_seed_replays_the_same_schedule() -> None:
@@ -89,9 +113,17 @@ def test_a_seed_replays_the_same_schedule() -> None:
     assert schedule_for(1234, "partitioned", 600) != schedule_for(1235, "partitioned", 600)
 
 
-@pytest.mark.parametrize(
-    "strategy", [pytest.param(s, marks=() if s in IN_MAKE_TEST else pytest.mark.nightly) for s in STRATEGIES]
-)
+@pytest.mark.parametrize("strategy", IN_MAKE_TEST)
+def test_a_ci_schedule_of_faults_and_operator_actions_breaks_no_promise(
+    strategy: str, servers: Servers, tmp_path: Path
+) -> None:
+    result = run(servers, ci_schedule(strategy, ACTIONS), tmp_path)
+    _figures(result)
+    assert result.verdict.ok, result.report()
+
+
+@pytest.mark.nightly
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_short_seeded_schedule_of_faults_and_operator_actions_breaks_no_promise(
     strategy: str, servers: Servers, tmp_path: Path
 ) -> None:

@@ -1,5 +1,6 @@
 """Scenario 7: a worker hangs past its lease. Worker A publishes a batch and is frozen (SIGSTOP) before its ack;
-its 2 s lease expires; worker B takes over and delivers everything, A's batch included. When A is resumed
+its 2 s lease expires; worker B takes over and delivers everything, A's batch included (published again: each of
+its rows arrives twice). When A is resumed
 (SIGCONT) it must not ack or advance anything it no longer owns: its metrics count what it published as
 published_but_ack_failed, and the rows (lease) or positions (partitioned, serialized) stay as B left them.
 What A published is the duplicate price of an expired lease: its batch, and the next one it had already
@@ -8,6 +9,7 @@ claimed (the relay pipelines: it publishes that one before it acks the first and
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import psycopg
@@ -83,7 +85,9 @@ def test_a_worker_frozen_past_its_lease_is_replaced_and_acks_nothing_when_it_wak
     after_thaw = _state(dsn, table, strategy)
     hung_stats, rescuer_stats = hung.stats(), rescuer.stats()
 
-    result = tally(committed, consume(kafka.bootstrap_servers, [topic], committed))
+    records = consume(kafka.bootstrap_servers, [topic], committed)
+    result = tally(committed, records)
+    copies = Counter(r.headers["message_id"].decode() for r in records)
     report(
         "lease-expiry",
         strategy,
@@ -103,6 +107,11 @@ def test_a_worker_frozen_past_its_lease_is_replaced_and_acks_nothing_when_it_wak
     assert after_thaw == before_thaw, "the resumed worker changed rows or positions it no longer owned"
     assert rescuer_stats["lost_ownership"] == 0
     assert not result.lost and not result.phantom, result.figures
+    # The rescuer publishes the frozen batch again (the first BATCH rows: one transaction, claimed in id order), and
+    # everything after it: nothing the frozen worker published counts as done.
+    published_once = [m for m in committed[:BATCH] if copies[m] < 2]
+    assert not published_once, f"{len(published_once)} rows of the frozen batch were not published again"
+    assert rescuer_stats["published"] == MESSAGES, rescuer_stats
     assert result.dupes <= hung_stats["published"], "only what the expired worker published may arrive twice"
     if strategy in POSITION_STRATEGIES:
         # The partition was leased to the frozen worker: nobody may read it before the lease ran out.

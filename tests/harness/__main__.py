@@ -1,7 +1,8 @@
 """``python -m tests.harness --strategy partitioned --seed 1234 --minutes 30``: one long run (or ``--strategy all``:
 one run per strategy, one after the other, on the same servers). Prints each run's figures line; a failed run also
 prints its findings, its seed and its schedule. Exit status 1 when any run failed. ``--print-schedule`` prints the
-schedule of a seed and exits (the same seed gives the same schedule)."""
+schedule of a seed and exits (the same seed gives the same schedule). ``--ci``: the chosen schedules `make test` runs
+(ci.py: ``--strategy partitioned`` or ``wal``, or ``all`` for both)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .ci import EVENTS, ci_schedule
 from .cluster import Servers
-from .run import run, schedule_for
+from .run import ACTIONS, run, schedule_for
 from .schedule import STRATEGIES
 
 
@@ -25,18 +27,24 @@ def main(argv: list[str] | None = None) -> int:
     length.add_argument("--seconds", type=float)
     parser.add_argument("--workers", type=int, default=2, help="relay worker processes (slots)")
     parser.add_argument("--lease-s", type=float, default=5.0, help="the workers' lease_s")
+    parser.add_argument("--ci", action="store_true", help="the chosen schedule `make test` runs (ci.py)")
     parser.add_argument("--print-schedule", action="store_true", help="print the schedule and exit")
     parser.add_argument("--keep", action="store_true", help="keep the run directory (logs, events)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "big")
     seconds = args.seconds or (args.minutes or 1.0) * 60
-    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    schedules = [schedule_for(seed, s, seconds, workers=args.workers, lease_s=args.lease_s) for s in strategies]
+    strategies: tuple[str, ...] = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    if args.ci:
+        strategies = tuple(s for s in strategies if s in EVENTS)
+        schedules = [ci_schedule(s, ACTIONS, lease_s=args.lease_s) for s in strategies]
+    else:
+        schedules = [schedule_for(seed, s, seconds, workers=args.workers, lease_s=args.lease_s) for s in strategies]
     if args.print_schedule:
         print("\n".join(s.render() for s in schedules))
         return 0
     directory = Path(tempfile.mkdtemp(prefix="outbox-harness-"))
-    print(f"harness: seed={seed} {len(schedules)} run(s) of {seconds:.0f}s, files in {directory}", flush=True)
+    what = "the CI schedules" if args.ci else f"seed={seed} {len(schedules)} run(s) of {seconds:.0f}s"
+    print(f"harness: {what}, files in {directory}", flush=True)
     failed = 0
     with Servers(directory) as servers:
         for schedule in schedules:

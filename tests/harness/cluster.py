@@ -179,6 +179,16 @@ def admin(outbox: Outbox) -> Iterator[psycopg.Connection]:
         yield conn
 
 
+def streamed(outbox: Outbox) -> bool:
+    """wal: whether a relay streams the outbox's slot now."""
+    with admin(outbox) as conn:
+        row = conn.execute(
+            "SELECT active_pid IS NOT NULL FROM pg_replication_slots WHERE slot_name = %s",
+            (names_of(outbox.table).slot,),
+        ).fetchone()
+    return bool(row and row[0])
+
+
 def open_dead_letters(outbox: Outbox) -> list[tuple[int, str]]:
     """(id, last error) of the dead letters neither retried nor discarded, oldest first."""
     with admin(outbox) as conn:

@@ -11,11 +11,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import psycopg
+from psycopg import sql
+
 from tests.kit.workers import ROOT
 
-from .cluster import Outbox, Servers
+from .cluster import Outbox, Servers, admin
 from .relays import PRODUCER, WorkerPool
-from .schedule import Relaying, Setup
+from .schedule import WAL, Relaying, Setup
 from .writers import Written
 
 
@@ -120,6 +123,8 @@ class Context:
     # Rows an operator's replay or rewind publishes again on purpose: (what, rows), counted apart from duplicates.
     replayed: list[tuple[str, int]] = field(default_factory=list)
     switches: list[Switch] = field(default_factory=list)
+    # wal: the messages held behind each dead letter the operator retried or discarded (counted just before).
+    released: list[int] = field(default_factory=list)
     # Each row's place in the orders (transaction id, id), read before a switch deletes rows an ordered strategy
     # relayed (to a row strategy in delete mode): the checker still checks their order.
     order: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -133,10 +138,32 @@ class Context:
         return self.pool.relaying
 
     def cli(self, *argv: str, timeout_s: float = 60.0) -> CliResult:
+        behind = self._held_behind(argv) if self.relaying.strategy == WAL else 0
         result = outbox_cli(self.outbox, argv, timeout_s)
         with self.lock:
             self.commands.append(result)
+            if behind and result.code == 0:
+                self.released.append(behind)
         return result
+
+    def _held_behind(self, argv: Sequence[str]) -> int:
+        """wal: the messages held behind the dead letters a retry or discard names, counted before it runs (the
+        streamer publishes them at the release: the checker's allowance if a fault comes before their hold ends)."""
+        if tuple(argv[:2]) not in (("dead-letters", "retry"), ("dead-letters", "discard")):
+            return 0
+        ids = [int(a.removeprefix("--id=")) for a in argv if a.startswith("--id=")]
+        ids += [int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a == "--id"]
+        t = self.outbox.table
+        query = sql.SQL(
+            "SELECT count(*) FROM {held} x JOIN {holds} h ON h.topic = x.topic AND h.key = x.key "
+            "WHERE h.dead_letter_id = ANY(%s)"
+        ).format(held=t.held, holds=t.holds)
+        try:
+            with admin(self.outbox) as conn:
+                row = conn.execute(query, (ids,)).fetchone()
+        except psycopg.OperationalError:  # the server restarting: the command will say so too
+            return 0
+        return int(row[0]) if row else 0
 
     def replay(self, what: str, rows: int) -> None:
         with self.lock:

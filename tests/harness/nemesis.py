@@ -57,17 +57,29 @@ def kill(ctx: Context, event: Event) -> str:
         return f"{old} -> {ctx.pool.replace(event.slot).name}"
 
 
+# A kafka-cut whose choice has this bit ends with the worker killed while still cut off (and replaced, as a kill
+# does): what it had handed to Kafka never arrives. Drawn choices are below it (schedule.py): chosen schedules set it.
+KILL_WHILE_CUT = 1 << 30
+
+
 @FAULTS.action("worker", 1.5, strategies=ALL, duration=lambda rng, setup: rng.uniform(0.5, 2.5 * setup.lease_s))
 def kafka_cut(ctx: Context, event: Event) -> str:
-    """Cut one worker off from the broker only (PostgreSQL stays reachable): its connections break, new ones drop."""
+    """Cut one worker off from the broker only (PostgreSQL stays reachable): its connections break, new ones drop.
+    The worker is picked as a kill picks it (after a switch of strategy in progress: its new worker)."""
     assert event.slot is not None
-    worker = ctx.pool.slots[event.slot]
+    with ctx.pool.lock:
+        worker = ctx.pool.slots[event.slot]
     cut = ctx.servers.proxy.isolate(worker.pid)
+    killed = ""
     try:
         ctx.stop.wait(event.duration_s)
+        if event.choice & KILL_WHILE_CUT:
+            with ctx.pool.lock:
+                if ctx.pool.slots[event.slot] is worker:
+                    killed = f"; killed while cut off -> {ctx.pool.replace(event.slot).name}"
     finally:
         ctx.servers.proxy.rejoin(worker.pid)
-    return f"{worker.name}: {cut} connections cut"
+    return f"{worker.name}: {cut} connections cut{killed}"
 
 
 @FAULTS.action("server", 2, strategies=ALL)
@@ -173,6 +185,10 @@ class Nemesis:
         self.threads: list[threading.Thread] = []
         self.errors: list[str] = []
         self.t0 = 0.0
+        # A chosen schedule (Schedule.chosen): each switch's end, which the events after it wait for.
+        self.switches = [e for e in schedule.events if e.to is not None] if schedule.chosen else []
+        self.switched = {e.at_s: threading.Event() for e in self.switches}
+        self.switched_at: dict[float, float] = {}
 
     def start(self) -> None:
         self.t0 = time.monotonic()
@@ -186,9 +202,29 @@ class Nemesis:
         for thread in self.threads:
             thread.join()
 
+    def join(self, timeout_s: float) -> None:
+        """Wait, up to ``timeout_s`` in all, for every lane to have played its events (a chosen schedule's events
+        after a slow switch come later than planned)."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _due(self, event: Event) -> float | None:
+        """When the event is due (monotonic); after a switch of a chosen schedule, timed from the switch's actual end
+        once it has ended (None: the run stopped first)."""
+        before = [s for s in self.switches if s.at_s < event.at_s]
+        if not before:
+            return self.t0 + event.at_s
+        switch = before[-1]
+        while not self.switched[switch.at_s].wait(0.2):
+            if self.ctx.stop.is_set():
+                return None
+        return self.switched_at[switch.at_s] + event.at_s - (switch.at_s + switch.duration_s)
+
     def _play(self, events: list[Event]) -> None:
         for event in events:
-            if self.ctx.stop.wait(max(0.0, self.t0 + event.at_s - time.monotonic())):
+            due = self._due(event)
+            if due is None or self.ctx.stop.wait(max(0.0, due - time.monotonic())):
                 return
             start = time.time()
             action, relaying = self.actions[event.action], self.ctx.relaying
@@ -204,3 +240,6 @@ class Nemesis:
                 with self.ctx.lock:
                     self.errors.append(f"{event}: {note}")
             self.ctx.timeline.add(Span(event.action, event.slot, start, time.time(), note))
+            if event.at_s in self.switched and event.to is not None:
+                self.switched_at[event.at_s] = time.monotonic()
+                self.switched[event.at_s].set()

@@ -18,9 +18,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tests.kit.probes import wait_until
 from tests.kit.workers import ROOT, WorkerProcess
 
-from .cluster import MAX_MESSAGE_BYTES, Outbox
+from .cluster import MAX_MESSAGE_BYTES, Outbox, streamed
 from .schedule import WAL, Relaying, Setup
 
 MAX_ATTEMPTS = 3
@@ -116,11 +117,16 @@ class WorkerPool:
 
     def start(self, relaying: Relaying | None = None) -> None:
         """Start every slot (under new worker ids), with ``relaying`` from now on if given; those it replaces must
-        have stopped."""
+        have stopped. wal: slot 0 first, the others once it streams, so that a schedule knows which one streams
+        (ci.py: its faults are aimed at the streamer)."""
         with self.lock:
             self.relaying = relaying or self.relaying
             self.retired += [w for w in self.slots if not w.alive()]
-            self.slots = [self._spawn(slot) for slot in range(self.setup.workers)]
+            self.slots = []
+            for slot in range(self.setup.workers):
+                self.slots.append(self._spawn(slot))
+                if slot == 0 and self.relaying.strategy == WAL:
+                    wait_until("slot 0 to stream the slot", lambda: streamed(self.outbox), 60, 0.1)
             started = list(self.slots)
         for worker in started:
             worker.wait_for("its start", lambda ev: any(e.step == "start" for e in ev), 60)

@@ -30,6 +30,7 @@ from .writers import Writer, start_writers
 
 ACTIONS: dict[str, Registered] = {**FAULTS.actions, **OPERATIONS.actions}
 SETTLE_S = 90.0  # the relays' time to finish once the faults end
+AFTER_SWITCH_S = 30.0  # a chosen schedule's events after a switch: the longest they wait past the run's length
 
 
 def schedule_for(seed: int, strategy: str, seconds: float, *, workers: int = 2, lease_s: float = 5.0) -> Schedule:
@@ -52,7 +53,9 @@ class Result:
         if self.verdict.ok:
             return head
         replay = (
-            f"replay: python -m tests.harness --strategy {s.setup.strategy} --seed {s.seed} "
+            f"replay: python -m tests.harness --ci --strategy {s.setup.strategy} --lease-s {s.setup.lease_s:g}"
+            if s.chosen
+            else f"replay: python -m tests.harness --strategy {s.setup.strategy} --seed {s.seed} "
             f"--seconds {s.setup.seconds:g} --workers {s.setup.workers} --lease-s {s.setup.lease_s:g}"
         )
         return "\n".join([head, *(f"  FINDING {f}" for f in self.verdict.findings), replay, s.render()])
@@ -92,6 +95,8 @@ def run(servers: Servers, schedule: Schedule, directory: Path) -> Result:
         secret=servers.secret,
         problems=problems,
         switches=list(ctx.switches),
+        released=list(ctx.released),
+        held=_held(outbox),
     )
     result = Result(schedule, check(evidence), time.monotonic() - started)
     _keep(directory, result, ctx, servers.secret)
@@ -118,6 +123,8 @@ def _play(ctx: Context, schedule: Schedule, problems: list[str]) -> list[Writer]
     try:
         nemesis.start()
         ctx.stop.wait(setup.seconds)
+        if schedule.chosen:  # a chosen schedule: its events after a slow switch are played too
+            nemesis.join(AFTER_SWITCH_S)
     finally:
         nemesis.stop()
         stop_writing.set()
@@ -215,12 +222,18 @@ def _last_operator_step(ctx: Context, good: set[str | None], rounds: int = 20) -
     return [f"dead letters or held rows still there after {rounds} rounds of retry and discard"]
 
 
+def _held(outbox: Outbox) -> set[str]:
+    with admin(outbox) as conn:
+        query = sql.SQL("SELECT message_id::text FROM {}").format(outbox.table.held)
+        return {str(row[0]) for row in conn.execute(query).fetchall()}
+
+
 def _dead_letters(outbox: Outbox) -> list[DeadRow]:
     with admin(outbox) as conn:
         rows = conn.execute(
             sql.SQL(
                 "SELECT message_id::text, coalesce(last_error, ''), attempts, retried_at IS NOT NULL, "
-                "discarded_at IS NOT NULL FROM {}"
+                "discarded_at IS NOT NULL, extract(epoch FROM coalesce(retried_at, discarded_at))::float8 FROM {}"
             ).format(outbox.table.dead_letters)
         ).fetchall()
     return [DeadRow(*row) for row in rows]

@@ -119,6 +119,9 @@ class Schedule:
     seed: int
     setup: Setup
     events: tuple[Event, ...]
+    # chosen (ci.py): the events after a switch of strategy are timed from its planned end and wait for its actual
+    # one, so that they meet the new strategy's relays however long the switch took (the run lasts until they ran)
+    chosen: bool = False
 
     def render(self) -> str:
         return "\n".join([f"seed={self.seed} {self.setup}", *(f"  {e}" for e in self.events)])
@@ -215,3 +218,30 @@ def make_schedule(
         relaying = to or relaying
         events.append(Event(round(start, 2), spec.name, slot, duration, choice, to))
     return Schedule(seed, setup, tuple(sorted(events, key=lambda e: (e.at_s, e.action, e.slot or 0))))
+
+
+def chosen_schedule(
+    seed: int,
+    strategy: str,
+    catalogue: Mapping[str, Registered],
+    events: tuple[Event, ...],
+    *,
+    seconds: float,
+    workers: int = 2,
+    lease_s: float = 5.0,
+) -> Schedule:
+    """A schedule whose events are chosen (ci.py), its setup drawn from the seed: each event must be an action of
+    the catalogue for what relays at its time (a switch changes it), within the run and its lane free by then."""
+    setup = make_setup(random.Random(seed), strategy, seconds, workers, lease_s)
+    relaying = Relaying(strategy, setup.mode)
+    free_at: dict[tuple[str, int | None], float] = {}
+    for event in sorted(events, key=lambda e: e.at_s):
+        spec = catalogue[event.action].spec
+        lane = (spec.lane, event.slot)
+        assert relaying.applies(spec), f"{event}: not for {relaying}"
+        assert (spec.lane == "worker") == (event.slot is not None) and (event.slot or 0) < workers, str(event)
+        assert WARMUP_S <= event.at_s and event.at_s + event.duration_s <= seconds - COOLDOWN_S, str(event)
+        assert free_at.get(lane, 0.0) <= event.at_s, f"{event}: its lane is busy until {free_at[lane]:.2f}s"
+        free_at[lane] = event.at_s + event.duration_s + 0.5
+        relaying = event.to or relaying
+    return Schedule(seed, setup, tuple(sorted(events, key=lambda e: (e.at_s, e.action, e.slot or 0))), True)

@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from outbox_pipeline.relay.wal.leader import FENCE_MARGIN_S
 from tests.faults.helpers import TimedRecord
@@ -59,6 +60,7 @@ def silences(
     good: dict[str, Written],
     first: dict[str, TimedRecord],
     records: Sequence[TimedRecord],
+    dead: Sequence[DeadRowLike] = (),
 ) -> tuple[list[Stall], float, tuple[float, str]]:
     """(the silences past the bound, the longest silence, the longest any row waited from its commit to its first
     copy).
@@ -66,14 +68,11 @@ def silences(
     A silence: a keyed row's partition published nothing between the row's commit (or the partition's previous
     publish, if later) and the row's first copy, less the outages in between. A partition that is being drained,
     however long its backlog, is not silent; one whose worker hangs is. Keyed rows only (a keyless row's virtual
-    partition is drawn at random); every virtual partition is the Kafka partition of the same number."""
+    partition is drawn at random); every virtual partition is the Kafka partition of the same number. A row of a key
+    held behind a bad row's dead letter (from the bad row's commit until the operator retried or discarded it) waits
+    for the operator: left out while it was held, checked again after."""
     outages = _merged(_outages(spans, setup.workers, setup.strategy) + _fences(spans, setup))
-    held_since: dict[tuple[str, str], float] = {}
-    for w in written:
-        if not w.good and w.outcome in ("committed", "in-doubt") and w.key is not None:
-            w_at = w.committed_at if w.committed_at is not None else float("-inf")
-            pair = (w.topic, w.key)
-            held_since[pair] = min(held_since.get(pair, w_at), w_at)
+    holds = _holds(written, dead)
     published: dict[tuple[str, int], list[float]] = defaultdict(list)
     for copy in records:  # every copy: a partition publishing again after a rewind is being served
         published[(copy.topic, copy.partition)].append(copy.timestamp_ms / 1000)
@@ -87,9 +86,8 @@ def silences(
         if r is None or w.committed_at is None:
             continue
         end = r.timestamp_ms / 1000
-        if w.key is not None and held_since.get((w.topic, w.key), float("inf")) <= end:
-            continue  # a bad row of its key came before it went out (in the strategy's order, maybe): it may have
-            # been held behind that row's dead letter, waiting for the operator
+        if w.key is not None and any(a <= end and w.committed_at <= b for a, b in holds.get((w.topic, w.key), ())):
+            continue  # its key was held behind a bad row's dead letter meanwhile: it waited for the operator
         if end - w.committed_at > longest[0]:
             where = f"{r.topic[-8:]}[{r.partition}]{'' if w.key else ' no key'}"
             longest = (end - w.committed_at, f"@{where}({m},{w.writer},committed {clock(w.committed_at)})")
@@ -115,6 +113,31 @@ def _fences(spans: Sequence[Span], setup: Setup) -> list[tuple[float, float]]:
         for s in spans
         if s.action == "freeze" and s.end - s.start > setup.lease_s
     ]
+
+
+class DeadRowLike(Protocol):
+    """A dead letter as the checker reads it (ledger.DeadRow)."""
+
+    @property
+    def message_id(self) -> str: ...
+
+    @property
+    def closed_at(self) -> float | None: ...
+
+
+def _holds(written: Sequence[Written], dead: Sequence[DeadRowLike]) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """When each key may have been held: from a stored bad row's commit until its dead letter was retried or
+    discarded (for good, if it never was)."""
+    closed: dict[str, float] = {}
+    for d in dead:  # a retried bad row is dead-lettered again: its key is held until the last is closed
+        at = float("inf") if d.closed_at is None else d.closed_at
+        closed[d.message_id] = max(closed.get(d.message_id, at), at)
+    holds: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for w in written:
+        if not w.good and w.outcome in ("committed", "in-doubt") and w.key is not None:
+            since = w.committed_at if w.committed_at is not None else float("-inf")
+            holds[(w.topic, w.key)].append((since, closed.get(w.message_id or "", float("inf"))))
+    return holds
 
 
 @dataclass(frozen=True)

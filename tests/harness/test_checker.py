@@ -10,8 +10,8 @@ import pytest
 from tests.faults.helpers import TimedRecord
 
 from . import ledger
-from .context import Span, Switch
-from .ledger import Evidence, check
+from .context import CliResult, Span, Switch
+from .ledger import DeadRow, Evidence, check
 from .schedule import Relaying, Setup
 from .writers import Written
 
@@ -24,8 +24,11 @@ def _row(message_id: str, committed_at: float, key: str = "k1") -> Written:
     return written
 
 
-def _copy(message_id: str, at: float, offset: int, key: bytes = b"k1") -> TimedRecord:
-    return TimedRecord("t", 0, offset, key, b'{"n": 1}', {"message_id": message_id.encode()}, int(at * 1000))
+def _copy(
+    message_id: str, at: float, offset: int, key: bytes = b"k1", value: bytes = b'{"n": 1}', outbox_id: int = 0
+) -> TimedRecord:
+    headers = {"message_id": message_id.encode(), **({"outbox_id": str(outbox_id).encode()} if outbox_id else {})}
+    return TimedRecord("t", 0, offset, key, value, headers, int(at * 1000))
 
 
 def _evidence(
@@ -37,20 +40,26 @@ def _evidence(
     outputs: dict[str, str] | None = None,
     strategy: str = "partitioned",
     switches: Sequence[Switch] = (),
+    commands: Sequence[CliResult] = (),
+    dead: Sequence[DeadRow] = (),
+    released: Sequence[int] = (),
+    held: Sequence[str] = (),
 ) -> Evidence:
     setup = Setup(strategy, 20, 2, 5.0, 50, "UTF8", "delete", 0.01, 0.05)
     return Evidence(
         setup,
         list(written),
         list(records),
-        [],
+        list(dead),
         order or {},
         list(spans),
         [],
-        [],
+        list(commands),
         outputs or {},
         SECRET,
         switches=list(switches),
+        released=list(released),
+        held=set(held),
     )
 
 
@@ -168,7 +177,7 @@ def test_copies_a_switch_publishes_again_are_duplicates_within_what_it_republish
     over = check(_evidence(written, twice, order={"a": (7, 1), "b": (7, 2)}, switches=[switch]))
 
     assert within.ok and within.figures["switch_dupes"] == "2/2", within.findings
-    assert [f.split(":")[0] for f in over.findings] == ["duplicates"] and "2 published again" in over.findings[0]
+    assert over.findings[0].startswith("duplicates:") and "2 published again" in over.findings[0], over.findings
 
 
 def _committed(message_id: str, writer: str, tx: int, sent: float, returned: float, key: str = "k1") -> Written:
@@ -215,3 +224,232 @@ def test_wal_duplicates_are_bounded_by_what_a_fault_leaves_unconfirmed() -> None
 
     assert within.ok and within.figures["dupe_bound"] == 100, within.findings
     assert [f.split(":")[0] for f in over.findings] == ["duplicates"], over.findings
+
+
+# -- operator commands: judged by what they printed --------------------------------------------------------------
+
+
+def _command(code: int | None, output: str, *argv: str) -> CliResult:
+    return CliResult(argv or ("dead-letters", "retry", "--id", "7"), code, output)
+
+
+def test_an_operator_command_that_exits_1_is_a_finding() -> None:
+    verdict = check(_evidence([], [], commands=[_command(1, "relay: done, worker 0 crashed: boom")]))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["operator command failed"], verdict.findings
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        "usage: outbox dead-letters [-h] {list,retry,discard} ...\noutbox: error: argument --id: invalid int value",
+        "error: no such dead letter: 7",
+    ],
+)
+def test_exit_2_is_a_finding_unless_the_command_printed_a_refusal_it_documents(output: str) -> None:
+    verdict = check(_evidence([], [], commands=[_command(2, output)]))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["operator command failed"], verdict.findings
+
+
+def test_exit_2_with_a_documented_refusal_is_accepted() -> None:
+    restarting = _command(2, "error: cannot reach PostgreSQL: connection failed: Connection refused")
+    rewind = _command(
+        2,
+        "error: refusing to move t/0 forward from xid=7 id=9 to xid=8 id=12: that would skip rows",
+        *("replay", "--topic", "t", "--partition", "0", "--since", "2026-11-29T06:00:00+00:00", "--force"),
+    )
+    held = _command(
+        2,
+        "error: 2 keys are held behind dead letters: retry or discard them (`outbox dead-letters`) before switching",
+        *("switch-strategy", "--to", "lease", "--mode", "delete"),
+    )
+
+    verdict = check(_evidence([], [], commands=[restarting, rewind, held]))
+
+    assert verdict.ok, verdict.findings
+
+
+def test_exit_3_is_accepted_only_from_a_drain_stopped_by_its_max_seconds() -> None:
+    drain = ("relay", "--strategy", "lease", "--until-empty", "--max-seconds", "6")
+    stopped = _command(3, "not empty after --max-seconds: 1 reason(s)\n  12 rows pending", *drain)
+    other = _command(3, "discarded 1 dead letters", "dead-letters", "discard", "--id", "7", "--reason", "x")
+
+    assert check(_evidence([], [], commands=[stopped])).ok
+    assert [f.split(":")[0] for f in check(_evidence([], [], commands=[other])).findings] == ["operator command failed"]
+
+
+# -- content, on every copy ----------------------------------------------------------------------------------------
+
+
+def test_a_later_copy_other_than_written_is_corrupted_even_when_the_first_is_right() -> None:
+    records = [_copy("a", 0.1, 0), _copy("a", 0.2, 1, value=b'{"n": 2}')]
+
+    verdict = check(_evidence([_row("a", 0.0)], records, spans=[Span("kill", 0, 0.15, 0.16)]))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["corrupted"], verdict.findings
+
+
+# -- duplicates: per fault, from what the nemesis and the operator actually did ----------------------------------
+
+
+def test_a_skipped_fault_or_a_refused_command_allows_no_duplicate() -> None:
+    written = [_row("a", 0.0)]
+    records = [_copy("a", 0.1, 0), _copy("a", 2.0, 1)]
+    skipped = Span("kill", 0, 1.0, 1.0, "skipped: not for lease/delete")
+    refused = Span("rewind", None, 1.0, 1.2, "outbox replay --topic t --partition 0 -> exit 2 ")
+
+    for span in (skipped, refused):
+        verdict = check(_evidence(written, records, spans=[span]))
+
+        assert [f.split(":")[0] for f in verdict.findings][:1] == ["duplicates"], (span, verdict.findings)
+
+
+def test_one_kill_allows_two_batches_of_duplicates_and_not_one_more() -> None:
+    """The table strategies' bound: IN_FLIGHT_BATCHES batches (50 rows here) per relay a fault hit."""
+    written = [_row(str(n), 0.0, key=f"k{n}") for n in range(101)]
+    once = [_copy(str(n), 0.1, n, key=f"k{n}".encode()) for n in range(101)]
+    again = [_copy(str(n), 2.0, 101 + n, key=f"k{n}".encode()) for n in range(100)]
+    kill = [Span("kill", 0, 1.0, 1.2, "part-s0-g1 -> part-s0-g3")]
+
+    within = check(_evidence(written, once + again, spans=kill))
+    over = check(_evidence(written, [*once, *again, _copy("100", 2.1, 201, key=b"k100")], spans=kill))
+
+    assert within.ok and within.figures["dupe_bound"] == 100, within.findings
+    assert [f.split(":")[0] for f in over.findings] == ["duplicates"], over.findings
+
+
+def test_one_row_copied_more_often_than_the_faults_could_publish_it_again_is_a_finding() -> None:
+    """100 copies of one row with one kill: within the run's sum (two batches), not what one kill can do to a row."""
+    records = [_copy("a", 0.1 + n / 100, n) for n in range(100)]
+
+    verdict = check(_evidence([_row("a", 0.0)], records, spans=[Span("kill", 0, 0.5, 0.6, "s0-g1 -> s0-g2")]))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["duplicates of one row"], verdict.findings
+
+
+def test_wal_held_messages_released_count_from_what_the_operator_released_not_from_the_relays_log() -> None:
+    written = [_committed(str(n), "enqueue", n, n, n + 0.1) for n in range(10)]
+    records = [_copy(str(n), n + 0.2, n) for n in range(10)] + [_copy(str(n), 20 + n / 10, 10 + n) for n in range(10)]
+    log = {"worker wal-s0-g1": "key 'k1' of t released: 5000 held messages published"}
+
+    claimed = check(_evidence(written, records, outputs=log, strategy="wal"))
+    released = check(_evidence(written, records, strategy="wal", released=[10], spans=[Span("kill", 0, 19, 19.1)]))
+
+    assert [f.split(":")[0] for f in claimed.findings][:1] == ["duplicates"], claimed.findings
+    assert released.ok, released.findings
+
+
+# -- switch_dupes: a rule ------------------------------------------------------------------------------------------
+
+
+def test_copies_across_a_switch_past_what_it_publishes_again_are_a_finding_even_within_the_runs_bound() -> None:
+    """A kill long before the switch covers the run's sum; the copy across the switch is none of its doing."""
+    written = [_row("a", 0.0), _row("b", 0.0)]
+    records = [_copy("a", 0.1, 0), _copy("b", 0.2, 1), _copy("a", 30.5, 2)]
+    switch = _switch(30.0, "lease", "partitioned", republished=0)
+    kill = Span("kill", 0, 0.3, 0.4, "s0-g1 -> s0-g2")
+
+    verdict = check(_evidence(written, records, spans=[kill], order={"a": (7, 1), "b": (7, 2)}, switches=[switch]))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["copies across switches"], verdict.findings
+
+
+# -- advisory: a global order by id --------------------------------------------------------------------------------
+
+
+def test_advisory_first_arrivals_of_a_key_out_of_id_order_are_a_finding() -> None:
+    written = [_row("a", 5.0), _row("b", 5.0)]
+    records = [_copy("b", 10.0, 0, outbox_id=2), _copy("a", 10.1, 1, outbox_id=1)]
+
+    verdict = check(_evidence(written, records, strategy="advisory"))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["out of order (first arrivals of a key)"], verdict.findings
+
+
+def test_advisory_a_row_committed_after_a_later_id_went_out_comes_after_it() -> None:
+    """docs/strategies.md: ids are allocation order; a transaction that commits after later ids were published is
+    published after them."""
+    written = [_row("a", 10.0), _row("b", 0.0)]
+    records = [_copy("b", 1.0, 0, outbox_id=2), _copy("a", 10.1, 1, outbox_id=1)]
+
+    verdict = check(_evidence(written, records, strategy="advisory"))
+
+    assert verdict.ok, verdict.findings
+
+
+# -- the silence check and keys with a bad row ------------------------------------------------------------------
+
+
+def test_a_key_whose_bad_row_was_discarded_long_ago_is_checked_for_silence_again() -> None:
+    bad = _row("x", 0.0)
+    bad.bad = "oversize"
+    written = [bad, _row("a", 0.5), _row("b", 10.0)]
+    records = [_copy("a", 0.6, 0), _copy("b", 25.0, 1)]  # nothing from 10 s to 25 s
+    dead = [DeadRow("x", "Broker: Message size too large", 1, False, True, closed_at=2.0)]
+
+    verdict = check(_evidence(written, records, dead=dead))
+
+    assert [f.split(" (")[0] for f in verdict.findings] == ["stalled"], verdict.findings
+
+
+# -- the other rules, each held by a test of its own ---------------------------------------------------------------
+
+
+def test_a_record_no_one_committed_is_a_phantom() -> None:
+    verdict = check(_evidence([_row("a", 0.0)], [_copy("a", 0.1, 0), _copy("z", 0.2, 1)]))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["phantom"] and "z" in verdict.findings[0]
+
+
+def test_a_first_copy_other_than_written_is_corrupted() -> None:
+    verdict = check(_evidence([_row("a", 0.0)], [_copy("a", 0.1, 0, key=b"k2")]))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["corrupted"], verdict.findings
+
+
+def test_a_good_row_dead_lettered_is_a_finding() -> None:
+    dead = [DeadRow("a", "Broker: Message size too large", 1, True, False, closed_at=0.5)]
+
+    verdict = check(_evidence([_row("a", 0.0)], [_copy("a", 1.0, 0)], dead=dead))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["good row dead-lettered"], verdict.findings
+
+
+def test_a_good_row_refused_at_enqueue_is_a_finding() -> None:
+    refused = _row("a", 0.0)
+    refused.outcome, refused.error = "refused", "InvalidMessageError: no"
+
+    verdict = check(_evidence([refused], []))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["good row refused at enqueue"], verdict.findings
+
+
+@pytest.mark.parametrize(
+    ("delivered", "dead", "finding"),
+    [
+        (True, [], "was delivered to Kafka"),
+        (False, [], "was stored and never dead-lettered"),
+        (False, [DeadRow("x", "topic does not exist", 3, False, True, 1.0)], "dead-lettered with another reason"),
+    ],
+)
+def test_a_stored_bad_row_is_dead_lettered_with_its_reason_and_never_delivered(
+    delivered: bool, dead: list[DeadRow], finding: str
+) -> None:
+    bad = _row("x", 0.0)
+    bad.bad = "oversize"
+
+    verdict = check(_evidence([bad], [_copy("x", 0.1, 0)] if delivered else [], dead=dead))
+
+    assert len(verdict.findings) == 1 and finding in verdict.findings[0], verdict.findings
+
+
+def test_a_bad_row_still_held_at_the_end_is_a_finding_of_its_own() -> None:
+    """A hold that outlived its dead letter keeps the key's later rows for good (a wal defect the CI schedule found)."""
+    bad = _row("x", 0.0)
+    bad.bad = "missing-topic"
+
+    verdict = check(_evidence([bad], [], held=["x"]))
+
+    assert [f.split(" (")[0] for f in verdict.findings] == ["bad row missing-topic by enqueue"]
+    assert "still held at the end" in verdict.findings[0]

@@ -160,6 +160,28 @@ def test_seed_003_a_long_transaction_committing_late_is_not_skipped(
     assert naive_seen == [b.id], "the naive reader is the counter-example: it skipped A for good"
 
 
+def test_partitioned_publishes_transactions_whose_ids_interleave_whole_in_transaction_order(
+    dsn: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """A's rows take ids 1 and 3, B's (a later transaction) id 2, B commits first: (transaction id, id) order is A1, A3,
+    B2. Read by id, a batch of two would be A1, B2 and its position would pass A3 (tests/mutants: the read order)."""
+    topic = new_topic()
+    set_topic_partitions(db, table, topic, 1)
+    with psycopg.connect(dsn) as a, psycopg.connect(dsn) as b:
+        a1 = enqueue(a, topic, {"tx": "A", "n": 1}, key="k", table=table)
+        b2 = enqueue(b, topic, {"tx": "B", "n": 2}, key="k", table=table)
+        a3 = enqueue(a, topic, {"tx": "A", "n": 3}, key="k", table=table)
+        b.commit()
+        a.commit()
+    assert a1.id < b2.id < a3.id
+
+    stats = drain(dsn, table, kafka.bootstrap_servers, "partitioned", batch_size=2)
+
+    arrived = kafka.consume(topic, expect=3)
+    assert [int(r.headers["outbox_id"]) for r in arrived] == [a1.id, a3.id, b2.id]
+    assert stats.published == 3
+
+
 def test_serialized_writer_waits_for_an_open_serialized_writer_and_nothing_is_skipped(
     dsn: str, db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
