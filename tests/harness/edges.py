@@ -31,6 +31,7 @@ from psycopg.types.json import Jsonb
 from outbox_pipeline import Message, enqueue_many
 from outbox_pipeline.relay.wal.leader import WAL_LEADER_LOCK_CLASS
 from outbox_pipeline.store.wal.format import encode, prefix_of
+from tests.kit.workers import WorkerProcess
 
 from .cluster import APP_ROLE, INTRUDER_ROLE, admin, wait_for_server
 from .context import Context, Span
@@ -43,7 +44,7 @@ from .writers import Written, writer_keys
 
 UNDONE = "undid the commits from {start:.3f} to {end:.3f}"  # read back by ledger.py (storage-snapshot's note)
 STALE_KEYS = 10  # stale-thaw's own keys: no writer writes them, so nothing newer follows its second transaction
-STALE_BATCHES = 20  # stale-thaw's first transaction, in the relays' batches: still being published when cut
+STALE_BATCHES = 50  # stale-thaw's first transaction, in the relays' batches: cut when half of them were handed over
 
 
 def _restart(ctx: Context, mode_note: str, between: list[str]) -> tuple[float, float]:
@@ -218,28 +219,37 @@ def _stale_transaction(ctx: Context, choice: int, value: int, per_key: int) -> t
     return returned, stored[-1].id, f"value {value}: {len(written)} messages"
 
 
+def _just_handed_over(worker: WorkerProcess) -> None:
+    """Return as soon as the worker hands its next batch to its producer (its events file says so), within the
+    producer's linger (librdkafka's 5 ms): the batch is not on the wire yet. Bounded."""
+    events = worker.directory / f"{worker.name}.events"
+    size, deadline = events.stat().st_size, time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        grown = events.stat().st_size
+        if grown > size and b" produce " in events.read_bytes()[size:grown]:
+            return
+        size = grown
+
+
 @FAULTS.action("server", 1, strategies=WAL_ONLY, duration=lambda rng, setup: rng.uniform(1.6, 2.2) * setup.lease_s)
 def stale_thaw(ctx: Context, event: Event) -> str:
-    """A thaw after a takeover: a large transaction under keys of this fault's own, and while the streamer publishes
-    it (its third batch since the commit), the streamer cut from Kafka (the batch in its producer stays there) and
-    frozen past the takeover time; meanwhile a second transaction gives each key a newer value, which the relay that
-    took over publishes (the slot confirmed past it); then the first thaws. With a long ``message.timeout.ms`` its
-    producer still sends the stale batch: the last record of a key is not its newest message (ledger.py)."""
+    """A thaw after a takeover: a large transaction under keys of this fault's own; while the streamer publishes it
+    (half its batches handed over), the streamer frozen just as it hands a batch to its producer (not sent yet), its
+    connections to Kafka ended, frozen past the takeover time; meanwhile a second transaction gives each key a newer
+    value, which the relay that took over publishes (the slot confirmed past it); then the first thaws. With a long
+    ``message.timeout.ms`` its producer still sends the stale batch: the last record of a key is not its newest."""
     slot = _streamer(ctx)
     if slot is None:
         return "no worker streams"
     worker = ctx.pool.slots[slot]
     committed, _, first = _stale_transaction(ctx, event.choice, 1, STALE_BATCHES * ctx.setup.batch_size // STALE_KEYS)
-    inside = _wait_for(lambda: sum(e.step == "produce" and e.t > committed for e in worker.events()) >= 3, 5.0)
-    cut_at = time.time()
-    ctx.servers.proxy.isolate(worker.pid)
-    try:
-        time.sleep(0.3)  # the batch it hands to its producer now cannot be sent
-        worker.freeze()
-        frozen_at = time.time()
-    finally:
-        ctx.servers.proxy.rejoin(worker.pid)  # frozen, it reconnects only when it thaws
-        ctx.timeline.add(Span("kafka-cut", slot, cut_at, time.time(), f"{worker.name} (stale-thaw)"))
+    half = STALE_BATCHES // 2  # what it had to publish before it is less than that
+    inside = _wait_for(lambda: sum(e.step == "produce" and e.t > committed for e in worker.events()) >= half, 10.0)
+    _just_handed_over(worker)
+    worker.freeze()  # its producer's threads too: the batch it was just handed stays in its queue
+    frozen_at = time.time()
+    ctx.servers.proxy.isolate(worker.pid)  # its connections to Kafka go; frozen, it opens none before it thaws
+    ctx.servers.proxy.rejoin(worker.pid)
     try:
         _, newest, second = _stale_transaction(ctx, event.choice, 2, 1)
         ctx.stop.wait(event.duration_s)
@@ -247,7 +257,7 @@ def stale_thaw(ctx: Context, event: Event) -> str:
     finally:
         worker.thaw()
         ctx.timeline.add(Span("freeze", slot, frozen_at, time.time(), f"{worker.name} (stale-thaw)"))
-    return f"slot {slot}: {first} ({'cut while publishing it' if inside else 'cut'}); {second}; thawed"
+    return f"slot {slot}: {first} ({'frozen while publishing it' if inside else 'frozen'}); {second}; thawed"
 
 
 @OPERATIONS.action("operator", 1, strategies=WAL_ONLY)
