@@ -35,6 +35,7 @@ from .isolation import SelectiveProxy
 from .schedule import WAL, Setup
 
 APP_ROLE = "harness_app"
+INTRUDER_ROLE = "harness_intruder"  # a login with no grant on any outbox (edges.py: forged-emit), the same password
 # Virtual partitions per good topic, and Kafka partitions: a key's rows go to one of each.
 VIRTUAL_PARTITIONS = 4
 KAFKA_PARTITIONS = VIRTUAL_PARTITIONS  # a key's virtual partition is its Kafka partition (both murmur2)
@@ -67,11 +68,12 @@ class Servers:
             os.chown(hba, owner.st_uid, owner.st_gid)
             with psycopg.connect(self.pg.dsn, autocommit=True) as admin:
                 admin.execute("SELECT pg_reload_conf()")
-                admin.execute(
-                    sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
-                        sql.Identifier(APP_ROLE), sql.Literal(self.secret)
+                for role in (APP_ROLE, INTRUDER_ROLE):
+                    admin.execute(
+                        sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                            sql.Identifier(role), sql.Literal(self.secret)
+                        )
                     )
-                )
             self.proxy.start()
             self.broker.start()
         except BaseException:

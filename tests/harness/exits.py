@@ -26,6 +26,7 @@ _REFUSALS: dict[str, tuple[str, ...]] = {
         r"keys are held behind dead letters",
         r"rows held behind retried or discarded dead letters are not relayed yet",
         r"writer transactions on the outbox did not end within",
+        r"no procedure moves a wal outbox to",  # store/strategy_record.py: a wal outbox switches to nothing
     ),
     "indexes": (r"did not get its lock",),  # store/indexes.py: --drop-others behind a writer's transaction
     "init-db": (  # store/schema.py's migration lock; store/wal/objects.py: the slot behind open transactions

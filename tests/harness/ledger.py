@@ -130,7 +130,8 @@ def check(ev: Evidence) -> Verdict:
         dead[d.message_id].append(d)
 
     discarded_good = {m for m in good if m not in first and any(d.discarded for d in dead.get(m, []))}
-    lost = set(good) - set(first) - discarded_good
+    undone = _undone_by_restore(ev.spans, committed)
+    lost = set(good) - set(first) - discarded_good - undone
     phantom = set(first) - set(committed) - in_doubt
     findings = [
         *ev.problems,
@@ -142,14 +143,23 @@ def check(ev: Evidence) -> Verdict:
             for m, rows in sorted(dead.items())
             if m in good
         ),
-        *_bad_rows(ev.written, first, dead, ev.held),
+        *_bad_rows([w for w in ev.written if w.message_id not in undone], first, dead, ev.held),
         *_some(
             "good row refused at enqueue",
-            [f"{w.writer} {w.key!r}: {w.error}" for w in ev.written if w.good and w.outcome == "refused"],
+            [
+                f"{w.writer} {w.key!r}: {w.error}"
+                for w in ev.written
+                if w.good and w.outcome == "refused" and not w.refusable
+            ],
             shown=3,
         ),
         *_some("out of order (first arrivals of a key)", _disorder(ev, good)),
     ]
+    if ev.setup.strategy == WAL:  # issue 50's edges (edges.py)
+        kept = {m: w for m, w in good.items() if m not in undone}
+        findings += _some("out of order (the last record of a key is not its newest message)", _stale_last(ev, kept))
+        findings += _some("dead letter of a message no writer wrote (forged under the prefix)", _forged(ev))
+        findings += _some("switch-strategy on a wal outbox not refused (exit 2, naming wal)", _switched_wal(ev))
     dupes_found, figures = _duplicates(ev, committed, in_doubt, copies, dead)
     findings += dupes_found
     stalls, silence, longest = silences(ev.setup, ev.written, ev.spans, good, first, ev.records, ev.dead)
@@ -173,6 +183,8 @@ def check(ev: Evidence) -> Verdict:
         "faults": dict(Counter(s.action for s in ev.spans)),
         "commands": dict(Counter(f"{c.argv[0]}:{c.code}" for c in ev.commands)),
     }
+    if ev.setup.strategy == WAL:
+        figures["undone_by_restore"] = len(undone)
     known += [f"{f} [{which}]" for f in findings if (which := _known(f))]
     return Verdict([f for f in findings if not _known(f)], figures, known)
 
@@ -448,6 +460,79 @@ def _out_of_commit_order(
             if latest is None or latest.sent_at is None or w.sent_at >= latest.sent_at:
                 latest = w
     return bad
+
+
+_UNDONE = re.compile(r"undid the commits from ([\d.]+) to ([\d.]+)")  # edges.UNDONE, a storage-snapshot's note
+
+
+def _undone_by_restore(spans: Iterable[Span], committed: dict[str, Written]) -> set[str]:
+    """Messages whose COMMIT returned between a storage snapshot and its restore (edges.py): the restore may have
+    undone them, so they may be absent (and arrived, they are no phantom: their writer committed them)."""
+    windows = [
+        (float(m[1]), float(m[2])) for s in spans if s.action == "storage-snapshot" and (m := _UNDONE.search(s.note))
+    ]
+    return {
+        m
+        for m, w in committed.items()
+        if w.committed_at is not None and any(a <= w.committed_at <= b for a, b in windows)
+    }
+
+
+def _stale_last(ev: Evidence, good: dict[str, Written]) -> list[str]:
+    """wal: keys whose last record in the log is a copy of a message published again (it arrived before) that is
+    older than another of the key that arrived (its COMMIT sent after the last one's returned, or written after it
+    in its transaction): a stale value published last (a thawed streamer's producer, issue 50 case 6), which a
+    compacted topic keeps. A relay that publishes again from the slot's position goes on to the newest; a key whose
+    first arrivals are out of order is the other rule's."""
+    place: dict[str, tuple[str, int, int]] = {}
+    counted: Counter[tuple[str, int]] = Counter()
+    for w in ev.written:
+        if w.message_id is not None:
+            place[w.message_id] = (w.writer, w.tx, counted[(w.writer, w.tx)])
+            counted[(w.writer, w.tx)] += 1
+    last: dict[tuple[str, str], Written] = {}
+    again: dict[tuple[str, str], bool] = {}  # whether the key's last record is a second copy
+    seen: set[str] = set()
+    arrived: dict[tuple[str, str], list[Written]] = defaultdict(list)
+    for r in sorted(ev.records, key=lambda r: (r.topic, r.partition, r.offset)):
+        row = good.get(r.headers["message_id"].decode())
+        if row is not None and row.key is not None and row.sent_at is not None and row.message_id is not None:
+            last[(row.topic, row.key)] = row
+            again[(row.topic, row.key)] = row.message_id in seen
+            seen.add(row.message_id)
+            arrived[(row.topic, row.key)].append(row)
+    stale = []
+    for (topic, key), end in sorted(last.items()):
+        if not again[(topic, key)]:
+            continue
+        assert end.returned_at is not None and end.message_id is not None
+        at = place[end.message_id]
+        newer = [
+            w
+            for w in arrived[(topic, key)]
+            if (w.sent_at or 0.0) > end.returned_at
+            or place[w.message_id or ""][:2] == at[:2]
+            and place[w.message_id or ""][2] > at[2]
+        ]
+        if newer:
+            stale.append(f"{topic}/{key!r} ends on {end.message_id} ({end.writer}), older than {newer[-1].message_id}")
+    return stale
+
+
+def _forged(ev: Evidence) -> list[str]:
+    """wal: dead letters of messages no writer of the run wrote: bytes a role without grants emitted under the
+    outbox's prefix (edges.py: forged-emit), which the relay took (a poison one holds a good key behind it)."""
+    ours = {w.message_id for w in ev.written if w.message_id is not None}
+    return sorted(f"{d.message_id}: {d.error[:120]}" for d in ev.dead if d.message_id not in ours)
+
+
+def _switched_wal(ev: Evidence) -> list[str]:
+    """wal: `outbox switch-strategy` must refuse a wal outbox, in one message that names it, with exit 2."""
+    return [
+        f"{c}: {_tail(c.output, ev.secret)[-300:]}"
+        for c in ev.commands
+        if c.argv[:1] == ("switch-strategy",) and (c.code != 2 or "wal" not in c.output or "Traceback" in c.output)
+    ]
 
 
 def _secrets(outputs: dict[str, str], secret: str) -> list[str]:

@@ -106,7 +106,7 @@ class WorkerPool:
                 "backoff_max_s": 1.0,
                 "mode": self.relaying.mode,
             },
-            "producer": PRODUCER,
+            "producer": PRODUCER if self.setup.message_timeout_ms is None else self._long_timeout_producer(),
             "settings": RELAY_SETTINGS,
         }
         if self.relaying.strategy == WAL:
@@ -114,6 +114,17 @@ class WorkerPool:
             spec["settings"] = {**RELAY_SETTINGS, "wal_takeover_s": self.setup.lease_s}
             spec["wal"] = {**WAL_SETTINGS, "batch_max": self.setup.batch_size}
         return HarnessWorker(spec, self.directory, name).start()
+
+    def _long_timeout_producer(self) -> dict[str, object]:
+        """The producers of a seed with a long message.timeout.ms (wal: edges.py's stale-thaw). A record for a topic
+        that does not exist still fails within MESSAGE_TIMEOUT_MS (librdkafka waits for it up to
+        topic.metadata.propagation.max.ms, 30 s, when the message timeout is longer): the long timeout is for a
+        thawed producer's batch, not a missing topic's 30 s per attempt."""
+        return {
+            **PRODUCER,
+            "message.timeout.ms": self.setup.message_timeout_ms,
+            "topic.metadata.propagation.max.ms": MESSAGE_TIMEOUT_MS,
+        }
 
     def start(self, relaying: Relaying | None = None) -> None:
         """Start every slot (under new worker ids), with ``relaying`` from now on if given; those it replaces must

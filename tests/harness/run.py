@@ -18,6 +18,7 @@ from psycopg import sql
 from tests.faults.helpers import consume
 from tests.kit.probes import pending, wait_until
 
+from . import edges  # noqa: F401  (registers the wal lane's edge faults, issue 50)
 from .cluster import Outbox, Servers, admin, drop_outbox, row_order, wal_backlog
 from .context import Context
 from .ledger import DeadRow, Evidence, Verdict, check

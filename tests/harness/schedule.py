@@ -35,6 +35,7 @@ SWITCH = "switch-strategy"  # the operator action that changes the strategy (and
 WARMUP_S = 2.0  # no event before this: the workers start their producers, the writers their first rows
 COOLDOWN_S = 1.0  # nor this close to the end
 MEAN_GAP_S = 1.5  # mean time between events (exponential)
+LONG_MESSAGE_TIMEOUT_MS = 120_000  # wal: a producer's message.timeout.ms in some seeds (Setup.message_timeout_ms)
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,16 @@ class Setup:
     mode: Literal["delete", "mark-sent"]  # row strategies: what an ack does (mark-sent allows `outbox replay`)
     bad_rate: float  # share of writer transactions that carry one bad row
     pause_s: float  # each writer's mean pause between transactions: 0.05 a steady load, 0.01 a busy one
+    # wal: the relays' producers' message.timeout.ms (relays.py), long in some seeds: a thawed streamer's batch
+    # still goes out after a takeover (edges.py: stale-thaw). None: relays.MESSAGE_TIMEOUT_MS
+    message_timeout_ms: int | None = None
 
     def __str__(self) -> str:
         return (
             f"strategy={self.strategy} seconds={self.seconds:.0f} workers={self.workers} lease_s={self.lease_s:g} "
             f"batch={self.batch_size} encoding={self.encoding} mode={self.mode} bad_rate={self.bad_rate:g} "
             f"pause_s={self.pause_s:g}"
-        )
+        ) + ("" if self.message_timeout_ms is None else f" message_timeout_ms={self.message_timeout_ms}")
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ def make_setup(rng: random.Random, strategy: str, seconds: float, workers: int, 
         mode="mark-sent" if strategy in ROW_STRATEGIES and rng.random() < 0.5 else "delete",
         bad_rate=rng.choice((0.005, 0.01)),
         pause_s=rng.choice((0.05, 0.05, 0.01)),
+        message_timeout_ms=LONG_MESSAGE_TIMEOUT_MS if strategy == WAL and rng.random() >= 0.7 else None,
     )
 
 

@@ -216,11 +216,12 @@ def test_wal_duplicates_are_bounded_by_what_a_fault_leaves_unconfirmed() -> None
     """One fault: two batches (50 each here) and the largest transaction less one; one copy more is over."""
     written = [_committed(str(n), "enqueue", n, n, n + 0.1) for n in range(101)]
     once = [_copy(str(n), n + 0.2, n) for n in range(101)]
-    again = [_copy(str(n), 101 + n / 1000, 101 + n) for n in range(100)]
+    again = [_copy(str(n), 101 + n / 1000, 100 + n) for n in range(1, 101)]  # from the confirmed one to the newest
     kill = [Span("kill", 0, 100.5, 100.9)]
 
     within = check(_evidence(written, once + again, spans=kill, strategy="wal"))
-    over = check(_evidence(written, once + again + [_copy("100", 102.0, 201)], spans=kill, strategy="wal"))
+    all_again = [_copy(str(n), 101 + n / 1000, 101 + n) for n in range(101)]  # one copy more, each row twice at most
+    over = check(_evidence(written, once + all_again, spans=kill, strategy="wal"))
 
     assert within.ok and within.figures["dupe_bound"] == 100, within.findings
     assert [f.split(":")[0] for f in over.findings] == ["duplicates"], over.findings
@@ -453,3 +454,77 @@ def test_a_bad_row_still_held_at_the_end_is_a_finding_of_its_own() -> None:
 
     assert [f.split(" (")[0] for f in verdict.findings] == ["bad row missing-topic by enqueue"]
     assert "still held at the end" in verdict.findings[0]
+
+
+# issue 50: the wal lane's edges (edges.py)
+
+
+def test_wal_a_stale_copy_published_after_a_newer_message_of_its_key_and_left_last_is_out_of_order() -> None:
+    """A thawed streamer's producer sends its batch after the relay that took over published the newer value."""
+    written = [_committed("old", "stale-thaw", 1, 1.0, 1.1), _committed("new", "stale-thaw", 2, 2.0, 2.1)]
+    log = [_copy("old", 3.0, 0), _copy("new", 3.1, 1)]
+
+    freeze = [Span("freeze", 0, 4.0, 8.0)]
+    stale = check(_evidence(written, [*log, _copy("old", 9.0, 2)], spans=freeze, strategy="wal"))
+    again = [*log, _copy("old", 9.0, 2), _copy("new", 9.1, 3)]
+    republished = check(_evidence(written, again, spans=freeze, strategy="wal"))
+
+    assert [f.split(":")[0] for f in stale.findings] == [
+        "out of order (the last record of a key is not its newest message)"
+    ], stale.findings
+    assert republished.ok, republished.findings  # published again from the slot's position, on to the newest
+
+
+def test_wal_what_a_restore_undid_may_be_absent_and_what_was_committed_after_it_must_arrive() -> None:
+    snapshot = Span("storage-snapshot", None, 10.0, 30.0, "undid the commits from 10.000 to 20.000; the relays back")
+    before, undone, after = _row("before", 5.0), _row("undone", 15.0), _row("after", 25.0)
+
+    arrived_or_not = check(
+        _evidence(
+            [before, undone, after], [_copy("before", 6, 0), _copy("after", 26, 1)], spans=[snapshot], strategy="wal"
+        )
+    )
+    arrived = check(_evidence([undone], [_copy("undone", 16, 0)], spans=[snapshot], strategy="wal"))
+    lost = check(_evidence([before, after], [_copy("before", 6, 0)], spans=[snapshot], strategy="wal"))
+
+    assert arrived_or_not.ok and arrived_or_not.figures["undone_by_restore"] == 1, arrived_or_not.findings
+    assert arrived.ok, arrived.findings  # no phantom: its writer committed it
+    assert [f.split(":")[0] for f in lost.findings] == ["lost"], lost.findings
+
+
+def test_wal_a_dead_letter_of_a_message_no_writer_wrote_is_forged() -> None:
+    evidence = _evidence([_row("a", 1.0)], [_copy("a", 2.0, 0)], strategy="wal")
+    evidence.dead = [ledger.DeadRow("f0rged", "publishing: headers are not JSON", 1, False, False)]
+
+    verdict = check(evidence)
+
+    assert [f.split(":")[0] for f in verdict.findings] == [
+        "dead letter of a message no writer wrote (forged under the prefix)"
+    ], verdict.findings
+
+
+@pytest.mark.parametrize(
+    ("code", "output", "refused"),
+    [
+        (2, "error: no procedure moves a wal outbox to partitioned yet (its messages are in ...) (docs/wal.md)", True),
+        (0, "positions of 0 partitions set for partitioned; start its relays now", False),
+        (2, "error: the partitioned strategy reads the outbox by outbox_messages_position, which it lacks", False),
+    ],
+)
+def test_wal_switch_strategy_must_be_refused_with_exit_2_naming_wal(code: int, output: str, refused: bool) -> None:
+    evidence = _evidence([], [], strategy="wal")
+    evidence.commands = [CliResult(("switch-strategy", "--to", "partitioned", "--mode", "delete"), code, output)]
+
+    verdict = check(evidence)
+
+    assert verdict.ok == refused, verdict.findings
+
+
+def test_a_good_message_the_database_may_refuse_is_not_expected_once_refused_and_must_arrive_once_stored() -> None:
+    """A UTF8 client's text a LATIN1 database cannot hold, a replica-role INSERT into a wal outbox's table."""
+    refused, stored = _row("r", 1.0), _row("s", 1.0)
+    refused.outcome, refused.refusable, stored.refusable = "refused", True, True
+
+    verdict = check(_evidence([refused, stored], [], strategy="wal"))
+
+    assert [f.split(":")[0] for f in verdict.findings] == ["lost"], verdict.findings

@@ -75,6 +75,7 @@ class Written:
     tx: int = 0  # the writer's transaction it was in (one writer commits one at a time, in this order)
     sent_at: float | None = None  # monotonic: just before its COMMIT was sent
     returned_at: float | None = None  # monotonic: just after its COMMIT returned
+    refusable: bool = False  # a good message the database may refuse (issue 50: the fixes refuse it): not expected then
 
     @property
     def good(self) -> bool:
@@ -328,8 +329,42 @@ def _stored(value: object) -> object:
     return value
 
 
+class Utf8ClientWriter(Writer):
+    """A wal writer whose ``client_encoding`` is UTF8 in a LATIN1 database (Django sets it; so does PGCLIENTENCODING):
+    ordinary messages, messages with characters LATIN1 lacks (the database may refuse them: ``refusable``), and now
+    and then an oversize one under such a key, which the relay must dead-letter (issue 50, case 4)."""
+
+    KEY = "東京"
+
+    def __init__(self, index: int, seed: int, outbox: Outbox, setup: Setup, stop: threading.Event) -> None:
+        super().__init__("enqueue", index, seed, outbox, setup, stop)
+        self.name = f"writer-{UTF8_CLIENT}-{index}"
+
+    def _connect(self) -> psycopg.Connection | None:
+        try:
+            return psycopg.connect(self.outbox.app_dsn, connect_timeout=5, client_encoding="UTF8")
+        except psycopg.OperationalError:
+            self.stop.wait(0.2)
+            return None
+
+    def _next_transaction(self) -> list[Written]:
+        self._tx += 1
+        roll = self.rng.random()
+        row = self._bad("oversize") if roll < 0.03 else self._good()
+        row.writer, row.tx = UTF8_CLIENT, self._tx
+        if roll < 0.5:  # what LATIN1 cannot hold: in the key, and in a header or the payload
+            row.key, row.refusable = self.KEY, row.good
+            row.headers["note"] = WIDE_TEXT[0]
+        return [row]
+
+
+UTF8_CLIENT = "utf8-client"
+
+
 def start_writers(outbox: Outbox, setup: Setup, seed: int, stop: threading.Event) -> list[Writer]:
     writers = [Writer(kind, i, seed, outbox, setup, stop) for i, kind in enumerate(KINDS)]
+    if outbox.table.write_to == "wal" and setup.encoding == "LATIN1":
+        writers.append(Utf8ClientWriter(len(KINDS), seed, outbox, setup, stop))
     for writer in writers:
         writer.start()
     return writers
