@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .. import settings
 from ..timestamps import CreatedAtStamps
-from .header_rules import decode_headers
+from .header_rules import UnencodableHeaders, decode_headers
 
 Headers = list[tuple[str, str | bytes | None]]
 # Distinct own-header texts kept decoded per publisher (the rows of a transaction share theirs: its trace context).
@@ -93,7 +93,11 @@ class RecordHeaders:
     def _decode(self, headers_json: str) -> _Own:
         if len(self._own) >= MAX_DECODED:
             self._own.clear()
-        pairs = decode_headers(json.loads(headers_json))
+        try:
+            stored = json.loads(headers_json)
+        except ValueError as exc:  # a wal message's headers come as its writer made them (store/wal/format.py)
+            raise UnencodableHeaders(f"headers are not JSON: {exc}") from None
+        pairs = decode_headers(stored)
         kept = [(name, value) for name, value in pairs if value or not name.startswith("ce_")]
         own = self._own[headers_json] = _Own(pairs, kept, frozenset(name for name, _ in kept))
         return own

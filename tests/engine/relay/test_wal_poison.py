@@ -14,6 +14,7 @@ from psycopg import sql
 from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.operate.dead_letters import discard_dead_letters
+from outbox_pipeline.store.wal.format import UNSTORABLE_TOPIC, encode
 from outbox_pipeline.store.wal.objects import names_of
 from outbox_pipeline.strategies.base import PublishOutcome
 from tests.kit.kafka import KafkaProbe
@@ -136,3 +137,25 @@ def test_what_a_wal_relay_published_and_confirmed_is_not_counted_as_a_duplicate_
 
     assert stats.published == 20
     assert stats.published - stats.acked == 0
+
+
+def test_a_message_whose_headers_are_not_json_is_dead_lettered_and_the_rest_flows(
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
+) -> None:
+    """A writer that checks nothing (bytes made by hand, a writer of another version) can emit a message of our layout
+    whose headers are not JSON: a dead letter (kept whole: a dead letter's headers column is jsonb), not a relay that
+    dies on it at every start (found by the harness's forged-emit fault, seed 116)."""
+    topic = new_topic("wal")
+    content = encode(
+        str(uuid.uuid4()).encode(), topic.encode(), b"k", None, b"{not json", b'{"n": 0}', binary=False, partition=None
+    )
+    with db.transaction():
+        db.execute("SELECT pg_logical_emit_message(true, %s, %s::bytea)", (names_of(wal_outbox).prefix, content))
+        enqueue(db, topic, {"n": 1}, key="other", table=wal_outbox)
+
+    stats = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
+
+    assert [r.value for r in kafka.consume(topic, expect=1)] == [b'{"n": 1}']
+    [(dead_topic, error)] = _dead_letters(db, wal_outbox)
+    assert dead_topic == UNSTORABLE_TOPIC and "headers" in error  # kept as the bytes it was emitted as
+    assert stats.dead_lettered == 1
