@@ -7,7 +7,8 @@ The servers are the test kit's (tests/kit/servers.py, outbox_pipeline.localstack
 tests/kit/worker.py processes, run through worker_main.py so their INFO log is kept (and scanned for the password).
 
 A wal run's outbox is made by ``init_db(strategies=["wal"])`` as the application role, which is given REPLICATION
-for it (the relay streams the slot); its writers emit (``OutboxTable(write_to="wal")``). A slot is the server's, not
+for it (the relay streams the slot); a superuser then runs what init-db printed to close pg_logical_emit_message to
+PUBLIC in that database (docs/wal.md); its writers emit (``OutboxTable(write_to="wal")``). A slot is the server's, not
 the database's, and its name comes from the schema's: the run drops its slot when it ends (``drop_outbox``).
 """
 
@@ -28,6 +29,7 @@ from psycopg.conninfo import make_conninfo
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, free_port
 from outbox_pipeline.store.schema import init_db, set_topic_partitions
+from outbox_pipeline.store.wal import grants
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from tests.kit.servers import server_under_test
 
@@ -121,6 +123,10 @@ class Servers:
             init_db(conn, outbox.table, strategies=[WAL] if wal else None)
             for topic in outbox.topics:
                 set_topic_partitions(conn, outbox.table, topic, VIRTUAL_PARTITIONS)
+        if wal:  # what init-db tells an operator whose application role ran it (docs/wal.md): a superuser closes it
+            with psycopg.connect(outbox.admin_dsn, autocommit=True) as admin:
+                for statement in grants.exposure(admin, outbox.table).statements:
+                    admin.execute(statement)
         self.broker.create_topics(outbox.topics, partitions=KAFKA_PARTITIONS)
         return outbox
 
