@@ -73,7 +73,7 @@ def _stretches(schedule: Schedule) -> list[tuple[str, list[Event]]]:
     return stretches
 
 
-@pytest.mark.parametrize("strategy", IN_MAKE_TEST)
+@pytest.mark.parametrize("strategy", ci.FAULT_SCHEDULES)
 def test_every_strategy_a_ci_schedule_relays_meets_kafka_cut_off_a_kill_while_cut_off_a_frozen_broker_and_restarts(
     strategy: str,
 ) -> None:
@@ -89,7 +89,7 @@ def test_every_strategy_a_ci_schedule_relays_meets_kafka_cut_off_a_kill_while_cu
 
 
 def test_the_ci_schedules_freeze_a_worker_past_its_lease_or_takeover_and_switch_strategy() -> None:
-    for strategy in IN_MAKE_TEST:
+    for strategy in ci.FAULT_SCHEDULES:
         schedule = ci_schedule(strategy, ACTIONS)
         first = _stretches(schedule)[0][1]
         assert any(e.action == "freeze" and e.duration_s > schedule.setup.lease_s for e in first), strategy
@@ -105,6 +105,14 @@ def test_the_wal_ci_schedule_ends_the_walsender_of_its_streamer_while_kafka_is_c
     walsender = next(e for e in events if e.action == "terminate-backends" and e.choice % 2)
 
     assert cut.at_s < walsender.at_s < cut.at_s + cut.duration_s and cut.choice & KILL_WHILE_CUT
+
+
+def test_the_wal_edges_ci_schedule_plays_every_edge_of_the_wal_lane_in_a_latin1_database() -> None:
+    schedule = ci_schedule("wal-edges", ACTIONS)
+    edges = {"storage-snapshot", "forged-emit", "replica-insert", "switch-from-wal", "sender-timeout", "stale-thaw"}
+
+    assert edges <= {e.action for e in schedule.events}
+    assert schedule.setup.strategy == "wal" and schedule.setup.encoding == "LATIN1"  # the UTF8-client writer writes
 
 
 def test_a_seed_replays_the_same_schedule() -> None:

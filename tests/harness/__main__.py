@@ -2,7 +2,7 @@
 one run per strategy, one after the other, on the same servers). Prints each run's figures line; a failed run also
 prints its findings, its seed and its schedule. Exit status 1 when any run failed. ``--print-schedule`` prints the
 schedule of a seed and exits (the same seed gives the same schedule). ``--ci``: the chosen schedules `make test` runs
-(ci.py: ``--strategy partitioned`` or ``wal``, or ``all`` for both)."""
+(ci.py: ``--strategy partitioned`` or ``wal`` (its two), or ``all``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .ci import EVENTS, ci_schedule
+from .ci import EVENTS, STRATEGY, ci_schedule
 from .cluster import Servers
 from .run import ACTIONS, run, schedule_for
 from .schedule import STRATEGIES
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (args.minutes or 1.0) * 60
     strategies: tuple[str, ...] = STRATEGIES if args.strategy == "all" else (args.strategy,)
     if args.ci:
-        strategies = tuple(s for s in strategies if s in EVENTS)
+        strategies = tuple(s for s in EVENTS if STRATEGY.get(s, s) in strategies)
         schedules = [ci_schedule(s, ACTIONS, lease_s=args.lease_s) for s in strategies]
     else:
         schedules = [schedule_for(seed, s, seconds, workers=args.workers, lease_s=args.lease_s) for s in strategies]

@@ -12,7 +12,12 @@ size, encoding, ack mode...) is still the seed's.
   meanwhile (the stream restarts with a batch Kafka did not take), killed while still cut off (nothing past what
   Kafka acked may have been confirmed); the relay that took over frozen past the takeover time while a transaction
   stays open; a PostgreSQL crash; the next streamer killed; a frozen broker and a cut; dead letters retried and
-  discarded, a drain beside the streamer, ``status`` and ``init-db``.
+  discarded, a drain beside the streamer, ``status`` and ``init-db``;
+- ``wal-edges`` (issue 50, edges.py), in a LATIN1 database (a writer whose client speaks UTF8 beside the others): a
+  storage snapshot restored under the relays, a forged emit by a role without grants, rows INSERTed with
+  ``session_replication_role = replica``, ``switch-strategy`` tried on the wal outbox, the streamer frozen past the
+  takeover time while ``wal_sender_timeout`` is shorter, and a streamer frozen while it hands a batch to its producer
+  and thawed after its successor published newer values of the same keys.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from collections.abc import Mapping
 from .nemesis import KILL_WHILE_CUT
 from .schedule import Event, Registered, Relaying, Schedule, chosen_schedule
 
-SECONDS = {"partitioned": 38.0, "wal": 25.0}
-SEEDS = {"partitioned": 286, "wal": 777}  # the setup's: batch size, encoding, ack mode, bad rows, load
+SECONDS = {"partitioned": 38.0, "wal": 25.0, "wal-edges": 36.0}
+# The setup's: batch size, encoding, ack mode, bad rows, load. 18: LATIN1, batch 20, the producers' 2 s timeout.
+SEEDS = {"partitioned": 286, "wal": 777, "wal-edges": 18}
+STRATEGY = {"wal-edges": "wal"}  # a schedule's strategy, where its name is not one
 KILLED = KILL_WHILE_CUT  # a kafka-cut that ends with its worker killed while still cut off
 
 _PARTITIONED = (
@@ -70,10 +77,25 @@ _WAL = (
     Event(23.0, "terminate-backends", choice=0),  # every wal relay session
 )
 
-EVENTS = {"partitioned": _PARTITIONED, "wal": _WAL}
+_WAL_EDGES = (
+    Event(2.5, "storage-snapshot", duration_s=3.0),  # restored 3 s later, once the relays confirmed past it
+    Event(3.0, "forged-emit", choice=5),
+    Event(4.5, "replica-insert", choice=2),
+    Event(6.0, "switch-from-wal", choice=3),
+    Event(10.0, "sender-timeout", duration_s=9.0),  # the streamer frozen 9 s, wal_sender_timeout 2 s meanwhile
+    Event(12.0, "dead-letter-retry"),
+    Event(21.0, "stale-thaw", duration_s=9.0, choice=7),
+    Event(24.0, "dead-letter-discard"),
+    Event(32.0, "status"),
+)
+
+EVENTS = {"partitioned": _PARTITIONED, "wal": _WAL, "wal-edges": _WAL_EDGES}
+# The schedules that give each strategy `make test` relays every kind of fault (tests/faults/test_harness.py holds
+# them to it); wal-edges adds the wal lane's own edges.
+FAULT_SCHEDULES = ("partitioned", "wal")
 
 
-def ci_schedule(strategy: str, catalogue: Mapping[str, Registered], *, lease_s: float = 5.0) -> Schedule:
-    return chosen_schedule(
-        SEEDS[strategy], strategy, catalogue, EVENTS[strategy], seconds=SECONDS[strategy], lease_s=lease_s
-    )
+def ci_schedule(name: str, catalogue: Mapping[str, Registered], *, lease_s: float = 5.0) -> Schedule:
+    """The chosen schedule ``name`` (a strategy, or ``wal-edges``)."""
+    strategy = STRATEGY.get(name, name)
+    return chosen_schedule(SEEDS[name], strategy, catalogue, EVENTS[name], seconds=SECONDS[name], lease_s=lease_s)

@@ -25,8 +25,8 @@ from .ledger import DeadRow, Evidence, Verdict, check
 from .nemesis import FAULTS, Nemesis
 from .operators import OPERATIONS
 from .relays import WorkerPool
-from .schedule import WAL, Registered, Schedule, make_schedule
-from .silences import clock
+from .schedule import WAL, Registered, Schedule, Setup, make_schedule
+from .silences import clock, wal_fence_s
 from .writers import Writer, start_writers
 
 ACTIONS: dict[str, Registered] = {**FAULTS.actions, **OPERATIONS.actions}
@@ -141,7 +141,7 @@ def _play(ctx: Context, schedule: Schedule, problems: list[str]) -> list[Writer]
         for name, code in switch.exits
         if code not in (0, -9)
     ]
-    problems += _settle(outbox, ctx.relaying.strategy, "after the faults")
+    problems += _settle(outbox, ctx.relaying.strategy, "after the faults", ctx.setup)
     problems += _holds(outbox)
     problems += _last_operator_step(ctx, {w.message_id for wr in writers for w in wr.written if w.good})
     codes = pool.stop()
@@ -160,14 +160,16 @@ def _revive(pool: WorkerPool) -> list[str]:
     return found
 
 
-def _settle(outbox: Outbox, strategy: str, when: str) -> list[str]:
-    """Wait for nothing to be pending (held rows wait for the operator and are not pending)."""
+def _settle(outbox: Outbox, strategy: str, when: str, setup: Setup) -> list[str]:
+    """Wait for nothing to be pending (held rows wait for the operator and are not pending); wal: a takeover of a
+    frozen streamer at the end waits out its producer's message timeout first (silences.wal_fence_s)."""
     left = wal_backlog(outbox) if strategy == WAL else lambda: pending(outbox.admin_dsn, outbox.table, strategy)
     what = "bytes of WAL not confirmed, and released holds" if strategy == WAL else "rows still pending"
+    within = SETTLE_S + (wal_fence_s(setup) if strategy == WAL else 0.0)
     try:
-        wait_until(f"the relays to finish {when}", lambda: left() == 0, SETTLE_S, 0.5)
+        wait_until(f"the relays to finish {when}", lambda: left() == 0, within, 0.5)
     except AssertionError:
-        return [f"stuck {when}: {left()} {what} after {SETTLE_S:.0f}s (see commands.txt, status)"]
+        return [f"stuck {when}: {left()} {what} after {within:.0f}s (see commands.txt, status)"]
     return []
 
 
@@ -217,7 +219,7 @@ def _last_operator_step(ctx: Context, good: set[str | None], rounds: int = 20) -
         if discard:
             ctx.cli("dead-letters", "discard", *discard, "--reason", "harness: end of run")
         if problems := _settle(
-            ctx.outbox, ctx.relaying.strategy, "after the last dead letters were retried or discarded"
+            ctx.outbox, ctx.relaying.strategy, "after the last dead letters were retried or discarded", ctx.setup
         ):
             return problems
     return [f"dead letters or held rows still there after {rounds} rounds of retry and discard"]

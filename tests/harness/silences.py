@@ -7,7 +7,7 @@ publishing again after a rewind, is not silent; one whose worker hangs while ano
 
 wal: one relay streams the slot and the others wait; a waiting relay takes over a killed streamer at once and a frozen
 one after ``lease_s`` (the harness's takeover time), so the same bound holds, once the successor has waited for the
-frozen relay's producer (``WAL_FENCE_S``: an outage). A streamer cut off from Kafka keeps the
+frozen relay's producer (``wal_fence_s``: an outage). A streamer cut off from Kafka keeps the
 slot (it still answers its walsender) and nothing is published until it reaches Kafka again (docs/wal.md, Kafka
 down): for wal a cut of any worker is an outage."""
 
@@ -33,8 +33,12 @@ RECOVERY_S = 5.0  # after a server fault or a total outage ends: reconnects, pro
 WORKER_FAULTS = ("freeze", "kill", "kafka-cut")  # the slot's worker does not serve meanwhile
 SERVER_FAULTS = ("pg-restart", "broker-freeze", "terminate-backends")
 STOPPED = ("switch-strategy",)  # the operator stops every relay (and starts them again with another strategy)
-# wal: the relay that took over a frozen streamer streams only once what the frozen producer queued has expired.
-WAL_FENCE_S = MESSAGE_TIMEOUT_MS / 1000 + FENCE_MARGIN_S
+
+
+def wal_fence_s(setup: Setup) -> float:
+    """wal: the relay that took over a frozen streamer streams only once what the frozen producer queued has expired
+    (its message.timeout.ms, the setup's where it draws a long one, plus the margin: relay/wal/leader.py)."""
+    return (setup.message_timeout_ms or MESSAGE_TIMEOUT_MS) / 1000 + FENCE_MARGIN_S
 
 
 def _outages(spans: Sequence[Span], workers: int, strategy: str) -> list[tuple[float, float]]:
@@ -109,7 +113,7 @@ def _fences(spans: Sequence[Span], setup: Setup) -> list[tuple[float, float]]:
     if setup.strategy != WAL:
         return []
     return [
-        (s.start + setup.lease_s, s.start + setup.lease_s + WAL_FENCE_S)
+        (s.start + setup.lease_s, s.start + setup.lease_s + wal_fence_s(setup))
         for s in spans
         if s.action == "freeze" and s.end - s.start > setup.lease_s
     ]

@@ -47,7 +47,7 @@ _DEAD_LETTER = """
     INSERT INTO {dead_letters} (
         id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority, transaction_id,
         created_at, attempts, last_error, dead_lettered_by)
-    VALUES ({values}, 1, %s, %s)
+    VALUES ({values}, %s, %s, %s)
     ON CONFLICT (id) DO NOTHING
 """
 _KEEP = """
@@ -191,8 +191,8 @@ class WalHolds:
                 )
                 error = self._holdable(failure.error)
                 attempts = (
-                    partial(_columns, r, self.codec, extra=(error, self.worker_id)),
-                    partial(_columns, r, self.codec, as_bytes=True, extra=(error, self.worker_id)),
+                    partial(_columns, r, self.codec, extra=(r.attempts + 1, error, self.worker_id)),
+                    partial(_columns, r, self.codec, as_bytes=True, extra=(r.attempts + 1, error, self.worker_id)),
                 )
                 stored = self._write(conn, query, r, attempts, error)
                 if stored and self.on_poison == "quarantine" and r.key is not None and not self.holds(r):
@@ -268,6 +268,7 @@ class WalHolds:
             0,
             r.transaction_id,
             as_parameter(r.created_at),
+            r.attempts + 1,
             self._holdable(
                 f"{error}; this database cannot hold it as a row ({reason}): payload_bytes is the message as emitted "
                 "(store/wal/format.py)"

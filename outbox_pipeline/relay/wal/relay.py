@@ -263,7 +263,7 @@ class WalRelay:
         records = pending.records
         self._wait_settled(stream, leader)
         outcome = self.publisher.finish(pending)
-        poison = [f for f in outcome.failed if self._gives_up(f)]
+        poison = [letter for f in outcome.failed if (letter := self._gives_up(f)) is not None]
         self._count(pending, outcome, len(poison))
         if not outcome.failed:
             self.stats.acked += len(records)
@@ -305,20 +305,21 @@ class WalRelay:
                 AckResult(acked=len(outcome.delivered), dead_lettered=dead),
             )
 
-    def _gives_up(self, failure: DeliveryFailure) -> bool:
-        """Whether a failure makes its message a dead letter: never for the transport; at once for a message Kafka
-        will never take; for one it refused for now (its topic missing, a permission), once ``max_attempts`` of
-        them have failed, as the table strategies count them (strategies/base.py, FailureKind)."""
+    def _gives_up(self, failure: DeliveryFailure) -> DeliveryFailure | None:
+        """The failure to dead-letter, its record's ``attempts`` the deliveries that failed before it; None: never for
+        the transport; at once for a message Kafka will never take; for one it refused for now (its topic missing, a
+        permission), once ``max_attempts`` of them have failed, as the table strategies count them
+        (strategies/base.py, FailureKind)."""
         if failure.kind == "transport":
-            return False
+            return None
         if failure.kind == "permanent":
-            return True
+            return failure
         attempts = self._attempts.get(failure.record.id, 0) + 1
         if attempts >= self.settings.max_attempts:
             self._attempts.pop(failure.record.id, None)
-            return True
+            return DeliveryFailure(failure.record._replace(attempts=attempts - 1), failure.error, failure.kind)
         self._attempts[failure.record.id] = attempts
-        return False
+        return None
 
     def _wait_settled(self, stream: ReplicationStream, leader: SlotLeader) -> None:
         """Until the producer holds nothing unsettled, the streamer saying it is alive meanwhile (``_settle``)."""
@@ -364,8 +365,8 @@ class WalRelay:
             stopped = failed[records[first].id]
             self.holds.published(conn, [r.id for r in records[:first]])
             self.stats.acked += first
-            if self._gives_up(stopped):
-                self.holds.dead_letter_held(conn, stopped)
+            if (dead := self._gives_up(stopped)) is not None:
+                self.holds.dead_letter_held(conn, dead)
                 self.stats.dead_lettered += 1
                 continue
             log.warning(

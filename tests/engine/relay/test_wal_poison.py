@@ -75,6 +75,8 @@ def test_a_message_to_a_topic_that_never_appears_is_dead_lettered_after_its_atte
     [(dead_topic, error)] = _dead_letters(db, wal_outbox)
     assert dead_topic == missing and f"topic {missing!r} does not exist" in error
     assert stats.retried == 2 and stats.dead_lettered == 1
+    [(attempts,)] = db.execute(sql.SQL("SELECT attempts FROM {}").format(wal_outbox.dead_letters)).fetchall()
+    assert attempts == 3  # as a table strategy's dead letter counts them (the harness bounds duplicates by them)
 
 
 def test_a_non_transactional_message_under_the_prefix_is_dead_lettered_as_malformed_not_dropped(
