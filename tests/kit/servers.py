@@ -28,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"broker: {TEST_BROKER.read()} ({TEST_BROKER.name}; tansu or kafka)"
+
+
 def server_under_test(data_dir: Path, settings: dict[str, str]) -> LocalPostgres:
     """A test server: the embedded wheel's, tuned, or (OUTBOX_TEST_PG_BIN) another build's at its own defaults,
     as a user who installed that package runs it (Debian's 15: JIT on, 128 MB of shared buffers). ``settings``
