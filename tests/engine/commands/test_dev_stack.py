@@ -64,7 +64,7 @@ def _graphql(port: int, query: str) -> dict[str, object]:
 
 
 class DevRun:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, **extra_env: str) -> None:
         self.home = home
         self.pg_port, self.kafka_port, self.dagster_port = free_port(), free_port(), free_port()
         env = dict(os.environ)
@@ -74,6 +74,7 @@ class DevRun:
             OUTBOX_DEV_KAFKA_PORT=str(self.kafka_port),
             OUTBOX_DEV_DAGSTER_PORT=str(self.dagster_port),
             OUTBOX_DEMO_RATE="50",
+            **extra_env,
         )
         self.log = open(home.parent / f"dev-{self.pg_port}.log", "wb")
         self.process = subprocess.Popen(
@@ -141,6 +142,22 @@ def test_dev_runs_the_stack_with_demo_traffic_and_ctrl_c_leaves_no_process(dev_h
     assert still_running == {}, f"orphans left behind: {still_running}"
     assert not (dev_home / "pg" / "postmaster.pid").exists()
     assert list((dev_home / "run").glob("*.pid")) == []
+
+
+def test_dev_can_run_apache_kafka_instead_of_tansu_and_says_so_and_ctrl_c_leaves_no_process(dev_home: Path) -> None:
+    run = DevRun(dev_home, OUTBOX_DEV_BROKER="kafka")
+    run.wait_for("the stack to be up", lambda: "outbox dev is up" in run.output(), deadline_s=300)
+    if "running on Tansu instead" in run.output():
+        pytest.skip(f"Apache Kafka cannot be installed here: {run.output()}")
+    assert f"Kafka       127.0.0.1:{run.kafka_port} (Apache Kafka, KRaft" in run.output()
+    run.wait_for("demo traffic in the outbox table", lambda: run.pending_rows() > 5)
+    broker = _cmdline(int((dev_home / "run" / "broker.pid").read_text().split()[0]))
+    assert "kafka.Kafka" in broker
+    started = _descendants(run.process.pid)
+
+    assert run.interrupt() == 0, run.output()
+    still_running = {pid: _cmdline(pid) for pid in started if _alive(pid)}
+    assert still_running == {}, f"orphans left behind: {still_running}"
 
 
 def test_dev_restarted_reuses_its_data(dev_home: Path) -> None:
