@@ -206,9 +206,10 @@ def _slot_findings(wal: WalLag, thresholds: LagThresholds) -> list[tuple[Severit
     for level, age_limit, bytes_limit in levels:
         if age is not None and age > age_limit:
             found.append((level, f"oldest unpublished commit {age:.1f} s > {level} {age_limit:g} s"))
-        if slot.retained_bytes is not None and slot.retained_bytes > bytes_limit:
+        if slot.disk_bytes is not None and slot.disk_bytes > bytes_limit:
+            spill = f" and {slot.spill_bytes} bytes of spill files" if slot.spill_bytes else ""
             found.append(
-                (level, f"slot {slot.slot} retains {slot.retained_bytes} bytes of WAL > {level} {bytes_limit}")
+                (level, f"slot {slot.slot} retains {slot.retained_bytes} bytes of WAL{spill} > {level} {bytes_limit}")
             )
         if found:
             break

@@ -118,8 +118,9 @@ class WalLag:
         safe = "no max_slot_wal_keep_size" if s.safe_wal_size is None else f"safe_wal_size {_bytes(s.safe_wal_size)}"
         relay = f"streamed by pid {s.active_pid}" if s.active_pid is not None else "no relay streams it"
         gap = "" if self.gap is None else f"; {self.gap}"
+        spill = f" and {_bytes(s.spill_bytes)} in spill files" if s.spill_bytes else ""
         return (
-            f"wal slot {s.slot}: {_bytes(s.retained_bytes)} of WAL retained, {_bytes(s.unconfirmed_bytes)} not "
+            f"wal slot {s.slot}: {_bytes(s.retained_bytes)} of WAL retained{spill}, {_bytes(s.unconfirmed_bytes)} not "
             f"confirmed, {age}, wal_status {s.wal_status}, {safe}, {relay}{gap}"
         )
 
@@ -156,6 +157,7 @@ class WalLag:
             "exists": s.exists,
             "wal_status": s.wal_status,
             "retained_bytes": s.retained_bytes,
+            "spill_bytes": s.spill_bytes,
             "unconfirmed_bytes": s.unconfirmed_bytes,
             "safe_wal_size": s.safe_wal_size,
             "max_slot_wal_keep_size": s.keep_limit_bytes,

@@ -27,6 +27,16 @@ class SlotState:
     unconfirmed_bytes: int | None = None  # from its confirmed position to the server's current one
     safe_wal_size: int | None = None  # bytes left before max_slot_wal_keep_size invalidates it (None: no limit)
     keep_limit_bytes: int | None = None  # max_slot_wal_keep_size in bytes (None: -1, no limit)
+    # Files a transaction too large for logical_decoding_work_mem is spilled to while it is decoded (pg_replslot/):
+    # disk beside the WAL retained. None: not readable here (before 15, or a role without pg_monitor).
+    spill_bytes: int | None = None
+
+    @property
+    def disk_bytes(self) -> int | None:
+        """What the slot keeps on the server's disk: the WAL it retains and its spill files."""
+        if self.retained_bytes is None:
+            return None
+        return self.retained_bytes + (self.spill_bytes or 0)
 
     @property
     def kept_fraction(self) -> float | None:
@@ -57,7 +67,26 @@ def slot_state(conn: psycopg.Connection, table: OutboxTable) -> SlotState:
     ).fetchone()
     if row is None:
         return SlotState(name, exists=False)
-    return SlotState(name, True, *row)
+    active_pid, wal_status, retained, unconfirmed, safe, limit = row
+    return SlotState(name, True, active_pid, wal_status, retained, unconfirmed, safe, limit, _spill_bytes(conn, name))
+
+
+# pg_ls_replslotdir (PostgreSQL 15 on) lists the slot's folder; superusers and pg_monitor may call it.
+_MAY_LIST = """
+    SELECT has_function_privilege(p.oid, 'EXECUTE') FROM pg_proc p
+    WHERE p.proname = 'pg_ls_replslotdir' AND p.pronamespace = 'pg_catalog'::regnamespace
+"""
+
+
+def _spill_bytes(conn: psycopg.Connection, slot: str) -> int | None:
+    """The bytes of the slot's spill files, or None when this server or role cannot list them."""
+    may = conn.execute(_MAY_LIST).fetchone()
+    if may is None or not may[0]:
+        return None
+    row = conn.execute(
+        "SELECT coalesce(sum(size), 0)::bigint FROM pg_ls_replslotdir(%s) WHERE name LIKE '%%.spill'", (slot,)
+    ).fetchone()
+    return int(row[0]) if row else None
 
 
 def unusable_reason(table: OutboxTable, state: SlotState) -> str | None:

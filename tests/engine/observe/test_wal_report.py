@@ -21,7 +21,7 @@ from outbox_pipeline.cli import main
 from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.observe.lag_slo import LagThresholds, evaluate_wal_lag
 from outbox_pipeline.observe.wal_lag import WalLag, wal_lag
-from outbox_pipeline.relay.wal.stream import ReplicationStreamError
+from outbox_pipeline.relay.wal.stream import ReplicationStream, ReplicationStreamError
 from outbox_pipeline.store.schema import init_db
 from outbox_pipeline.store.wal.objects import names_of
 from outbox_pipeline.store.wal.slot import SlotState
@@ -227,3 +227,24 @@ def test_a_relay_whose_role_lacks_replication_says_so_and_stops_and_status_is_no
 
     assert f"ALTER ROLE {role} REPLICATION" in str(caught.value)
     assert "lag objective: WARN" in out and f"role {role!r} has no REPLICATION attribute" in out
+
+
+def test_the_spill_files_of_a_large_transaction_being_decoded_count_as_what_the_slot_keeps_on_disk(
+    db: psycopg.Connection, connect: object, wal_outbox: OutboxTable
+) -> None:
+    """A transaction larger than logical_decoding_work_mem is spilled to pg_replslot/<slot>/ while it is decoded:
+    disk the slot takes beside the WAL it retains (issue 50: not counted in retained bytes)."""
+    names = names_of(wal_outbox)
+    stream_dsn = make_conninfo(db.info.dsn, options="-c logical_decoding_work_mem=64kB")
+    writer = connect()  # type: ignore[operator]
+    with ReplicationStream.open(stream_dsn, names.slot, names.publication) as stream, writer.transaction():
+        enqueue_many(writer, [Message("t", {"pad": "x" * 1000}, key=f"k{n}") for n in range(500)], table=wal_outbox)
+        writer.execute("SELECT pg_switch_wal()")  # flushed: the walsender decodes what the open transaction wrote
+        wait_until("the walsender spills", lambda: (wal_lag(db, wal_outbox).slot.spill_bytes or 0) > 0, 30.0)
+        stream.read(0.0)
+        lag = wal_lag(db, wal_outbox)
+
+    assert lag.slot.spill_bytes is not None and lag.slot.spill_bytes > 64 * 1024
+    assert "in spill files" in lag.describe()
+    thresholds = LagThresholds(warn_retained_bytes=(lag.slot.retained_bytes or 0) + 1)
+    assert "spill" in " ".join(evaluate_wal_lag(lag, thresholds).reasons)
