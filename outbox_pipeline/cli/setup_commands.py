@@ -16,8 +16,7 @@ from ..errors import OutboxError
 from ..store import indexes, schema, strategy_record
 from ..store.enqueue import enqueue
 from ..store.migrations import DEFAULT_TOPIC_ROW
-from ..store.wal import grants
-from ..store.wal import objects as wal_objects
+from ..store.wal import grants, refusals
 from ..store.wal.objects import names_of
 from ..strategies import WAL
 from .common import dsn_of, table_of
@@ -35,7 +34,7 @@ def cmd_init_db(args: argparse.Namespace) -> int:
         found = indexes.states(conn, table)
         relayed_by = strategy_record.recorded(conn, table)
         exposure = grants.exposure(conn, table) if relayed_by is not None and relayed_by.strategy == WAL else None
-        stored = wal_objects.stored_rows(conn, table) if relayed_by is not None and relayed_by.strategy == WAL else 0
+        stored = refusals.stored_rows(conn, table) if relayed_by is not None and relayed_by.strategy == WAL else 0
     names = ", ".join(f"{m.version} ({m.name})" for m in applied) or "none (already current)"
     print(f"schema {table.schema!r} at version {version}; applied: {names}")
     print(f"strategy indexes: {_describe(found)}")
@@ -55,7 +54,7 @@ def cmd_init_db(args: argparse.Namespace) -> int:
     if exposure is not None:
         print(f"wal: {exposure.describe()}", file=sys.stderr if exposure.exposed else sys.stdout)
     if stored:
-        print(wal_objects.stored_rows_problem(table, stored))
+        print(refusals.stored_rows_problem(table, stored))
     return 0
 
 

@@ -38,8 +38,9 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..store.wal.objects import names_of, stored_rows, stored_rows_problem
+from ..store.wal.objects import names_of
 from ..store.wal.position import gap_report
+from ..store.wal.refusals import stored_rows, stored_rows_problem
 from ..store.wal.slot import SlotState, slot_state, unusable_reason
 from .lag import HeldKey, held_keys
 

@@ -24,6 +24,7 @@ from .indexes import build, drop_except, indexes_for
 from .migrations import DEFAULT_DAYS_AHEAD, LATEST_VERSION, MIGRATION_LOCK_CLASS, MIGRATIONS, Migration
 from .wal import grants as wal_grants
 from .wal import objects as wal_objects
+from .wal import refusals as wal_refusals
 
 
 def init_db(
@@ -110,7 +111,7 @@ def _init_db(
     if strategies is not None and list(strategies) == [WAL]:
         with conn.transaction():  # an outbox of another strategy is refused before its table would refuse rows
             strategy_record.claim(conn, table, WAL, by=strategy_record.BY_INIT_DB)
-            wal_objects.refuse_rows(conn, table)  # from here on a row is refused, not stored where nobody reads it
+            wal_refusals.refuse_rows(conn, table)  # from here on a row is refused, not stored where nobody reads it
         # The slot first: a message emitted before it exists would be decoded by nobody.
         wal_objects.ensure_slot(conn, table)
         with conn.transaction():

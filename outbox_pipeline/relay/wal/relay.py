@@ -28,16 +28,17 @@ import psycopg
 from ... import settings
 from ...config import OutboxTable
 from ...store.wal import position as wal_position
-from ...store.wal.format import MALFORMED_TOPIC, MalformedMessage
+from ...store.wal.format import MalformedMessage
 from ...store.wal.format import record as wal_record
 from ...store.wal.objects import names_of
 from ...store.wal.slot import require_streamable
-from ...strategies.base import AckResult, DeliveryFailure, OutboxRecord, PublishOutcome
+from ...strategies.base import AckResult, OutboxRecord, PublishOutcome
 from ...strategies.quarantine import OnPoison
 from ..publisher import KafkaPublisher, PendingBatch
 from ..relay_settings import Pacer
 from ..stats import RelayInstruments, RelayStats
 from .batches import Batch
+from .failures import Attempts, malformed, settle
 from .holds import WalHolds, dead_letters_not_confirmed
 from .leader import FENCE_MARGIN_S, LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
@@ -97,7 +98,7 @@ class WalRelay:
         self._releases_due = 0.0
         self._heartbeat_due = 0.0
         self._led_at = 0.0  # monotonic: when the last heartbeat was sent (no relay took over before that)
-        self._attempts: dict[int, int] = {}  # a message's failed attempts of the "record" kind (its position: count)
+        self._attempts = Attempts(settings.max_attempts)  # of the messages Kafka refused for now
         self._dead: set[int] = set()  # dead letters the stream may send again (not confirmed past): never published
 
     def run(self) -> RelayStats:
@@ -263,30 +264,18 @@ class WalRelay:
         records = pending.records
         self._wait_settled(stream, leader)
         outcome = self.publisher.finish(pending)
-        poison = [letter for f in outcome.failed if (letter := self._gives_up(f)) is not None]
-        self._count(pending, outcome, len(poison))
+        dead = [letter for f in outcome.failed if (letter := self._attempts.dead_letter(f)) is not None]
+        self._count(pending, outcome, len(dead))
         if not outcome.failed:
             self.stats.acked += len(records)
             return len(records), False
-        if poison:
-            self.holds.dead_letter(leader.connection, poison)
-        # What the producer did not send because an earlier message of its key was refused: held now (quarantine),
-        # not a transport failure; under skip, sent again. A message Kafka refused for now is sent again from there.
-        dead = {f.record.id for f in poison}
-        again = {f.record.id for f in outcome.failed if f.record.id not in dead and not self._withheld(f)}
-        withheld = [f.record for f in outcome.failed if self._withheld(f)]
-        settled = next((i for i, r in enumerate(records) if r.id in again), len(records))
-        done = records[:settled]  # the rest stays in the batch, where withhold() takes the held
-        failed = {f.record.id for f in outcome.failed}
-        self.stats.acked += sum(1 for r in done if r.id not in failed)
-        self.stats.retried += sum(1 for f in outcome.failed if f.kind == "record" and f.record.id in again)
-        done_ids = {r.id for r in done}
-        self.holds.keep(leader.connection, [r for r in withheld if r.id in done_ids])
-        return settled, bool(again)
-
-    def _withheld(self, failure: DeliveryFailure) -> bool:
-        """Not sent because an earlier message of its key was refused, the key held now (quarantine)."""
-        return failure.kind == "transport" and self.holds.holds(failure.record)
+        if dead:
+            self.holds.dead_letter(leader.connection, dead)
+        done = settle(records, outcome, dead, self.holds.holds)
+        self.stats.acked += done.acked
+        self.stats.retried += done.retried
+        self.holds.keep(leader.connection, done.withheld)
+        return done.settled, done.again
 
     def _count(self, pending: PendingBatch, outcome: PublishOutcome, dead: int) -> None:
         """A settled batch in the relay's counts, its observer and its instruments."""
@@ -304,22 +293,6 @@ class WalRelay:
                 outcome,
                 AckResult(acked=len(outcome.delivered), dead_lettered=dead),
             )
-
-    def _gives_up(self, failure: DeliveryFailure) -> DeliveryFailure | None:
-        """The failure to dead-letter, its record's ``attempts`` the deliveries that failed before it; None: never for
-        the transport; at once for a message Kafka will never take; for one it refused for now (its topic missing, a
-        permission), once ``max_attempts`` of them have failed, as the table strategies count them
-        (strategies/base.py, FailureKind)."""
-        if failure.kind == "transport":
-            return None
-        if failure.kind == "permanent":
-            return failure
-        attempts = self._attempts.get(failure.record.id, 0) + 1
-        if attempts >= self.settings.max_attempts:
-            self._attempts.pop(failure.record.id, None)
-            return DeliveryFailure(failure.record._replace(attempts=attempts - 1), failure.error, failure.kind)
-        self._attempts[failure.record.id] = attempts
-        return None
 
     def _wait_settled(self, stream: ReplicationStream, leader: SlotLeader) -> None:
         """Until the producer holds nothing unsettled, the streamer saying it is alive meanwhile (``_settle``)."""
@@ -365,7 +338,7 @@ class WalRelay:
             stopped = failed[records[first].id]
             self.holds.published(conn, [r.id for r in records[:first]])
             self.stats.acked += first
-            if (dead := self._gives_up(stopped)) is not None:
+            if (dead := self._attempts.dead_letter(stopped)) is not None:
                 self.holds.dead_letter_held(conn, dead)
                 self.stats.dead_lettered += 1
                 continue
@@ -422,15 +395,5 @@ class WalRelay:
 
     def _malformed(self, event: Message, commit: str, error: str, leader: SlotLeader) -> None:
         """Bytes under our prefix another writer made: kept as a dead letter (payload_bytes), never published."""
-        failure = DeliveryFailure(_malformed_record(event, commit), error, "permanent")
-        self.holds.dead_letter(leader.connection, [failure])
+        self.holds.dead_letter(leader.connection, [malformed(event, commit, error)])
         self.stats.dead_lettered += 1
-
-
-def _malformed_record(event: Message, commit: str) -> OutboxRecord:
-    return OutboxRecord(
-        event.lsn, MALFORMED_TOPIC, None, bytes(event.content), "{}", _NO_ID, b"", 0, None, -1, commit, 0, True
-    )
-
-
-_NO_ID = b"00000000-0000-0000-0000-000000000000"
