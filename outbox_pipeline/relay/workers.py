@@ -98,7 +98,6 @@ def build_wal_relay(
             until_idle=spec.settings.until_empty or spec.settings.until_idle,
             max_seconds=spec.settings.max_seconds,
             linger_s=spec.settings.wal_linger_s,
-            max_attempts=spec.config.max_attempts,
             leader=LeaderSettings(takeover_after_s=spec.settings.wal_takeover_s),
         ),
         stop,

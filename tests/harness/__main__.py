@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     with Servers(directory) as servers:
         for schedule in schedules:
-            result = run(servers, schedule, directory / schedule.setup.strategy)
+            result = run(servers, schedule, directory / f"{schedule.setup.strategy}-{schedule.seed}")
             print(result.report(), flush=True)
             failed += not result.verdict.ok
     if not args.keep and not failed:

@@ -121,7 +121,6 @@ def make_wal_relay(
     producer: dict[str, object] | None = None,
     worker_id: str | None = None,
     on_poison: OnPoison = "quarantine",
-    max_attempts: int = StrategyConfig.max_attempts,
 ) -> WalRelay:
     """The wal strategy's relay, assembled as the CLI's worker processes assemble it."""
     spec = WorkerSpec(
@@ -129,7 +128,7 @@ def make_wal_relay(
         WAL,
         {"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})},
         RelaySettings(until_empty=until_idle, max_seconds=max_seconds),
-        StrategyConfig(table=table, on_poison=on_poison, max_attempts=max_attempts),
+        StrategyConfig(table=table, on_poison=on_poison),
         worker_id=worker_id,
     )
     return build_wal_relay(spec, stop)

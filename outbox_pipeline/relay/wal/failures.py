@@ -5,7 +5,7 @@ relay). Plain values and decisions, no session: the relay does the writing."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ...store.wal.format import MALFORMED_TOPIC
 from ...strategies.base import DeliveryFailure, OutboxRecord, PublishOutcome
@@ -14,36 +14,21 @@ from .pgoutput import Message
 _NO_ID = b"00000000-0000-0000-0000-000000000000"
 
 
-@dataclass
-class Attempts:
-    """The failed deliveries of each message Kafka refused for now (the "record" kind), by its position: after
-    ``max_attempts`` of them it is a dead letter, as the table strategies count them (strategies/base.py)."""
-
-    max_attempts: int
-    failed: dict[int, int] = field(default_factory=dict)
-
-    def dead_letter(self, failure: DeliveryFailure) -> DeliveryFailure | None:
-        """The failure to dead-letter (its record's ``attempts``: the deliveries that failed before), or None: never
-        for the transport, at once for a message Kafka will never take."""
-        if failure.kind == "transport":
-            return None
-        if failure.kind == "permanent":
-            return failure
-        attempts = self.failed.get(failure.record.id, 0) + 1
-        if attempts >= self.max_attempts:
-            self.failed.pop(failure.record.id, None)
-            return DeliveryFailure(failure.record._replace(attempts=attempts - 1), failure.error, failure.kind)
-        self.failed[failure.record.id] = attempts
-        return None
+def is_dead_letter(failure: DeliveryFailure) -> bool:
+    """Whether a failed message is a dead letter now: whatever Kafka refused it for (its size, a topic it does not
+    know), never the transport. The table strategies try a record Kafka refused for now again, up to max_attempts,
+    backing off its partition; the wal relay has one stream, and trying it again would stop every key for each
+    attempt (a missing topic costs message.timeout.ms each): the dead letter holds its key alone, and `outbox
+    dead-letters retry` publishes it, then what its key held, once the topic exists (docs/wal.md, The relay)."""
+    return failure.kind != "transport"
 
 
 @dataclass(frozen=True)
 class Settlement:
     settled: int  # the records from the first that are done: delivered, dead-lettered or held
     withheld: list[OutboxRecord]  # not sent, an earlier message of their key refused: held now (quarantine)
-    again: bool  # the rest is published again, after a back-off (Kafka was down, or refused one for now)
+    again: bool  # the rest is published again, after a back-off (Kafka was down)
     acked: int  # delivered among the settled
-    retried: int  # messages Kafka refused for now, to be tried again
 
 
 def settle(
@@ -54,7 +39,7 @@ def settle(
 ) -> Settlement:
     """The batch's settlement once its ``dead`` letters are written (their keys held: ``held`` says so): what the
     producer did not send behind a refused message of its key is held, not a transport failure (under skip, sent
-    again); anything else that failed is published again from its place."""
+    again); what failed for the transport is published again from its place."""
     dead_ids = {f.record.id for f in dead}
     withheld = [f.record for f in outcome.failed if f.kind == "transport" and held(f.record)]
     withheld_ids = {r.id for r in withheld}
@@ -67,7 +52,6 @@ def settle(
         [r for r in done if r.id in withheld_ids],
         bool(again),
         sum(1 for r in done if r.id not in failed),
-        sum(1 for f in outcome.failed if f.kind == "record" and f.record.id in again),
     )
 
 

@@ -38,7 +38,7 @@ from ..publisher import KafkaPublisher, PendingBatch
 from ..relay_settings import Pacer
 from ..stats import RelayInstruments, RelayStats
 from .batches import Batch
-from .failures import Attempts, malformed, settle
+from .failures import is_dead_letter, malformed, settle
 from .holds import WalHolds, dead_letters_not_confirmed
 from .leader import FENCE_MARGIN_S, LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
@@ -60,7 +60,6 @@ class WalRelaySettings:
     max_seconds: float | None = None
     error_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
-    max_attempts: int = 10  # a record Kafka refuses for now (its topic missing) is tried this often, then dead-lettered
     leader: LeaderSettings = LeaderSettings()
 
 
@@ -98,7 +97,6 @@ class WalRelay:
         self._releases_due = 0.0
         self._heartbeat_due = 0.0
         self._led_at = 0.0  # monotonic: when the last heartbeat was sent (no relay took over before that)
-        self._attempts = Attempts(settings.max_attempts)  # of the messages Kafka refused for now
         self._dead: set[int] = set()  # dead letters the stream may send again (not confirmed past): never published
 
     def run(self) -> RelayStats:
@@ -264,7 +262,7 @@ class WalRelay:
         records = pending.records
         self._wait_settled(stream, leader)
         outcome = self.publisher.finish(pending)
-        dead = [letter for f in outcome.failed if (letter := self._attempts.dead_letter(f)) is not None]
+        dead = [f for f in outcome.failed if is_dead_letter(f)]
         self._count(pending, outcome, len(dead))
         if not outcome.failed:
             self.stats.acked += len(records)
@@ -273,7 +271,6 @@ class WalRelay:
             self.holds.dead_letter(leader.connection, dead)
         done = settle(records, outcome, dead, self.holds.holds)
         self.stats.acked += done.acked
-        self.stats.retried += done.retried
         self.holds.keep(leader.connection, done.withheld)
         return done.settled, done.again
 
@@ -338,8 +335,8 @@ class WalRelay:
             stopped = failed[records[first].id]
             self.holds.published(conn, [r.id for r in records[:first]])
             self.stats.acked += first
-            if (dead := self._attempts.dead_letter(stopped)) is not None:
-                self.holds.dead_letter_held(conn, dead)
+            if is_dead_letter(stopped):
+                self.holds.dead_letter_held(conn, stopped)
                 self.stats.dead_lettered += 1
                 continue
             log.warning(
