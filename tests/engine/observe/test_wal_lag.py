@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
-import pytest
 from prometheus_client.core import Metric
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
@@ -23,7 +20,6 @@ from outbox_pipeline.store.wal.objects import names_of
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
 from tests.kit.relay import make_wal_relay
-from tests.kit.servers import server_under_test
 
 
 def flushed(db: psycopg.Connection) -> None:
@@ -186,17 +182,6 @@ def test_the_metrics_show_the_bytes_the_slot_retains_and_has_not_confirmed(
     assert gauges["outbox_wal_unconfirmed_bytes"] >= 100_000
     assert gauges["outbox_wal_slot_usable"] == 1.0
     assert "outbox_pending_rows" not in gauges
-
-
-@pytest.fixture
-def small_slot_server(tmp_path: Path) -> Iterator[LocalPostgres]:
-    """A server of this test's own (the session's keeps every test's slot): max_slot_wal_keep_size 1 MB."""
-    server = server_under_test(tmp_path / "data", {"fsync": "off", "max_slot_wal_keep_size": "1MB"})
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop("immediate", force=True)
 
 
 def test_a_slot_past_max_slot_wal_keep_size_is_reported_lost_with_the_procedure_and_is_an_error(

@@ -7,8 +7,6 @@ from __future__ import annotations
 import re
 import threading
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -28,7 +26,6 @@ from outbox_pipeline.store.wal.slot import SlotState
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
 from tests.kit.relay import make_wal_relay
-from tests.kit.servers import server_under_test
 
 REFUSAL = "outbox_wal_rows_go_to_the_stream"
 SMALL = {"message.max.bytes": 2000}  # a 5,000-byte message is one Kafka will never take
@@ -138,17 +135,6 @@ def test_a_slot_past_the_warn_fraction_of_max_slot_wal_keep_size_warns_before_it
 
     assert below.severity == "ok"
     assert above.severity == "warn" and "86 % of max_slot_wal_keep_size" in above.reasons[0]
-
-
-@pytest.fixture
-def small_slot_server(tmp_path: Path) -> Iterator[LocalPostgres]:
-    """A server of this test's own (the session's keeps every test's slot): max_slot_wal_keep_size 1 MB."""
-    server = server_under_test(tmp_path / "data", {"fsync": "off", "max_slot_wal_keep_size": "1MB"})
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop("immediate", force=True)
 
 
 def test_the_limit_is_read_with_the_slot_and_a_lost_slot_refuses_every_writer_form(
