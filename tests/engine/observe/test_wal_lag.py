@@ -17,6 +17,7 @@ from outbox_pipeline.observe.metrics import LagSampler
 from outbox_pipeline.observe.wal_lag import CAUGHT_UP, DECODED, wal_lag
 from outbox_pipeline.store.schema import init_db
 from outbox_pipeline.store.wal.objects import names_of
+from tests.engine.observe.conftest import lose_the_slot
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
 from tests.kit.relay import make_wal_relay
@@ -191,15 +192,7 @@ def test_a_slot_past_max_slot_wal_keep_size_is_reported_lost_with_the_procedure_
     with psycopg.connect(small_slot_server.dsn, autocommit=True) as conn:
         init_db(conn, table, strategies=["wal"])
         enqueue(conn, "orders", {"n": 1}, key="k", table=table)
-
-        def lost() -> bool:
-            # WAL past the slot's segment, then a checkpoint: it invalidates a slot kept further back than 1 MB.
-            conn.execute("SELECT pg_logical_emit_message(false, 'filler', repeat('x', 1000000))")
-            conn.execute("SELECT pg_switch_wal()")
-            conn.execute("CHECKPOINT")
-            return wal_lag(conn, table, measure_age=False).slot.wal_status == "lost"
-
-        wait_until("the slot is lost", lost, 30.0, interval_s=0.0)
+        lose_the_slot(conn, table)
         lag = wal_lag(conn, table)
 
     assert lag.problem is not None and "is lost (wal_status = 'lost')" in lag.problem

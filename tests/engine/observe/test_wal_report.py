@@ -23,6 +23,7 @@ from outbox_pipeline.relay.wal.stream import ReplicationStream, ReplicationStrea
 from outbox_pipeline.store.schema import init_db
 from outbox_pipeline.store.wal.objects import names_of
 from outbox_pipeline.store.wal.slot import SlotState
+from tests.engine.observe.conftest import lose_the_slot
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
 from tests.kit.relay import make_wal_relay
@@ -144,14 +145,7 @@ def test_the_limit_is_read_with_the_slot_and_a_lost_slot_refuses_every_writer_fo
     with psycopg.connect(small_slot_server.dsn, autocommit=True) as conn:
         init_db(conn, table, strategies=["wal"])
         assert wal_lag(conn, table, measure_age=False).slot.keep_limit_bytes == 1 << 20
-
-        def lost() -> bool:
-            conn.execute("SELECT pg_logical_emit_message(false, 'filler', repeat('x', 1000000))")
-            conn.execute("SELECT pg_switch_wal()")
-            conn.execute("CHECKPOINT")
-            return wal_lag(conn, table, measure_age=False).slot.wal_status == "lost"
-
-        wait_until("the slot is lost", lost, 30.0, interval_s=0.0)
+        lose_the_slot(conn, table)
         refused = []
         writers = (
             lambda: enqueue(conn, "orders", {"n": 1}, key="k", table=table),

@@ -172,6 +172,26 @@ def test_a_waiting_relay_takes_over_when_the_streaming_one_stops(
     assert [r.value for r in kafka.consume(topic)] == [b'{"n": 1}', b'{"n": 2}']
 
 
+def _takes_over(
+    db: psycopg.Connection,
+    dsn: str,
+    table: OutboxTable,
+    settings: LeaderSettings,
+    stream: ReplicationStream,
+    frozen: SlotLeader,
+) -> None:
+    """A waiting relay takes the lock from the frozen streamer (``stream`` and ``frozen``: its walsender and its lock)
+    within 20 s, and its walsender is ended; then every session is closed."""
+    waiting = SlotLeader(dsn, table, threading.Event(), settings)
+    try:
+        assert waiting.acquire(deadline=time.monotonic() + 20.0), "the waiting relay did not take the lock"
+        assert slot_state(db, table).active_pid is None  # the frozen stream's walsender was ended
+    finally:
+        waiting.release()
+        stream.close()
+        frozen.release()
+
+
 def test_a_waiting_relay_takes_over_a_frozen_streamer_when_it_is_due_not_at_its_next_poll(
     db: psycopg.Connection, dsn: str, wal_outbox: OutboxTable
 ) -> None:
@@ -183,14 +203,7 @@ def test_a_waiting_relay_takes_over_a_frozen_streamer_when_it_is_due_not_at_its_
     assert frozen.acquire()
     # Streams and never answers: a frozen pod's walsender, and a lock held by a session that says nothing more.
     stream = ReplicationStream.open(dsn, names.slot, names.publication, status_interval_s=3600.0)
-    waiting = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings(poll_s=3600.0, takeover_after_s=1.0))
-    try:
-        assert waiting.acquire(deadline=time.monotonic() + 20.0), "the waiting relay did not take the lock"
-        assert slot_state(db, wal_outbox).active_pid is None  # the frozen stream's walsender was ended
-    finally:
-        waiting.release()
-        stream.close()
-        frozen.release()
+    _takes_over(db, dsn, wal_outbox, LeaderSettings(poll_s=3600.0, takeover_after_s=1.0), stream, frozen)
 
 
 @pytest.mark.timing
@@ -232,14 +245,7 @@ def test_a_frozen_streamer_whose_clock_runs_ahead_is_taken_over(
         lambda: _replied_from_the_future(db, slot_state(db, wal_outbox).active_pid),
         10.0,
     )
-    waiting = SlotLeader(dsn, wal_outbox, threading.Event(), LeaderSettings(poll_s=0.2, takeover_after_s=2.0))
-    try:
-        assert waiting.acquire(deadline=time.monotonic() + 20.0), "the waiting relay did not take the lock"
-        assert slot_state(db, wal_outbox).active_pid is None  # the frozen stream's walsender was ended
-    finally:
-        waiting.release()
-        stream.close()
-        frozen.release()
+    _takes_over(db, dsn, wal_outbox, LeaderSettings(poll_s=0.2, takeover_after_s=2.0), stream, frozen)
 
 
 def _replied_from_the_future(db: psycopg.Connection, walsender: int | None) -> bool:
