@@ -67,7 +67,9 @@ _WAL = (
     Event(12.0, "freeze", 1, 7.5),  # the streamer now, past the takeover time: slot 0's replacement takes over
     Event(12.5, "dead-letter-discard"),
     Event(13.0, "drain", duration_s=6.0),
-    Event(13.0, "pg-restart", duration_s=1.0, choice=1),  # a crash: the slot's saved position may be behind
+    # a crash just after a checkpoint: the slot keeps what was confirmed (a confirm past what Kafka did not take at
+    # 2.5-11.5 s stays visible; without the checkpoint the crash would take the slot back and hide it)
+    Event(13.0, "pg-restart", duration_s=1.0, choice=3),
     Event(19.5, "status"),  # the operator lane is free again at 19.5 s
     Event(20.0, "kill", 0),  # the streamer: slot 1, thawed, takes over
     Event(20.5, "broker-freeze", duration_s=2.0),
@@ -81,7 +83,7 @@ _WAL_EDGES = (
     Event(2.5, "storage-snapshot", duration_s=3.0),  # restored 3 s later, once the relays confirmed past it
     Event(3.0, "forged-emit", choice=5),
     Event(4.5, "replica-insert", choice=2),
-    Event(6.0, "switch-from-wal", choice=3),
+    Event(8.0, "switch-from-wal", choice=3),  # after the restore (the relays confirm past the snapshot first)
     Event(10.0, "sender-timeout", duration_s=9.0),  # the streamer frozen 9 s, wal_sender_timeout 2 s meanwhile
     Event(12.0, "dead-letter-retry"),
     Event(21.0, "stale-thaw", duration_s=9.0, choice=7),

@@ -355,5 +355,8 @@ def switch_from_wal(ctx: Context, event: Event) -> str:
     `outbox switch-strategy --to T`, which must be refused (exit 2, saying why: ledger.py)."""
     target = TABLE_STRATEGIES[event.choice % len(TABLE_STRATEGIES)]
     mode = "mark-sent" if target in ("locking", "advisory", "lease") and event.choice >> 8 & 1 else "delete"
+    # A server fault may still hold the server down (a snapshot's restore waits for the relays): a switch refused for
+    # an unreachable server says nothing about wal, so the attempt waits for the server as an operator would.
+    wait_for_server(ctx.outbox)
     indexes = ctx.cli("indexes", "--strategy", target)
     return f"{indexes}; {ctx.cli('switch-strategy', '--to', target, '--mode', mode)}"
