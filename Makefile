@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: dev test test-nightly test-mutants test-pg15 lint install clean tools
+.PHONY: dev test test-nightly test-mutants test-pg15 test-tansu lint install clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,10 +24,15 @@ PG15_BIN ?= /usr/lib/postgresql/15/bin
 # The two modules left out start the embedded server themselves (the dev stack and its start/stop): no second build.
 PG15_SUITES := tests/engine tests/faults --ignore=tests/engine/commands/test_dev_stack.py --ignore=tests/engine/commands/test_localstack.py
 
-# PgBouncer (for the transaction-pooling test) and Chromium (for the headless screenshot of a partition's page
+# Java 17 and Maven (Apache Kafka, the tests' broker), PgBouncer (for the transaction-pooling test) and Chromium (for the headless screenshot of a partition's page
 # in the `dagster dev` test) from Debian's packages, where this user may install them; without them those
 # tests are skipped with the reason.
 tools:
+	@{ command -v java >/dev/null && command -v mvn >/dev/null; } || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get install -y -qq openjdk-17-jre-headless maven >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openjdk-17-jre-headless maven >/dev/null 2>&1)); } || \
+	  echo "java or mvn not installed: the tests cannot have Apache Kafka and run on Tansu (each run says so)"
 	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    (apt-get install -y -qq pgbouncer >/dev/null 2>&1 || \
@@ -62,10 +67,19 @@ lint: $(STAMP)
 # pass its 20-minute budget; run it nightly and before a release).
 PG15_CI_SUITES := tests/engine/relay/test_your_postgres.py tests/engine/relay/test_pgbouncer.py tests/engine/store/test_latin1.py tests/faults --ignore=tests/faults/test_wal_faults.py
 # Tests marked `nightly` (runs at size: the benches' own runs, a Spark cluster, a 200k verify) are `make test-nightly`.
+# The broker is Apache Kafka (OUTBOX_TEST_BROKER's default); then Tansu, `make dev`'s broker, for what differs between
+# brokers: delivery and order on a row strategy and on the wal lane, and aborted Kafka transactions (Tansu shows
+# them to read_committed consumers: test_relay_ordered.py's canary). `make test-tansu` runs any suites on it.
+TANSU_CI_SUITES := tests/engine/relay/test_relay_ordered.py tests/engine/relay/test_relay_locking.py tests/engine/relay/test_wal_stream.py
 test: $(STAMP) tools lint
 	$(BIN)/python -m pytest -n 4 -m "not timing and not nightly" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m "timing and not nightly" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-pg15 PG15_SUITES="$(PG15_CI_SUITES)" PG15_TIMING=no
+	$(MAKE) --no-print-directory test-tansu TANSU_SUITES="$(TANSU_CI_SUITES)"
+
+TANSU_SUITES ?= tests/engine tests/faults
+test-tansu: $(STAMP)
+	OUTBOX_TEST_BROKER=tansu $(BIN)/python -m pytest -n 4 -m "not timing and not nightly" $(TANSU_SUITES) $(PYTEST_ARGS)
 
 # What `make test` leaves out for its 20 minutes: the runs at size, the harness's six drawn seeds and today's (`make
 # test` runs its chosen CI schedules), the scale-out of the strategies other than partitioned, and the whole engine and

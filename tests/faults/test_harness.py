@@ -98,6 +98,14 @@ def test_the_ci_schedules_freeze_a_worker_past_its_lease_or_takeover_and_switch_
     ]
 
 
+def test_each_ci_schedule_kills_the_broker_and_starts_it_again_while_a_relay_relays() -> None:
+    """Issue 51: the broker as a nemesis, not only frozen (Apache Kafka keeps its log across the kill)."""
+    for strategy in ci.FAULT_SCHEDULES:
+        schedule = ci_schedule(strategy, ACTIONS)
+        restarts = [e for e in schedule.events if e.action == "broker-restart"]
+        assert restarts and all(e.at_s < schedule.setup.seconds - 5 for e in restarts), strategy
+
+
 def test_the_wal_ci_schedule_ends_the_walsender_of_its_streamer_while_kafka_is_cut_off_from_it() -> None:
     """Slot 0 streams first (relays.py): the stream restarts while its batch waits for Kafka, then it is killed."""
     events = ci_schedule("wal", ACTIONS).events

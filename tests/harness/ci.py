@@ -7,11 +7,12 @@ size, encoding, ack mode...) is still the seed's.
   switch's end, Schedule.chosen): in each stretch a worker cut off from Kafka long enough for its messages to
   time out (each error report must keep its row unacked) and killed while still cut off (what it handed to Kafka
   never arrives), a frozen broker, sessions ended; ``partitioned`` also a worker frozen past its lease (its
-  partitions are taken over), a kill and a PostgreSQL crash;
+  partitions are taken over), the broker killed -9 and started again, a kill and a PostgreSQL crash;
 - ``wal``: slot 0 streams first (relays.py starts it first). Its streamer cut off from Kafka, its walsender ended
   meanwhile (the stream restarts with a batch Kafka did not take), killed while still cut off (nothing past what
   Kafka acked may have been confirmed); the relay that took over frozen past the takeover time while a transaction
-  stays open; a PostgreSQL crash; the next streamer killed; a frozen broker and a cut; dead letters retried and
+  stays open; a PostgreSQL crash just after a checkpoint; the broker killed -9 and started again under the streamer;
+  the next streamer killed; a frozen broker and a cut; dead letters retried and
   discarded, a drain beside the streamer, ``status`` and ``init-db``;
 - ``wal-edges`` (issue 50, edges.py), in a LATIN1 database (a writer whose client speaks UTF8 beside the others): a
   storage snapshot restored under the relays, a forged emit by a role without grants, rows INSERTed with
@@ -42,6 +43,7 @@ _PARTITIONED = (
     Event(4.0, "terminate-backends", choice=1),  # one worker's sessions (the frozen one's)
     Event(5.0, "broker-freeze", duration_s=2.0),
     Event(5.5, "status"),
+    Event(9.0, "broker-restart"),  # kill -9, its log kept: slot 0's replacement relays (slot 1 still frozen)
     Event(10.0, "kill", 1),
     Event(10.5, "pg-restart", duration_s=0.5, choice=1),  # immediate: a crash
     Event(11.5, "switch-strategy", duration_s=10.0, choice=0, to=Relaying("advisory", "mark-sent")),
@@ -70,6 +72,7 @@ _WAL = (
     # a crash just after a checkpoint: the slot keeps what was confirmed (a confirm past what Kafka did not take at
     # 2.5-11.5 s stays visible; without the checkpoint the crash would take the slot back and hide it)
     Event(13.0, "pg-restart", duration_s=1.0, choice=3),
+    Event(17.5, "broker-restart"),  # kill -9, its log kept, while slot 0's replacement streams
     Event(19.5, "status"),  # the operator lane is free again at 19.5 s
     Event(20.0, "kill", 0),  # the streamer: slot 1, thawed, takes over
     Event(20.5, "broker-freeze", duration_s=2.0),

@@ -3,8 +3,9 @@ broker behind a TCP proxy that can cut a single process off; per run a database 
 outbox and topics; relay worker processes in slots (a slot's process is replaced under a new worker id); the
 ``outbox`` command line; and the timeline of what the nemesis did when.
 
-The servers are the test kit's (tests/kit/servers.py, outbox_pipeline.localstack); the workers are
-tests/kit/worker.py processes, run through worker_main.py so their INFO log is kept (and scanned for the password).
+The servers are the test kit's (tests/kit/servers.py, outbox_pipeline.localstack: the broker OUTBOX_TEST_BROKER
+names); the workers are tests/kit/worker.py processes, run through worker_main.py so their INFO log is kept (and
+scanned for the password).
 
 A wal run's outbox is made by ``init_db(strategies=["wal"])`` as the application role, which is given REPLICATION
 for it (the relay streams the slot); a superuser then runs what init-db printed to close pg_logical_emit_message to
@@ -27,11 +28,11 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.localstack import BrokerSpec, LocalBroker, LocalPostgres, free_port
+from outbox_pipeline.localstack import Broker, LocalPostgres, free_port
 from outbox_pipeline.store.schema import init_db, set_topic_partitions
 from outbox_pipeline.store.wal import grants
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
-from tests.kit.servers import server_under_test
+from tests.kit.servers import broker_under_test, server_under_test
 
 from .isolation import SelectiveProxy
 from .schedule import WAL, Setup
@@ -56,9 +57,8 @@ class Servers:
         self.pg: LocalPostgres = server_under_test(directory / "pg", {"fsync": "off"})
         broker_port = free_port()
         self.proxy = SelectiveProxy(broker_port, max_connections=512)
-        self.broker = LocalBroker(
-            BrokerSpec(port=broker_port, advertised_port=self.proxy.port, log_path=directory / "broker.log")
-        )
+        # The tests' broker (OUTBOX_TEST_BROKER): Apache Kafka in `make test`, its data under directory/data.
+        self.broker: Broker = broker_under_test(directory, port=broker_port, advertised_port=self.proxy.port)
         self._databases = 0
 
     def __enter__(self) -> Servers:

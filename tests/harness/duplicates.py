@@ -31,7 +31,7 @@ from .switching import SWITCH_S
 
 # What publishes rows again besides a switch: the worker and server faults, an operator's rewind, release or replay.
 REPUBLISHING = (
-    *("freeze", "kill", "kafka-cut", "terminate-backends", "pg-restart", "broker-freeze"),
+    *("freeze", "kill", "kafka-cut", "terminate-backends", "pg-restart", "broker-freeze", "broker-restart"),
     *("rewind", "release-lease", "replay"),
 )
 _COMMANDS = ("rewind", "release-lease", "replay")  # an operator's: it did something only when its command exited 0
@@ -65,7 +65,7 @@ def _relays_hit(span: Span, workers: int) -> int:
     if span.action == "terminate-backends":
         hit = re.search(r"of (\d+) relays", span.note)
         return int(hit.group(1)) if hit else workers + 1
-    if span.action in ("pg-restart", "broker-freeze"):
+    if span.action in ("pg-restart", "broker-freeze", "broker-restart"):
         return workers + 1  # every worker, and a drain if one runs
     return 1 if span.action in ("freeze", "kill", "kafka-cut", "rewind", "release-lease") else 0
 

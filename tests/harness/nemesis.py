@@ -167,6 +167,18 @@ def broker_freeze(ctx: Context, event: Event) -> str:
     return ""
 
 
+@FAULTS.action("server", 0.5, strategies=ALL)
+def broker_restart(ctx: Context, event: Event) -> str:
+    """kill -9 the broker and start it again, its log directory kept (Apache Kafka: every acknowledged record stays).
+    A broker that keeps its records in memory (Tansu) would lose them: skipped there."""
+    broker = ctx.servers.broker
+    if not broker.durable:
+        return f"skipped: {broker.name} keeps its records in memory (OUTBOX_TEST_BROKER=kafka)"
+    broker.kill()
+    broker.start()
+    return f"{broker.name} killed and started again"
+
+
 @FAULTS.action("server", 1.5, strategies=WAL_ONLY, duration=lambda rng, setup: rng.uniform(1.0, 2 * setup.lease_s))
 def long_transaction(ctx: Context, event: Event) -> str:
     """A transaction that emits a message under every key of the writers, then stays open for the duration while

@@ -31,7 +31,7 @@ from .writers import Written
 STEAL_S = 3.0  # after a lease runs out: 0.5 s before another worker takes a partition, upkeep 1 s, a claim, slack
 RECOVERY_S = 5.0  # after a server fault or a total outage ends: reconnects, producers' ids, backoffs of 1 s
 WORKER_FAULTS = ("freeze", "kill", "kafka-cut")  # the slot's worker does not serve meanwhile
-SERVER_FAULTS = ("pg-restart", "broker-freeze", "terminate-backends")
+SERVER_FAULTS = ("pg-restart", "broker-freeze", "broker-restart", "terminate-backends")
 STOPPED = ("switch-strategy",)  # the operator stops every relay (and starts them again with another strategy)
 
 
