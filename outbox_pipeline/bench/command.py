@@ -133,6 +133,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--embedded", action="store_true", help="use the embedded stack even if servers are set")
     parser.add_argument(
+        "--broker",
+        choices=("kafka", "tansu"),
+        default="kafka",
+        help="the embedded stack's broker: kafka (Apache Kafka in KRaft mode, as users run it: the figures "
+        "docs/performance.md leads with) or tansu (make dev's development broker)",
+    )
+    parser.add_argument(
         "--server-jit",
         type=lambda text: [v for v in text.split(",") if v],
         metavar="on,off",
@@ -168,22 +175,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def servers(embedded: bool) -> Iterator[Servers]:
+def servers(embedded: bool, broker_kind: str = "kafka") -> Iterator[Servers]:
+    """The configured servers, or an embedded PostgreSQL and the broker ``broker_kind`` names (Apache Kafka by
+    default: figures are the broker users run; Tansu's are a development broker's, docs/performance.md)."""
     dsn, bootstrap = settings.PG_DSN.read(), os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if dsn and bootstrap and not embedded:
         check_dsn(dsn)
+        print(f"servers: configured (OUTBOX_PG_DSN, KAFKA_BOOTSTRAP_SERVERS={bootstrap})", flush=True)
         yield Servers(dsn, bootstrap)
         return
-    from ..localstack import BrokerSpec, LocalBroker, LocalPostgres, PostgresSpec, free_port
+    from ..localstack import BrokerSpec, LocalPostgres, PostgresSpec, free_port, local_broker
 
     home = Path(settings.HOME.read()).resolve()
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-", dir=home) as scratch:
         pg = LocalPostgres(PostgresSpec(Path(scratch) / "pg", port=free_port(), settings=BENCH_PG_SETTINGS))
-        broker = LocalBroker(BrokerSpec(port=free_port(), log_path=Path(scratch) / "broker.log"))
+        spec = BrokerSpec(port=free_port(), log_path=Path(scratch) / "broker.log")
+        broker = local_broker(broker_kind, spec, Path(scratch) / "broker", home)
         pg.start()
         try:
             broker.start()
+            print(f"servers: embedded PostgreSQL, broker {broker.name}", flush=True)
             try:
                 yield Servers(pg.dsn, broker.bootstrap_servers, pg.pid, broker.pid)
             finally:
@@ -225,10 +237,10 @@ def run(args: argparse.Namespace) -> int:
     # stopped instead of outliving the benchmark.
     signal.signal(signal.SIGTERM, _interrupt)
     if args.latency is not None or args.hot_key is not None:
-        with servers(args.embedded) as found:
+        with servers(args.embedded, args.broker) as found:
             return latency_cli.run(found, args)
     if args.writers:
-        with servers(args.embedded) as found:
+        with servers(args.embedded, args.broker) as found:
             sizes = args.rows_per_transaction or [1, 10, 100]
             results = writers.measure(
                 found,
@@ -263,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         statements=args.statements,
     )
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
-    with servers(args.embedded) as found:
+    with servers(args.embedded, args.broker) as found:
         if args.held is not None:
             held_steps = held.measure(found, args.strategy, args.held, batch_size=min(args.batch_size, 1000))
             print("\n" + held.render(args.strategy, held_steps, min(args.batch_size, 1000)))

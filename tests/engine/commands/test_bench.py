@@ -330,3 +330,19 @@ def test_bench_server_jit_runs_every_line_at_each_server_jit_in_one_invocation_a
     with psycopg.connect(bench_servers) as conn:
         overridden = conn.execute("SELECT count(*) FROM pg_file_settings WHERE name = 'jit' AND applied").fetchone()
         assert overridden == (0,)  # ALTER SYSTEM's line is gone: the server's own value again
+
+
+def test_the_embedded_bench_stack_runs_apache_kafka_unless_told_tansu_and_says_which(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 51: figures are measured on the broker users run; the output names it, with the date and machine."""
+    from confluent_kafka.admin import AdminClient
+
+    from outbox_pipeline.bench.command import servers
+
+    for kind, name in (("kafka", "Apache Kafka"), ("tansu", "Tansu")):
+        with servers(embedded=True, broker_kind=kind) as found:
+            topics = AdminClient({"bootstrap.servers": found.bootstrap}).list_topics(timeout=10).topics
+            assert isinstance(topics, dict)
+            assert found.broker_pid is not None
+        assert f"broker {name}" in capsys.readouterr().out
