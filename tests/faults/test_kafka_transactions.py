@@ -14,6 +14,7 @@ Tansu (`make dev`'s broker) shows aborted records to read_committed consumers: t
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ import psycopg
 import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.relay.publisher import KafkaPublisher
 from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.strategies.base import OutboxRecord
 from tests.kit.kafka import shows_only_committed
 from tests.kit.probes import dead_letters, pending, positions, wait_until
 from tests.kit.relay import message_ids, order_by_key
@@ -142,7 +145,9 @@ def assert_exactly_once_in_order(seen: Seen, aborted: set[str]) -> None:
     """read_committed: every committed message once, in commit order per key; the log: ``aborted``'s copies too."""
     assert not seen.committed.lost, f"{len(seen.committed.lost)} committed messages never reached read_committed"
     assert not seen.log.phantom, f"{len(seen.log.phantom)} messages in Kafka were never committed"
-    assert seen.committed.dupes == 0, f"read_committed saw {seen.committed.dupes} copies of aborted transactions"
+    assert seen.committed.dupes == 0, (
+        f"read_committed saw {seen.committed.dupes} duplicates: from aborted transactions, or a late commit not fenced"
+    )
     assert not seen.out_of_order, f"per-key order broken (outbox ids): {seen.out_of_order}"
     assert seen.aborted == aborted, (
         f"aborted copies in the log: {len(seen.aborted)} messages, expected {len(aborted)} "
@@ -159,6 +164,11 @@ def _after(events: list[Event], step: str) -> list[Event]:
 def _failed_after(step: str) -> Callable[[list[Event]], bool]:
     """Whether a publish after the last ``step`` ended with nothing delivered."""
     return lambda ev: any(e.step == "delivered" and e.numbers[0] == 0 for e in _after(ev, step))
+
+
+def _acked_after(step: str) -> Callable[[list[Event]], bool]:
+    """Whether a batch was acked after the last ``step``."""
+    return lambda ev: any(e.step == "acked" for e in _after(ev, step))
 
 
 def _in_transaction(worker: WorkerProcess) -> int:
@@ -254,39 +264,92 @@ def test_the_broker_killed_mid_transaction_and_started_again_on_its_log_loses_an
     assert_exactly_once_in_order(seen, set(committed[BATCH : 2 * BATCH]))
 
 
-def test_a_relay_frozen_mid_transaction_is_fenced_by_its_successor_and_acks_nothing_when_thawed(
-    lane: Lane,
+# Where the relay that is frozen, replaced and thawed was: in its second transaction (records in the log, its
+# producer made long before), or about to begin its first one (its partition claimed, its producer not made yet).
+FREEZES = {
+    "mid-transaction": {"pause_in_transaction": 2},
+    "before-its-first-transaction": {"pause_before_transaction": 1},
+}
+
+
+@pytest.mark.parametrize("freeze", list(FREEZES))
+def test_a_relay_frozen_and_replaced_publishes_nothing_visible_and_acks_nothing_when_thawed(
+    freeze: str, lane: Lane
 ) -> None:
+    """Its successor's producer fences it (the same transactional id, a newer epoch): a late commit fails. A relay
+    that makes its producer only after the thaw fences the successor instead, and must publish nothing: the
+    partition is not its own any more. Then the successor relays more rows (past being fenced, if it was)."""
     started = time.monotonic()
     committed = write(lane.dsn, lane.table, lane.topic, MESSAGES, serialized=False)
-    zombie = lane.relay("zombie", pause_in_transaction=2).start()
-    zombie.wait_for("its second transaction's records in Kafka", lambda ev: any(e.step == "frozen" for e in ev))
+    zombie = lane.relay("zombie", **FREEZES[freeze]).start()
+    zombie.wait_for(f"its freeze {freeze}", lambda ev: any(e.step == "frozen" for e in ev))
+    acked_before = sum(e.numbers[0] for e in zombie.events() if e.step == "acked")
+    aborted = set(committed[acked_before : acked_before + BATCH]) if freeze == "mid-transaction" else set()
     successor = lane.relay("successor").start()
     lane.drained("the successor to take the partition over and relay everything")
     with psycopg.connect(lane.dsn, autocommit=True) as db:
         before_thaw = {k: v.at for k, v in positions(db, lane.table).items()}
 
     zombie.thaw()
-    zombie.wait_for("its late commit to fail", _failed_after("thawed"), COMMIT_FAILS_WITHIN_S)
-    zombie.wait_for("its ack of the failed batch", lambda ev: any(e.step == "acked" for e in _after(ev, "thawed")))
-    late_acks = [e.numbers for e in _after(zombie.events(), "thawed") if e.step == "acked"]
-    assert zombie.terminate() == 0, zombie.log()
-    assert successor.terminate() == 0, successor.log()
+    zombie.wait_for("its late publish and its ack", _acked_after("thawed"), COMMIT_FAILS_WITHIN_S)
+    late = _after(zombie.events(), "thawed")
     with psycopg.connect(lane.dsn, autocommit=True) as db:
         after_thaw = {k: v.at for k, v in positions(db, lane.table).items()}
+    committed += write(lane.dsn, lane.table, lane.topic, BATCH, serialized=False)
+    lane.drained("the successor to relay what came after the thaw")
+    exits = {worker.name: worker.terminate() for worker in (zombie, successor)}
 
     seen = read_both(lane, committed)
+    late_acks = [e.numbers for e in late if e.step == "acked"]
+    late_delivered = [e.numbers[0] for e in late if e.step == "delivered"]
     report(
-        "ktx-fenced",
+        f"ktx-fenced-{freeze}",
         "partitioned",
         **seen.figures,
         seconds=time.monotonic() - started,
+        late_delivered=late_delivered,
         late_acks=late_acks,
         successor_published=successor.stats()["published"],
     )
-    assert _in_transaction(zombie) == BATCH
-    assert "fenced" in zombie.log(50_000), f"the late commit failed, but not for being fenced:\n{zombie.log()}"
-    assert all(acked == 0 for acked, *_ in late_acks), f"the fenced relay acked (acked, lost, retried...): {late_acks}"
-    assert after_thaw == before_thaw, "the fenced relay moved the position its successor left"
-    assert_exactly_once_in_order(seen, set(committed[BATCH : 2 * BATCH]))
-    assert successor.stats()["published"] == MESSAGES - BATCH
+    assert exits == {"zombie": 0, "successor": 0}, f"{exits}\n{zombie.log()}\n{successor.log()}"
+    assert_exactly_once_in_order(seen, aborted)
+    assert not any(late_delivered), f"the thawed relay's late publishes delivered {late_delivered}"
+    assert all(acked == 0 for acked, *_ in late_acks), f"the thawed relay acked (acked, lost, retried...): {late_acks}"
+    assert after_thaw == before_thaw, "the thawed relay moved the position its successor left"
+    if freeze == "mid-transaction":
+        assert "fenced" in zombie.log(50_000), f"the late commit failed, but not for being fenced:\n{zombie.log()}"
+    else:
+        produced = sum(e.numbers[0] for e in late if e.step == "in-transaction")
+        assert produced == 0, f"the thawed relay produced {produced} records to a partition it no longer held"
+    assert successor.stats()["published"] == len(committed) - acked_before
+
+
+def _record(topic: str, n: int) -> OutboxRecord:
+    """Outbox row ``n`` as a claim reads it."""
+    message_id = str(uuid.uuid4()).encode()
+    return OutboxRecord(n, topic, b"k", b'{"n": %d}' % n, "{}", message_id, b"%d" % n, 0, None, 0, "1", 0, False)
+
+
+def test_a_relay_whose_transactional_producer_was_fenced_fails_that_batch_and_publishes_the_next(
+    kafka_broker: ProxiedBroker,
+) -> None:
+    """Another relay published to the partition meanwhile (a lease that ran out and came back): its producer with the
+    same transactional id fenced ours. Our next batch fails, for the transport (nothing confirmed: retried, never
+    counted), and the one after goes out with a new producer."""
+    topic = kafka_broker.new_topic("ktx")
+    ids = {(topic, 0): f"fenced-{topic}"}
+    ours = KafkaPublisher({"bootstrap.servers": kafka_broker.bootstrap, **FAST_FAILING_PRODUCER})
+    theirs = KafkaPublisher({"bootstrap.servers": kafka_broker.bootstrap, **FAST_FAILING_PRODUCER})
+    records = [_record(topic, n) for n in range(3)]
+    try:
+        assert len(ours.publish_transactions(records[:1], ids).delivered) == 1
+        assert len(theirs.publish_transactions(records[1:2], ids).delivered) == 1  # fences ours
+        fenced = ours.publish_transactions(records[2:3], ids)
+        again = ours.publish_transactions(records[2:3], ids)
+    finally:
+        ours.close()
+        theirs.close()
+    assert not fenced.delivered and [f.kind for f in fenced.failed] == ["transport"], fenced
+    assert len(again.delivered) == 1, again
+    published = [r.message_id.decode() for r in records[:3]]
+    assert message_ids(consume(kafka_broker.bootstrap, [topic], published, isolation="read_committed")) == published
