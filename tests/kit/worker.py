@@ -120,11 +120,13 @@ class InstrumentedPublisher(KafkaPublisher):
     def finish(self, pending: PendingBatch, *args: Any, **kwargs: Any) -> PublishOutcome:
         return self._confirmed(super().finish(pending, *args, **kwargs))
 
-    def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
+    def publish(
+        self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None, **kw: Any
+    ) -> PublishOutcome:
         if transactional_id is None:
             return super().publish(records)  # start + finish, logged there
         self.events("produce", len(records))
-        return self._confirmed(super().publish(records, transactional_id=transactional_id))
+        return self._confirmed(super().publish(records, transactional_id=transactional_id, **kw))
 
     def _before_transaction(self, records: int) -> None:
         self.begun += 1
