@@ -77,11 +77,11 @@ class TransactionalProducers:
                 # Fenced by a newer producer with this id, or a fatal/abortable error: nothing confirmed. A fatal
                 # error met in flush() comes as a SystemError caused by its KafkaException: confluent-kafka 2.16
                 # serves the next delivery report with that exception still set.
-                kafka = exc if isinstance(exc, KafkaException) else exc.__cause__
-                if not isinstance(kafka, KafkaException):
+                # (No local keeps the exception: its traceback holds this frame, and the frame the dropped producer.)
+                if not isinstance(exc, KafkaException) and not isinstance(exc.__cause__, KafkaException):
                     raise
                 drop(self._producers.pop(transactional_id, None))
-                failed = _failed(batch, kafka)
+                failed = _failed(batch, exc if isinstance(exc, KafkaException) else exc.__cause__)
                 return PublishOutcome([], permanent + failed, time.monotonic() - started)
             failures = _all_failed(batch, reports.first_error or "a message in the transaction failed", reports)
             newly_permanent = [f for f in failures if f.permanent]
@@ -189,9 +189,9 @@ class _Reports:
         return len(self.errors) + self.pending
 
 
-def _failed(records: Sequence[OutboxRecord], exc: KafkaException) -> list[DeliveryFailure]:
+def _failed(records: Sequence[OutboxRecord], exc: BaseException | None) -> list[DeliveryFailure]:
     """Every record of a transaction the producer could not finish, failed with its error."""
-    kerr = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    kerr = exc.args[0] if exc is not None and exc.args and isinstance(exc.args[0], KafkaError) else None
     kind = failure_kind(kerr) if kerr else "transport"
     return [DeliveryFailure(r, kerr.str() if kerr else str(exc), kind) for r in records]
 

@@ -172,8 +172,10 @@ def _acked_after(step: str) -> Callable[[list[Event]], bool]:
 
 
 def _in_transaction(worker: WorkerProcess) -> int:
-    """The records of the transaction the worker was killed or frozen in."""
-    return [e.numbers[0] for e in worker.events() if e.step == "in-transaction"][-1]
+    """The records of the transaction the worker was killed or frozen in (0: it was not in one)."""
+    events = worker.events()
+    fault = next(i for i, e in enumerate(events) if e.step in ("killed", "frozen"))
+    return next((e.numbers[0] for e in reversed(events[:fault]) if e.step == "in-transaction"), 0)
 
 
 def test_read_committed_sees_nothing_of_a_transaction_aborted_for_a_poison_row_or_a_failure_mid_transaction(
@@ -283,6 +285,7 @@ def test_a_relay_frozen_and_replaced_publishes_nothing_visible_and_acks_nothing_
     committed = write(lane.dsn, lane.table, lane.topic, MESSAGES, serialized=False)
     zombie = lane.relay("zombie", **FREEZES[freeze]).start()
     zombie.wait_for(f"its freeze {freeze}", lambda ev: any(e.step == "frozen" for e in ev))
+    assert _in_transaction(zombie) == (BATCH if freeze == "mid-transaction" else 0)
     acked_before = sum(e.numbers[0] for e in zombie.events() if e.step == "acked")
     aborted = set(committed[acked_before : acked_before + BATCH]) if freeze == "mid-transaction" else set()
     successor = lane.relay("successor").start()
@@ -293,14 +296,17 @@ def test_a_relay_frozen_and_replaced_publishes_nothing_visible_and_acks_nothing_
     zombie.thaw()
     zombie.wait_for("its late publish and its ack", _acked_after("thawed"), COMMIT_FAILS_WITHIN_S)
     late = _after(zombie.events(), "thawed")
+    late = late[: next(i for i, e in enumerate(late) if e.step == "acked") + 1]  # the batch it was frozen with
     with psycopg.connect(lane.dsn, autocommit=True) as db:
         after_thaw = {k: v.at for k, v in positions(db, lane.table).items()}
+    # Relayed by the successor (past being fenced by the thawed relay's new producer, if it was) or by the thawed
+    # relay, which may lease the partition now: either way once.
     committed += write(lane.dsn, lane.table, lane.topic, BATCH, serialized=False)
-    lane.drained("the successor to relay what came after the thaw")
+    lane.drained("what came after the thaw to be relayed")
     exits = {worker.name: worker.terminate() for worker in (zombie, successor)}
 
     seen = read_both(lane, committed)
-    late_acks = [e.numbers for e in late if e.step == "acked"]
+    [late_ack] = [e.numbers for e in late if e.step == "acked"]
     late_delivered = [e.numbers[0] for e in late if e.step == "delivered"]
     report(
         f"ktx-fenced-{freeze}",
@@ -308,20 +314,20 @@ def test_a_relay_frozen_and_replaced_publishes_nothing_visible_and_acks_nothing_
         **seen.figures,
         seconds=time.monotonic() - started,
         late_delivered=late_delivered,
-        late_acks=late_acks,
+        late_ack=late_ack,
         successor_published=successor.stats()["published"],
     )
     assert exits == {"zombie": 0, "successor": 0}, f"{exits}\n{zombie.log()}\n{successor.log()}"
     assert_exactly_once_in_order(seen, aborted)
     assert not any(late_delivered), f"the thawed relay's late publishes delivered {late_delivered}"
-    assert all(acked == 0 for acked, *_ in late_acks), f"the thawed relay acked (acked, lost, retried...): {late_acks}"
+    assert late_ack[0] == 0, f"the thawed relay acked its late batch (acked, lost, retried, dead): {late_ack}"
     assert after_thaw == before_thaw, "the thawed relay moved the position its successor left"
     if freeze == "mid-transaction":
         assert "fenced" in zombie.log(50_000), f"the late commit failed, but not for being fenced:\n{zombie.log()}"
     else:
         produced = sum(e.numbers[0] for e in late if e.step == "in-transaction")
         assert produced == 0, f"the thawed relay produced {produced} records to a partition it no longer held"
-    assert successor.stats()["published"] == len(committed) - acked_before
+    assert successor.stats()["published"] >= MESSAGES - acked_before
 
 
 def _record(topic: str, n: int) -> OutboxRecord:
