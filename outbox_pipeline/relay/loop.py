@@ -172,7 +172,9 @@ class Relay:
             if not claim.records:  # only rows of held keys (quarantine): nothing for Kafka, the ack moves them
                 batch.outcome = PublishOutcome([], [])
             elif claim.transactional_ids is not None:
-                batch.outcome = self.publisher.publish_transactions(claim.records, claim.transactional_ids)
+                batch.outcome = self.publisher.publish_transactions(
+                    claim.records, claim.transactional_ids, strategy.still_owns
+                )
             else:
                 batch.pending = self.publisher.start(claim.records)
         except Exception as exc:

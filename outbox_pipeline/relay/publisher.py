@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -135,22 +135,32 @@ class KafkaPublisher:
             self._producer.purge(in_queue=True, in_flight=False, blocking=False)
             self._producer.poll(0)
 
-    def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
-        """Publish one batch and wait for it."""
+    def publish(
+        self,
+        records: Sequence[OutboxRecord],
+        *,
+        transactional_id: str | None = None,
+        still_owned: Callable[[], bool] | None = None,
+    ) -> PublishOutcome:
+        """Publish one batch and wait for it (in a Kafka transaction: see TransactionalProducers.publish)."""
         if transactional_id is not None:
             span = start_batch_span(records)
-            outcome = self._transactional.publish(records, transactional_id)
+            outcome = self._transactional.publish(records, transactional_id, still_owned)
             if span is not None:
                 span.end(len(outcome.delivered), len(outcome.failed))
             return outcome
         return self.finish(self.start(records))
 
     def publish_transactions(
-        self, records: Sequence[OutboxRecord], transactional_ids: Mapping[tuple[str, int], str]
+        self,
+        records: Sequence[OutboxRecord],
+        transactional_ids: Mapping[tuple[str, int], str],
+        still_owns: Callable[[tuple[str, int]], bool] | None = None,
     ) -> PublishOutcome:
         """Each partition's rows in a Kafka transaction of its own (``transactional_ids``: the partition's id), one
         after the other. Once one fails for the transport (the broker down or unreachable, the producer fenced),
-        the rest are not tried: each would wait as long, and the batch's leases would run out meanwhile."""
+        the rest are not tried: each would wait as long, and the batch's leases would run out meanwhile.
+        ``still_owns``: whether a partition is still this worker's, asked after a new producer fenced its id."""
         started = time.monotonic()
         groups: dict[tuple[str, int], list[OutboxRecord]] = {}
         for record in records:
@@ -162,7 +172,8 @@ class KafkaPublisher:
             if down:
                 failed += [DeliveryFailure(r, "not sent: the transaction before it failed", "transport") for r in group]
                 continue
-            outcome = self.publish(group, transactional_id=transactional_ids[key])
+            owned = partial(still_owns, key) if still_owns is not None else None
+            outcome = self.publish(group, transactional_id=transactional_ids[key], still_owned=owned)
             delivered += outcome.delivered
             failed += outcome.failed
             down = not outcome.delivered and any(f.kind == "transport" for f in outcome.failed)

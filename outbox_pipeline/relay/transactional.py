@@ -4,7 +4,9 @@ A batch is published all or nothing: read_committed consumers see the whole batc
 idempotent producer (publisher.py), every message here has its own delivery report: an aborted transaction must
 account for each row. A second worker on the same partition uses the same transactional id and fences the first, so
 a producer is kept only while its partition is this worker's; at most ``max_producers`` are kept (each holds threads
-and broker connections), least recently used dropped first.
+and broker connections), least recently used dropped first. Fencing goes both ways: a new producer fences whoever
+used its id before, the partition's new owner too if this worker's lease ran out meanwhile (frozen after its claim),
+so a batch whose producer is new goes out only if ``still_owned`` says the partition is still this worker's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 # Transactional producers kept at most (one per virtual partition this worker published recently).
 MAX_TRANSACTIONAL_PRODUCERS = 16
+NOT_OWNED = "not sent: another worker took the partition before its transaction began"
 
 
 class TransactionalProducers:
@@ -48,7 +51,9 @@ class TransactionalProducers:
         # Least recently used first.
         self._producers: OrderedDict[str, Producer] = OrderedDict()
 
-    def publish(self, records: Sequence[OutboxRecord], transactional_id: str) -> PublishOutcome:
+    def publish(
+        self, records: Sequence[OutboxRecord], transactional_id: str, still_owned: Callable[[], bool] | None = None
+    ) -> PublishOutcome:
         """All or nothing. A record Kafka can never take (too large, invalid topic) would abort every transaction
         it is in, so after such an abort the rest of the batch is sent again, once, in a new transaction."""
         started = time.monotonic()
@@ -56,19 +61,27 @@ class TransactionalProducers:
         batch = list(records)
         for _ in range(2):
             try:
+                fresh = transactional_id not in self._producers
                 producer = self._producer(transactional_id)
+                if fresh and still_owned is not None and not still_owned():
+                    drop(self._producers.pop(transactional_id))
+                    failed = [DeliveryFailure(r, NOT_OWNED, "transport") for r in batch]
+                    return PublishOutcome([], permanent + failed, time.monotonic() - started)
                 producer.begin_transaction()
                 reports = self._produce_all(producer, batch)
                 if not reports.failed_count:
                     producer.commit_transaction(self._timeout_s)
                     return PublishOutcome(batch, permanent, time.monotonic() - started)
                 producer.abort_transaction(self._timeout_s)
-            except KafkaException as exc:
-                # Fenced by a newer producer with this id, or a fatal/abortable error: nothing confirmed.
-                kerr = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            except (KafkaException, SystemError) as exc:
+                # Fenced by a newer producer with this id, or a fatal/abortable error: nothing confirmed. A fatal
+                # error met in flush() comes as a SystemError caused by its KafkaException: confluent-kafka 2.16
+                # serves the next delivery report with that exception still set.
+                # (No local keeps the exception: its traceback holds this frame, and the frame the dropped producer.)
+                if not isinstance(exc, KafkaException) and not isinstance(exc.__cause__, KafkaException):
+                    raise
                 drop(self._producers.pop(transactional_id, None))
-                kind = failure_kind(kerr) if kerr else "transport"
-                failed = [DeliveryFailure(r, kerr.str() if kerr else str(exc), kind) for r in batch]
+                failed = _failed(batch, exc if isinstance(exc, KafkaException) else exc.__cause__)
                 return PublishOutcome([], permanent + failed, time.monotonic() - started)
             failures = _all_failed(batch, reports.first_error or "a message in the transaction failed", reports)
             newly_permanent = [f for f in failures if f.permanent]
@@ -174,6 +187,13 @@ class _Reports:
     @property
     def failed_count(self) -> int:
         return len(self.errors) + self.pending
+
+
+def _failed(records: Sequence[OutboxRecord], exc: BaseException | None) -> list[DeliveryFailure]:
+    """Every record of a transaction the producer could not finish, failed with its error."""
+    kerr = exc.args[0] if exc is not None and exc.args and isinstance(exc.args[0], KafkaError) else None
+    kind = failure_kind(kerr) if kerr else "transport"
+    return [DeliveryFailure(r, kerr.str() if kerr else str(exc), kind) for r in records]
 
 
 def _all_failed(records: Sequence[OutboxRecord], error: str, reports: _Reports) -> list[DeliveryFailure]:

@@ -296,6 +296,12 @@ class Strategy(abc.ABC):
         """Kafka transactional ids this worker may still use; None when it uses none (see KafkaPublisher)."""
         return None
 
+    def still_owns(self, partition: tuple[str, int]) -> bool:
+        """Whether ``partition`` of the batch about to be published is still this worker's (an old lease renewed).
+        Asked once a new Kafka transactional producer has fenced the partition's id: whoever took the partition over
+        is fenced too, so the batch may go out only if the partition was not taken."""
+        return True
+
     @property
     def standing_by(self) -> bool:
         """Whether another worker is the active one and this one only waits to take over (advisory). New rows

@@ -302,6 +302,9 @@ class PositionStrategy(Strategy):
     def transactional_ids(self) -> frozenset[str] | None:
         return self._tx_ids.usable()
 
+    def still_owns(self, partition: tuple[str, int]) -> bool:
+        return not self._chains.lost([partition])
+
     def _reclaim_own_leases(self) -> None:
         offsets.reclaim_own(self.conn, self.config)
 

@@ -85,11 +85,14 @@ def consume(
     settle_s: float = 1.0,
     idle_s: float = 6.0,
     deadline_s: float = 90.0,
+    isolation: str = "read_uncommitted",
 ) -> list[TimedRecord]:
     """Every record of ``topics`` from the beginning, until idle (never trusting high watermarks).
 
     Once every ``expected`` message_id is in, ``settle_s`` without a new record ends it (late duplicates and
-    phantoms are already in the log by then); before that, ``idle_s`` without one gives up.
+    phantoms are already in the log by then); before that, ``idle_s`` without one gives up. ``read_uncommitted`` sees
+    everything that reached the log, phantoms and aborted Kafka transactions included; ``read_committed`` what an
+    application consuming transactions sees.
     """
     wanted = set(expected)
     consumer = Consumer(
@@ -97,7 +100,7 @@ def consume(
             "bootstrap.servers": bootstrap,
             "group.id": f"faults-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
-            "isolation.level": "read_uncommitted",  # see everything that reached the log, phantoms included
+            "isolation.level": isolation,
         }
     )
     try:

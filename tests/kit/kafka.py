@@ -10,6 +10,8 @@ from typing import cast
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
+from outbox_pipeline.localstack import Broker
+
 
 @dataclass(frozen=True)
 class Record:
@@ -84,3 +86,8 @@ class KafkaProbe:
             return records
         finally:
             consumer.close()
+
+
+def shows_only_committed(broker: Broker) -> bool:
+    """Whether ``broker`` hides aborted transactions from read_committed consumers: Apache Kafka does, Tansu 0.6 not."""
+    return broker.name != "Tansu"

@@ -9,13 +9,18 @@ before their ack: the worst moment for at-least-once.
 With ``stop_after_publish`` it freezes itself (SIGSTOP) once that many batches are confirmed by Kafka,
 before their ack: a worker hung past its lease, resumed by the test with SIGCONT. (The relay pipelines: by
 then it may have claimed its next batch, and it publishes that one before acking the confirmed one.)
+With Kafka transactions, ``kill_in_transaction`` and ``pause_in_transaction`` kill or freeze it in its N-th
+transaction whose records Kafka has all taken, before the commit: its records are in the log, uncommitted.
+``pause_before_transaction`` freezes it as its N-th transaction is about to begin (its partition claimed, its
+producer perhaps not made yet).
 
 A ``wal`` worker is the wal strategy's relay (relay/wal/) with the same publisher; ``wal`` in the spec sets its own
 settings (WalRelaySettings: ``batch_max``, the back-off), which RelaySettings does not carry. It logs no claims.
 
 Steps: claim-begin, claim N [P] (N records, 0: nothing; P: the first record's partition), home P... (the
 partitions dealt to it, when that changes), produce N, delivered OK FAILED, ack-begin,
-acked ACKED LOST RETRIED DEAD (the AckResult), give-back, frozen, thawed, start, end.
+acked ACKED LOST RETRIED DEAD (the AckResult), give-back, transaction N (a transaction of N records about to begin),
+in-transaction N (its N records taken by Kafka, not committed yet), killed, frozen, thawed, start, end.
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
+
+from confluent_kafka import Producer
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.relay.loop import Relay
 from outbox_pipeline.relay.publisher import KafkaPublisher, PendingBatch
 from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.relay.transactional import TransactionalProducers, _Reports
 from outbox_pipeline.relay.wal.relay import WalRelay
 from outbox_pipeline.relay.workers import WorkerSpec, build_relay, build_wal_relay
 from outbox_pipeline.strategies import WAL, strategy_class
@@ -50,6 +58,26 @@ class Events:
             self._file.write(" ".join([f"{time.monotonic():.6f}", step, *map(str, numbers)]) + "\n")
 
 
+class InTransaction(TransactionalProducers):
+    """Transactional producers that call ``first`` as a transaction is about to begin and ``then`` once Kafka has
+    taken every record of it, before its commit: where a fault test kills or freezes a worker."""
+
+    def __init__(self, *args: Any, first: Callable[[int], None], then: Callable[[int], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._first = first
+        self._then = then
+
+    def publish(self, records: Sequence[OutboxRecord], *args: Any, **kwargs: Any) -> PublishOutcome:
+        self._first(len(records))
+        return super().publish(records, *args, **kwargs)
+
+    def _produce_all(self, producer: Producer, records: Sequence[OutboxRecord]) -> _Reports:
+        reports = super()._produce_all(producer, records)
+        if not reports.failed_count:
+            self._then(len(records))
+        return reports
+
+
 class InstrumentedPublisher(KafkaPublisher):
     """Logs each batch handed to the producer (`produce`) and confirmed (`delivered`), for both paths the relay
     takes: ``start``/``finish`` (pipelined) and ``publish`` (Kafka transactions)."""
@@ -61,13 +89,29 @@ class InstrumentedPublisher(KafkaPublisher):
         stop_after_publish: int | None,
         kill_after_publish: int | None = None,
         fail_after_publish: int | None = None,
+        kill_in_transaction: int | None = None,
+        pause_in_transaction: int | None = None,
+        pause_before_transaction: int | None = None,
     ) -> None:
         super().__init__(config)
         self.events = events
         self.stop_after_publish = stop_after_publish
         self.kill_after_publish = kill_after_publish
         self.fail_after_publish = fail_after_publish
+        self.kill_in_transaction = kill_in_transaction
+        self.pause_in_transaction = pause_in_transaction
+        self.pause_before_transaction = pause_before_transaction
         self.publishes = 0
+        self.begun = 0
+        self.transactions = 0
+        self._transactional = InTransaction(
+            self._config,
+            timeout_s=self._timeout_s,
+            limits=self.limits,
+            headers_of=self._headers_of,
+            first=self._before_transaction,
+            then=self._in_transaction,
+        )
 
     def start(self, records: Sequence[OutboxRecord], *args: Any, **kwargs: Any) -> PendingBatch:
         self.events("produce", len(records))
@@ -76,11 +120,33 @@ class InstrumentedPublisher(KafkaPublisher):
     def finish(self, pending: PendingBatch, *args: Any, **kwargs: Any) -> PublishOutcome:
         return self._confirmed(super().finish(pending, *args, **kwargs))
 
-    def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
+    def publish(
+        self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None, **kw: Any
+    ) -> PublishOutcome:
         if transactional_id is None:
             return super().publish(records)  # start + finish, logged there
         self.events("produce", len(records))
-        return self._confirmed(super().publish(records, transactional_id=transactional_id))
+        return self._confirmed(super().publish(records, transactional_id=transactional_id, **kw))
+
+    def _before_transaction(self, records: int) -> None:
+        self.begun += 1
+        self.events("transaction", records)
+        if self.begun == self.pause_before_transaction:
+            self._freeze()
+
+    def _freeze(self) -> None:
+        self.events("frozen")
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us with SIGCONT
+        self.events("thawed")
+
+    def _in_transaction(self, records: int) -> None:
+        self.transactions += 1
+        self.events("in-transaction", records)
+        if self.transactions == self.kill_in_transaction:
+            self.events("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.transactions == self.pause_in_transaction:
+            self._freeze()
 
     def _confirmed(self, outcome: PublishOutcome) -> PublishOutcome:
         self.events("delivered", len(outcome.delivered), len(outcome.failed))
@@ -149,6 +215,9 @@ def main(spec: dict[str, Any]) -> None:
         spec.get("stop_after_publish"),
         spec.get("kill_after_publish"),
         spec.get("fail_after_publish"),
+        spec.get("kill_in_transaction"),
+        spec.get("pause_in_transaction"),
+        spec.get("pause_before_transaction"),
     )
     relay: Relay | WalRelay
     if spec["strategy"] == WAL:

@@ -183,6 +183,9 @@ def workers(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
         settings: dict[str, object] | None = None,
         stop_after_publish: int | None = None,
         fail_after_publish: int | None = None,
+        kill_in_transaction: int | None = None,
+        pause_in_transaction: int | None = None,
+        pause_before_transaction: int | None = None,
     ) -> WorkerProcess:
         spec = {
             "dsn": dsn,
@@ -196,6 +199,9 @@ def workers(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
             "settings": settings or {},
             "stop_after_publish": stop_after_publish,
             "fail_after_publish": fail_after_publish,
+            "kill_in_transaction": kill_in_transaction,
+            "pause_in_transaction": pause_in_transaction,
+            "pause_before_transaction": pause_before_transaction,
         }
         worker = WorkerProcess(spec, tmp_path, name)
         spawned.append(worker)

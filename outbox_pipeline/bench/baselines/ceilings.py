@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
@@ -63,7 +63,13 @@ class ConfirmingPublisher(KafkaPublisher):
         """Every batch is settled the moment it is handed over (a relay that pipelines asks before it waits)."""
         return True
 
-    def publish(self, records: Sequence[OutboxRecord], *, transactional_id: str | None = None) -> PublishOutcome:
+    def publish(
+        self,
+        records: Sequence[OutboxRecord],
+        *,
+        transactional_id: str | None = None,
+        still_owned: Callable[[], bool] | None = None,
+    ) -> PublishOutcome:
         return self.finish(self.start(records))
 
 

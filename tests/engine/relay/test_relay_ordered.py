@@ -22,7 +22,7 @@ from outbox_pipeline.relay.relay_settings import RelaySettings
 from outbox_pipeline.store.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.base import Claim, PublishOutcome, StrategyConfig
-from tests.kit.kafka import KafkaProbe
+from tests.kit.kafka import KafkaProbe, shows_only_committed
 from tests.kit.relay import drain, message_ids, order_by_key, run_workers
 
 ORDERED = ["partitioned", "serialized"]
@@ -295,11 +295,6 @@ def test_a_poison_row_aborts_its_kafka_transaction_and_the_rest_goes_out_in_a_ne
     position = db.execute(sql.SQL("SELECT last_processed_id, attempts FROM {}").format(table.offsets)).fetchone()
     assert position is not None and position[1] == 0
     assert position[0] == db.execute(sql.SQL("SELECT max(id) FROM {}").format(table.messages)).fetchone()[0]
-
-
-def shows_only_committed(broker: Broker) -> bool:
-    """Whether ``broker`` hides aborted transactions from read_committed consumers: Apache Kafka does, Tansu 0.6 not."""
-    return broker.name != "Tansu"
 
 
 def test_canary_the_local_broker_hides_aborted_transactions_from_read_committed_consumers_unless_tansu(
