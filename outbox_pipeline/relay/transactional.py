@@ -75,13 +75,13 @@ class TransactionalProducers:
                 producer.abort_transaction(self._timeout_s)
             except (KafkaException, SystemError) as exc:
                 # Fenced by a newer producer with this id, or a fatal/abortable error: nothing confirmed. A fatal
-                # error met in flush() comes as a SystemError caused by its KafkaException: confluent-kafka 2.16
-                # serves the next delivery report with that exception still set.
+                # error met in flush() comes as a SystemError instead, caused by its KafkaException or with no
+                # exception at all (confluent-kafka 2.16 serves the next delivery report with the fatal error's
+                # exception set, which a later report may clear): the producer is as dead either way.
                 # (No local keeps the exception: its traceback holds this frame, and the frame the dropped producer.)
-                if not isinstance(exc, KafkaException) and not isinstance(exc.__cause__, KafkaException):
-                    raise
                 drop(self._producers.pop(transactional_id, None))
-                failed = _failed(batch, exc if isinstance(exc, KafkaException) else exc.__cause__)
+                cause = exc if isinstance(exc, KafkaException) else exc.__cause__
+                failed = _failed(batch, cause if isinstance(cause, KafkaException) else exc)
                 return PublishOutcome([], permanent + failed, time.monotonic() - started)
             failures = _all_failed(batch, reports.first_error or "a message in the transaction failed", reports)
             newly_permanent = [f for f in failures if f.permanent]
