@@ -68,9 +68,9 @@ lint: $(STAMP)
 PG15_CI_SUITES := tests/engine/relay/test_your_postgres.py tests/engine/relay/test_pgbouncer.py tests/engine/store/test_latin1.py tests/faults --ignore=tests/faults/test_wal_faults.py
 # Tests marked `nightly` (runs at size: the benches' own runs, a Spark cluster, a 200k verify) are `make test-nightly`.
 # The broker is Apache Kafka (OUTBOX_TEST_BROKER's default); then Tansu, `make dev`'s broker, for what differs between
-# brokers: delivery and order on a row strategy and on the wal lane, and aborted Kafka transactions (Tansu shows
+# brokers: delivery and order on the ordered strategies and on the wal lane, and aborted Kafka transactions (Tansu shows
 # them to read_committed consumers: test_relay_ordered.py's canary). `make test-tansu` runs any suites on it.
-TANSU_CI_SUITES := tests/engine/relay/test_relay_ordered.py tests/engine/relay/test_relay_locking.py tests/engine/relay/test_wal_stream.py
+TANSU_CI_SUITES := tests/engine/relay/test_relay_ordered.py tests/engine/relay/test_wal_stream.py
 test: $(STAMP) tools lint
 	$(BIN)/python -m pytest -n 4 -m "not timing and not nightly" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m "timing and not nightly" $(PYTEST_ARGS)
