@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("bench", help="load N messages and drain them: msg/s, CPU, RSS; naive baseline")
-    from ..bench.command import add_arguments as add_bench_arguments
+    from ..bench.arguments import add_arguments as add_bench_arguments
 
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
