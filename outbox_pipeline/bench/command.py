@@ -76,17 +76,19 @@ def servers(embedded: bool, broker_kind: str = "kafka") -> Iterator[Servers]:
         yield Servers(dsn, bootstrap)
         return
     from ..localstack import BrokerSpec, LocalPostgres, PostgresSpec, free_port, local_broker
+    from ..localstack.kafka_broker import SERVER_JVM_OPTIONS, LocalKafka
 
     home = Path(settings.HOME.read()).resolve()
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-", dir=home) as scratch:
         pg = LocalPostgres(PostgresSpec(Path(scratch) / "pg", port=free_port(), settings=BENCH_PG_SETTINGS))
         spec = BrokerSpec(port=free_port(), log_path=Path(scratch) / "broker.log")
-        broker = local_broker(broker_kind, spec, Path(scratch) / "broker", home)
+        broker = local_broker(broker_kind, spec, Path(scratch) / "broker", home, SERVER_JVM_OPTIONS)
         pg.start()
         try:
             broker.start()
-            print(f"servers: embedded PostgreSQL, broker {broker.name}", flush=True)
+            jvm = " (Kafka's own JVM options: G1, a 1 GiB heap)" if isinstance(broker, LocalKafka) else ""
+            print(f"servers: embedded PostgreSQL, broker {broker.name}{jvm}", flush=True)
             try:
                 yield Servers(pg.dsn, broker.bootstrap_servers, pg.pid, broker.pid)
             finally:

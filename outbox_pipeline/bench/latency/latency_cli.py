@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--observer-wait-ms",
         type=int,
-        default=latency.LatencyOptions.fetch_wait_ms,
-        help="latency bench: the observer's fetch.wait.max.ms",
+        help=f"latency bench: the observer's fetch.wait.max.ms (default {latency.LatencyOptions.fetch_wait_ms}, the "
+        f"client's own; {latency.TANSU_FETCH_WAIT_MS} with --broker tansu)",
     )
     parser.add_argument("--json", type=Path, help="latency bench: where to write every number (default under .outbox)")
     parser.add_argument(
@@ -116,7 +116,7 @@ def run(found: Servers, args: argparse.Namespace) -> int:
         workers=1 if args.workers is None else args.workers,
         observe=not args.no_observer,
         idle_seconds=args.idle_seconds,
-        fetch_wait_ms=args.observer_wait_ms,
+        fetch_wait_ms=observer_wait_ms(args),
         dagster=args.dagster,
         relay_checkouts=tuple(args.relay_checkout),
         traced=args.trace_headers is not None,
@@ -129,3 +129,11 @@ def run(found: Servers, args: argparse.Namespace) -> int:
     print("\n" + latency_report.render(bench), flush=True)
     print(f"\nevery number: {path.resolve()}")
     return 0 if bench.complete else 1
+
+
+def observer_wait_ms(args: argparse.Namespace) -> int:
+    """--observer-wait-ms, or the default for the broker: Tansu notices new data only part way through a wait."""
+    if args.observer_wait_ms is not None:
+        return int(args.observer_wait_ms)
+    on_tansu = args.embedded and args.broker == "tansu"
+    return latency.TANSU_FETCH_WAIT_MS if on_tansu else latency.LatencyOptions.fetch_wait_ms
