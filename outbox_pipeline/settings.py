@@ -114,8 +114,8 @@ WAL_LINGER_MS = Setting(
     15.0,
     "wal strategy: OUTBOX_RELAY_LINGER_MS for the wal relay, the least time between two batches handed to Kafka "
     "under steady traffic (scaled as there): each produce request carries several commits, for the broker's sake "
-    "and the relay's; a backlog is never paced (0: a batch at every commit). 15 ms: p99 22 ms at 2,000 msg/s on "
-    "Apache Kafka, 50 us/msg (35 ms: 42 ms, 37 us/msg; docs/performance.md)",
+    "and the relay's; a backlog is never paced (0: a batch at every commit). 15 ms: p99 19 ms at 2,000 msg/s on "
+    "Apache Kafka, 45 us/msg (25 ms: 29 ms, 38 us/msg; docs/performance.md)",
     _number,
 )
 WAL_TAKEOVER_S = Setting(

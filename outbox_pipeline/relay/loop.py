@@ -83,6 +83,7 @@ class Relay:
         # Whether a claim may find anything: False after an empty or partial one, until a NOTIFY arrives (or the
         # poll interval passes); a claim that could only find nothing costs statements at every cycle.
         self._may_have_work = True
+        self._woken = False  # the last idle wait ended at a NOTIFY (not at its poll interval)
         self._pacer = Pacer(self.settings.min_cycle_s)
         self._turn = 0
         self._settled: _Settled | None = None
@@ -247,7 +248,7 @@ class Relay:
                         idle_wait, self._may_have_work = self.settings.poll_interval_s, True
                     strategies = self._sessions.strategies()
                     strategy = strategies[self._turn % len(strategies)]
-                    claim = self._claim(strategy, in_flight) if self._ready_to_claim(in_flight) else None
+                    claim = self._claim(strategy, in_flight) if self._ready_to_claim(strategy, in_flight) else None
                     if in_flight is not None:
                         previous, in_flight = in_flight, None
                         outcome = self._finish(previous)
@@ -301,11 +302,13 @@ class Relay:
                     self.stop.wait(self.settings.error_backoff_s(failures))
                     continue
                 self.stats.idle_waits += 1
-                self._may_have_work = True  # woken by a commit, or time to look again (a poll)
                 if strategy.standing_by:
+                    self._may_have_work = True
                     self._stand_by(min(self.settings.poll_interval_s, self.settings.upkeep_interval_s))
                     continue
-                self._wait_for_work(min(idle_wait, self.settings.upkeep_interval_s))
+                # A poll looks again; a NOTIFY only if what it announces may be visible (_ready_to_claim).
+                self._woken = self._wait_for_work(min(idle_wait, self.settings.upkeep_interval_s))
+                self._may_have_work = not self._woken
                 idle_wait = min(idle_wait * 2, self.settings.max_poll_interval_s)
             self._confirm_last(in_flight)
             if self.settings.until_empty and not self.stop.is_set():
@@ -341,38 +344,42 @@ class Relay:
         except psycopg.OperationalError as exc:
             return [f"unknown: the database did not answer ({str(exc).strip().splitlines()[0]})"]
 
-    def _ready_to_claim(self, in_flight: _InFlight | None) -> bool:
+    def _ready_to_claim(self, strategy: Strategy, in_flight: _InFlight | None) -> bool:
         """Whether to claim now. Paced (the last claim took everything there was), a batch in Kafka is finished and
         acked first, and with none the pause is waited out (commits gather meanwhile: the next claim takes them
         together). Then one look at the control connection: commits announced since the last claim (or no way to
-        hear of them) mean work; the claim sees what they announce, so they are dropped (a look costs about a tenth
-        of a cycle, and is made only where a claim may follow)."""
+        hear of them) mean work, unless the strategy knows they cannot be visible yet (Strategy.commits_visible);
+        the claim sees what they announce, so they are dropped (a look costs about a tenth of a cycle, and is made
+        only where a claim may follow)."""
         if in_flight is not None and not self.settings.pipeline:
             return False
         if (pause := self._pacer.pause_s()) > 0:
             if in_flight is not None:
                 return False
             self.stop.wait(pause)
-        if self._wake_ups.coalesce(self._sessions.control) or not self._wake_ups.listening:
+        heard = self._wake_ups.coalesce(self._sessions.control) > 0 or self._woken
+        self._woken = False
+        if not self._wake_ups.listening or (heard and strategy.commits_visible()):
             self._may_have_work = True
         return self._may_have_work
 
     def _scope(self) -> tuple[psycopg.Connection, OutboxTable, str, frozenset[tuple[str, int]] | None]:
         return self.strategy.conn, self.strategy_config.table, self.strategy.name, self.strategy_config.partitions
 
-    def _wait_for_work(self, timeout_s: float) -> None:
-        """Wake at the first NOTIFY (a commit that inserted rows) or after the timeout (wakeups.py)."""
+    def _wait_for_work(self, timeout_s: float) -> bool:
+        """Wake at the first NOTIFY (a commit that inserted rows) or after the timeout (wakeups.py); True: a NOTIFY."""
         if not self.settings.listen:
             self.stop.wait(timeout_s)
-            return
+            return False
         try:
             if self._sessions.control is None:
                 self._sessions.connect_control()
-                return  # rows committed before LISTEN sent no wake-up: look once more before waiting
-            self._wake_ups.wait(self._sessions.control, timeout_s)
+                return False  # rows committed before LISTEN sent no wake-up: look once more before waiting
+            return self._wake_ups.wait(self._sessions.control, timeout_s)
         except psycopg.OperationalError:
             self._sessions.disconnect()
             self.stop.wait(timeout_s)
+            return False
 
     def _stand_by(self, timeout_s: float) -> None:
         """Wait to ask for the active worker's role again (Strategy.standing_by), not listening meanwhile."""

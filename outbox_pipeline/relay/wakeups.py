@@ -63,19 +63,20 @@ class WakeUps:
         self._heard = 0
         return heard
 
-    def wait(self, conn: psycopg.Connection, timeout_s: float) -> None:
-        """Until the first NOTIFY, ``timeout_s`` or a stop request. A connection that was not listening starts to
-        and returns at once: rows committed before LISTEN announced nothing to it, so the caller looks once more."""
+    def wait(self, conn: psycopg.Connection, timeout_s: float) -> bool:
+        """Until the first NOTIFY (True), ``timeout_s`` or a stop request. A connection that was not listening starts
+        to and returns at once: rows committed before LISTEN announced nothing to it, so the caller looks once more."""
         if not self.listening:
             self.listen(conn)
-            return
+            return False
         deadline = time.monotonic() + timeout_s
         readable = select.poll()  # not select(): a descriptor past 1,024 is fine
         readable.register(conn.fileno(), select.POLLIN)
         while not self._stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
             if self.coalesce(conn):
-                return
+                return True
             readable.poll(min(remaining, 0.5) * 1000)  # short slices, so a stop request is seen promptly
+        return False
 
     def stand_by(self, conn: psycopg.Connection | None, timeout_s: float) -> None:
         """Wait without listening (a standby asks for the active role again at its poll interval)."""

@@ -283,6 +283,12 @@ class Strategy(abc.ABC):
         """Ack ``previous`` (its batch settled, nothing else in flight), then claim the next batch."""
         return self.ack(previous, outcome), self.claim(limit)
 
+    def commits_visible(self) -> bool:
+        """Whether commits announced since a claim that found nothing may be visible to the next claim: False only
+        while the strategy's horizon stands still (partitioned.py: an older transaction holds every later one back),
+        so the relay waits for its poll instead of claiming at every NOTIFY."""
+        return True
+
     def before_publish(self, claim: Claim) -> Claim | None:
         """Called when a batch read ahead (while the previous one was in Kafka) is about to be published.
 

@@ -72,7 +72,8 @@ _CLAIM = """
             'topic', topic, 'partition', partition, 'xid', last_processed_transaction_id::text,
             'id', last_processed_id, 'attempts', attempts, 'has_holds', has_holds, 'released', released,
             'leased_now', leased_now, 'kept', kept)), '[]') FROM reading),
-        'owned', {owned})::text, 'UTF8'), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+        'owned', {owned}, 'horizon', pg_snapshot_xmin(pg_current_snapshot())::text)::text, 'UTF8'),
+        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 """
 
 # The claim that also acks the batch before it (Relay: under steady traffic the batch's ack waits for the next
@@ -218,6 +219,7 @@ class Reads:
     # A claim that acked the previous batch (settle): the partitions whose position it moved (still this worker's).
     owned: frozenset[tuple[str, int]] = frozenset()
     at: float = 0.0  # time.monotonic() before the statement: its leases run from no earlier than this
+    horizon: int = 0  # its snapshot's xmin: every transaction below it had ended (partitioned.py reads no further)
 
 
 def share_of(limit: int, partitions: int) -> int:
@@ -283,4 +285,5 @@ def read_partitions(
     for key, run in groupby(map(OutboxRecord._make, rows), _PARTITION):
         by_partition[key].records.extend(run)
     owned = frozenset((topic, partition) for topic, partition in document["owned"] or ())
-    return Reads(list(by_partition.values()), share_of(limit, len(by_partition)), max_new, owned, at)
+    horizon = int(document["horizon"])
+    return Reads(list(by_partition.values()), share_of(limit, len(by_partition)), max_new, owned, at, horizon)

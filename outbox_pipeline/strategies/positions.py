@@ -84,6 +84,7 @@ class PositionStrategy(Strategy):
         self._claim_sql = claim_sql(config, work=self.work_condition, order=self.read_order)
         self._settling_sql = claim_sql(config, work=self.work_condition, order=self.read_order, settling=self.name)
         self._cursor = stamped_cursor(conn, raw=True)  # kept: making one copies the connection's adapters
+        self._horizon = 0  # the last claim statement's snapshot xmin (Reads.horizon)
         self._reclaim_own_leases()
 
     # SQL condition on message row ``m`` and offsets row ``o``: m is past o's position and visible to
@@ -176,6 +177,7 @@ class PositionStrategy(Strategy):
             settle=settle,
             in_flight=self._chains.keys(),
         )
+        self._horizon = reads.horizon
         self._may_steal = not any(r.records and home.holds(*r.key) for r in reads.partitions)
         self._chains.saw(sum(r.leased_now and not r.kept for r in reads.partitions), max_new)
         return reads
