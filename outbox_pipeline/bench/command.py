@@ -114,23 +114,47 @@ def run(args: argparse.Namespace) -> int:
             return latency_cli.run(found, args)
     if args.writers:
         with servers(args.embedded, args.broker) as found:
-            sizes = args.rows_per_transaction or [1, 10, 100]
-            results = writers.measure(
-                found,
-                sizes=sizes,
-                transactions=args.transactions,
-                rows=args.messages,
-                runs=args.runs,
-                index_sets=args.strategies or writers.default_index_sets(found.dsn),
+            return _writers(found, args)
+    base = _drain_spec(args)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
+    with servers(args.embedded, args.broker) as found:
+        if args.held is not None:
+            held_steps = held.measure(found, args.strategy, args.held, batch_size=min(args.batch_size, 1000))
+            print("\n" + held.render(args.strategy, held_steps, min(args.batch_size, 1000)))
+            return 0 if all(s.bounded(min(args.batch_size, 1000)) for s in held_steps) else 1
+        if args.retained is not None:
+            steps = retained.measure(
+                found, args.strategy, args.retained, pending=args.pending, batch_size=args.batch_size
             )
-            print("\n" + results.render())
-            return 0
+            print("\n" + retained.render(args.strategy, steps, args.batch_size))
+            return 0 if all(s.bounded(args.batch_size) for s in steps) else 1
+        if args.matrix:
+            return _matrix(found, base, args.runs, args.matrix_strategies)
+        return _drain(found, base, args)
+
+
+def _writers(found: Servers, args: argparse.Namespace) -> int:
+    """--writers: what each way of writing the outbox costs the writer and PostgreSQL (bench/writers.py)."""
+    results = writers.measure(
+        found,
+        sizes=args.rows_per_transaction or [1, 10, 100],
+        transactions=args.transactions,
+        rows=args.messages,
+        runs=args.runs,
+        index_sets=args.strategies or writers.default_index_sets(found.dsn),
+    )
+    print("\n" + results.render())
+    return 0
+
+
+def _drain_spec(args: argparse.Namespace) -> RunSpec:
+    """The drain every line of a backlog bench runs, from the flags (refusing those that do not apply)."""
     rows = args.rows_per_transaction or [100]
     if len(rows) > 1:
         raise SystemExit("outbox bench: several --rows-per-transaction are for --latency and --writers only")
     if args.strategy == WAL and (args.held is not None or args.retained is not None or args.matrix):
         raise SystemExit("outbox bench: --held, --retained and --matrix time a table's claims; a wal outbox has none")
-    base = RunSpec(
+    return RunSpec(
         strategy=args.strategy,
         workers=2 if args.workers is None else args.workers,
         batch_size=args.batch_size,
@@ -147,33 +171,23 @@ def run(args: argparse.Namespace) -> int:
         verify=args.verify,
         statements=args.statements,
     )
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
-    with servers(args.embedded, args.broker) as found:
-        if args.held is not None:
-            held_steps = held.measure(found, args.strategy, args.held, batch_size=min(args.batch_size, 1000))
-            print("\n" + held.render(args.strategy, held_steps, min(args.batch_size, 1000)))
-            return 0 if all(s.bounded(min(args.batch_size, 1000)) for s in held_steps) else 1
-        if args.retained is not None:
-            steps = retained.measure(
-                found, args.strategy, args.retained, pending=args.pending, batch_size=args.batch_size
-            )
-            print("\n" + retained.render(args.strategy, steps, args.batch_size))
-            return 0 if all(s.bounded(args.batch_size) for s in steps) else 1
-        if args.matrix:
-            return _matrix(found, base, args.runs, args.matrix_strategies)
-        lines = bench_lines(base, baseline=args.baseline, naive_strategy=args.baseline_strategy)
-        if args.server_jit:
-            lines = with_server_jit(lines, args.server_jit)
-        comparison = compare(found, lines, args.runs)
-        print("\n" + render_comparison(base, comparison, args.runs))
-        if base.trace_headers:
-            # The same invocation's baseline for what the header costs: the client library's own share.
-            messages = min(base.messages, HEADER_FLOOR_MESSAGES)
-            floor = header_floor.measure(
-                found.bootstrap, messages=messages, payload_bytes=base.payload_bytes, runs=max(3, args.runs)
-            )
-            print("\n" + floor.render(messages))
-        return 0 if comparison.complete else 1
+
+
+def _drain(found: Servers, base: RunSpec, args: argparse.Namespace) -> int:
+    """A backlog drained by our relay and its baselines, interleaved; 1 if a line did not deliver everything."""
+    lines = bench_lines(base, baseline=args.baseline, naive_strategy=args.baseline_strategy)
+    if args.server_jit:
+        lines = with_server_jit(lines, args.server_jit)
+    comparison = compare(found, lines, args.runs)
+    print("\n" + render_comparison(base, comparison, args.runs))
+    if base.trace_headers:
+        # The same invocation's baseline for what the header costs: the client library's own share.
+        messages = min(base.messages, HEADER_FLOOR_MESSAGES)
+        floor = header_floor.measure(
+            found.bootstrap, messages=messages, payload_bytes=base.payload_bytes, runs=max(3, args.runs)
+        )
+        print("\n" + floor.render(messages))
+    return 0 if comparison.complete else 1
 
 
 _WHAT = {

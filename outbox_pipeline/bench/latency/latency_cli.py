@@ -24,6 +24,12 @@ from .scenarios import WARMUP_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _traffic_arguments(parser)
+    _measurement_arguments(parser)
+
+
+def _traffic_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the latency bench writes, for how long, and through which strategies."""
     parser.add_argument(
         "--latency",
         type=rates,
@@ -55,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="latency bench: these strategies in turn (all: the ordered ones first) instead of --strategy; --writers: "
         "the strategies whose index sets the outbox writers write (default partitioned,serialized)",
     )
+
+
+def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the latency bench observes, what it compares, and where it writes the numbers."""
     parser.add_argument(
         "--no-observer",
         action="store_true",
