@@ -8,6 +8,7 @@ without a run, so the check's history is the outbox's lag over time.
 
 import dagster as dg
 
+from outbox_pipeline.model import WAL
 from outbox_pipeline.observe.horizon import find_horizon
 from outbox_pipeline.observe.lag import DeadLetterBacklog, dead_letter_backlog, held_keys, partition_lag
 from outbox_pipeline.observe.lag_slo import LagVerdict, evaluate_lag, evaluate_wal_lag
@@ -15,7 +16,6 @@ from outbox_pipeline.observe.status import markdown, partition_status
 from outbox_pipeline.observe.wal_lag import wal_lag
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.strategies import WAL
 from resources.postgres import PostgresResource
 
 BACKLOG_KEY = dg.AssetKey("outbox_backlog")

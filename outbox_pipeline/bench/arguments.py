@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..strategies import RECORDED_NAMES, STRATEGY_NAMES
+from ..model import RECORDED_NAMES, STRATEGY_NAMES
 from .latency import latency_cli
 
 

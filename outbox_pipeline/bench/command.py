@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import settings
 from ..config import check_dsn
-from ..strategies import STRATEGY_NAMES, WAL
+from ..model import STRATEGY_NAMES, WAL
 from . import header_floor, held, retained, writers
 from .baselines.comparison import (
     HEADLINE,

@@ -31,12 +31,12 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..localstack.demo import load
+from ..model import WAL, PublishOutcome
 from ..relay.publisher import KafkaPublisher
 from ..relay.relay_settings import RelaySettings
 from ..relay.workers import WorkerSpec, build_relay
 from ..store.schema import init_db, set_topic_partitions
-from ..strategies import WAL
-from ..strategies.base import PublishOutcome, StrategyConfig
+from ..strategies.base import StrategyConfig
 from ..verify import verify
 from .baselines.ceilings import ConfirmingPublisher, count_back, produce_all, read_share
 from .baselines.handwritten import run_hand_written
@@ -195,8 +195,7 @@ def _worker(
                 publisher=ConfirmingPublisher() if spec.kind == "read-only" else None,
                 observer=confirmed,
             )
-            relay.strategy  # noqa: B018 - connect before the clock starts
-            relay.publisher.warm_up()  # the read-only line's publisher starts nothing
+            relay.prepare()  # connected and the producer started before the clock starts
             start_line()
             published = relay.run().published
             ended = confirmed.at  # 0 when it confirmed nothing: it does not end the drain

@@ -22,19 +22,18 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
+from ..model import WAL, PublishOutcome
 from ..relay.publisher import KafkaPublisher, PendingBatch
 from ..relay.relay_settings import RelaySettings
-from ..relay.wal.relay import WalRelaySettings
-from ..relay.workers import WorkerSpec, build_wal_relay
+from ..relay.workers import WorkerSpec, build_relay
 from ..store.wal.objects import WAL_SINCE_SERVER_VERSION, drop_slot, names_of, slot_holder
-from ..strategies import WAL
-from ..strategies.base import PublishOutcome, StrategyConfig
+from ..strategies.base import StrategyConfig
 from .baselines.ceilings import ConfirmingPublisher
 
 # One relay streams a slot; a second one waits for it (relay/wal/leader.py): a drain has one worker.
 WAL_WORKERS = 1
 # How many messages the wal relay hands Kafka at once (its batch; it takes no --batch-size).
-WAL_BATCH = WalRelaySettings().batch_max
+WAL_BATCH = RelaySettings().wal_batch_max
 # A transactional message under a prefix no outbox reads: the relay passes over it and confirms its commit.
 _MARKER_PREFIX = "outbox-bench:marker"
 
@@ -183,7 +182,7 @@ def drain_wal(
         StrategyConfig(table=table),
         worker_id=worker_id,
     )
-    relay = build_wal_relay(spec, publisher=kafka)
+    relay = build_relay(spec, publisher=kafka)
     ready()
     try:
         return relay.run().published

@@ -34,10 +34,10 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..localstack.demo import load
+from ..model import WAL
 from ..partitioning import partition_for
 from ..store.enqueue import Message, enqueue_many
 from ..store.schema import init_db, set_topic_partitions
-from ..strategies import WAL
 from .procstat import parent_pid, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .runner import Servers
 from .wal_outbox import drop_outbox, emitted_messages, insert_lsn, table_for, why_not_wal

@@ -16,10 +16,10 @@ import psycopg
 
 from ..config import redact_dsn
 from ..errors import OutboxError
+from ..model import RECORDED_NAMES
 from ..relay.relay_settings import RelaySettings
-from ..relay.wal.relay import WalRelaySettings
 from ..store.migrations import DEFAULT_DAYS_AHEAD
-from ..strategies import RECORDED_NAMES, strategy_list
+from ..strategies import strategy_list
 from ..strategies.quarantine import ON_POISON_CHOICES
 from .common import add_db_args, header_pair, positive_int, timestamp_arg, topic_partitions
 from .inspect_commands import cmd_lag, cmd_settings, cmd_status
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=RelaySettings.batch_size,
         help=f"rows per claim (table strategies); a wal relay hands Kafka what its stream holds, up to "
-        f"{WalRelaySettings.batch_max:,} messages at once, whatever this says",
+        f"{RelaySettings.wal_batch_max:,} messages at once, whatever this says",
     )
     p.add_argument(
         "--until-empty",

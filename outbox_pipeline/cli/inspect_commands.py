@@ -15,6 +15,7 @@ import psycopg
 
 from ..config import settings_in_effect
 from ..errors import OutboxError
+from ..model import WAL
 from ..observe.horizon import find_horizon
 from ..observe.lag import PartitionLag, dead_letter_backlog, describe_holders, held_keys, holders, partition_lag
 from ..observe.lag_slo import LagThresholds, evaluate_wal_lag
@@ -23,7 +24,6 @@ from ..observe.orphan_slot import orphan_slot
 from ..observe.wal_lag import NO_PARTITIONS, wal_lag
 from ..store import strategy_record
 from ..store.wal import grants
-from ..strategies import WAL
 from .common import connect, table_of
 
 

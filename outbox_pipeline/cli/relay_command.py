@@ -10,11 +10,11 @@ from multiprocessing.process import BaseProcess
 from .. import server
 from ..config import redact_dsn
 from ..errors import OutboxError
+from ..model import WAL
 from ..relay.relay_settings import RelaySettings
 from ..relay.workers import WorkerResult, WorkerSpec, run_worker_processes
 from ..store import schema
 from ..store.relayable import require_relayable
-from ..strategies import WAL
 from ..strategies.base import StrategyConfig
 from ..strategies.positions import PositionStrategy
 from ..strategies.quarantine import on_poison_from_env

@@ -13,12 +13,12 @@ import threading
 from .. import server, settings
 from ..config import redact_dsn
 from ..errors import OutboxError
+from ..model import WAL
 from ..store import indexes, schema, strategy_record
 from ..store.enqueue import enqueue
 from ..store.migrations import DEFAULT_TOPIC_ROW
 from ..store.wal import grants, refusals
 from ..store.wal.objects import names_of
-from ..strategies import WAL
 from .common import dsn_of, table_of
 
 

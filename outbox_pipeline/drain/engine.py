@@ -48,7 +48,7 @@ from ..config import OutboxTable
 from ..observe.lag import PartitionLag, partition_lag
 from ..store import strategy_record
 from ..store.relayable import other_orders
-from ..strategies.offsets import discover
+from ..strategies.positions import discover
 from .ranges import renew_leases
 from .values import (
     DEFAULT_LEASE_S,

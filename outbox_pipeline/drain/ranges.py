@@ -12,8 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import psycopg
 from psycopg import sql
 
+from ..model import OutboxRecord
 from ..relay.publisher import KafkaPublisher
-from ..strategies.base import RECORD_COLUMNS, OutboxRecord, fetch_records
+from ..strategies.base import RECORD_COLUMNS, fetch_records
 from .values import (
     DEFAULT_FETCH_ROWS,
     DeliveryError,

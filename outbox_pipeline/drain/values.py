@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..config import OutboxTable
 from ..errors import OutboxError
-from ..strategies import WAL, strategy_class
+from ..model import WAL
+from ..strategies import strategy_class
 from ..strategies.positions import PositionStrategy
 
 OWNER_PREFIX = "bulk-drain:"

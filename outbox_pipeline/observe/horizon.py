@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..strategies.offsets import partition_pairs
+from ..strategies.positions import partition_pairs
 
 # Running transactions (with an xid) and prepared ones older than the newest held-back transaction. A 32-bit xid
 # is placed by its signed 32-bit distance from that transaction (exact whatever the epoch: PostgreSQL keeps every

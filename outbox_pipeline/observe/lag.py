@@ -18,9 +18,9 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError
-from ..strategies import WAL, strategy_class
-from ..strategies.offsets import partition_pairs
-from ..strategies.positions import PositionStrategy
+from ..model import WAL
+from ..strategies import strategy_class
+from ..strategies.positions import PositionStrategy, partition_pairs
 from .liveness import holders_alive
 
 

@@ -28,8 +28,7 @@ from prometheus_client.registry import Collector
 
 from .. import server
 from ..config import OutboxTable
-from ..strategies import WAL
-from ..strategies.base import AckResult, PublishOutcome
+from ..model import WAL, AckResult, PublishOutcome
 from .horizon import find_horizon
 from .lag import partition_lag
 from .wal_lag import WalLag, wal_lag

@@ -29,9 +29,9 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
+from ..model import POSITION_STRATEGIES, STRATEGY_NAMES
+from ..store.partition_counts import BEHIND_POSITION
 from ..store.schema import DEFAULT_PARTITION, ensure_partitions, move_into_own_partition
-from ..strategies import POSITION_STRATEGIES, STRATEGY_NAMES
-from ..strategies.offsets import BEHIND_POSITION
 
 _DAY_PARTITION = re.compile(r"^outbox_messages_p(\d{8})$")
 

@@ -31,13 +31,14 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError
+from ..model import WAL
 from ..observe.liveness import live_workers
 from ..store import strategy_record
 from ..store.indexes import require_indexes
+from ..store.partition_counts import BEHIND_POSITION
 from ..store.relayable import keeps_positions
-from ..strategies import WAL
 from ..strategies.base import AckMode
-from ..strategies.offsets import BEHIND_POSITION, partition_pairs
+from ..strategies.positions import partition_pairs
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,12 @@ import dagster as dg
 
 from outbox_pipeline.drain.values import OWNER_PREFIX
 from outbox_pipeline.errors import OutboxError
+from outbox_pipeline.model import WAL
 from outbox_pipeline.observe.lag import PartitionLag, partition_lag
 from outbox_pipeline.observe.liveness import LiveWorker, live_workers
 from outbox_pipeline.observe.wal_lag import wal_lag
 from outbox_pipeline.store.relayable import require_relayable
-from outbox_pipeline.strategies import WAL
-from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
+from outbox_pipeline.strategies.positions import UNSCOPED_KIND
 from resources.postgres import PostgresResource
 
 from .drain_requests import bulk_drain_request

@@ -16,10 +16,10 @@ from pydantic import Field, model_validator
 from outbox_pipeline import settings as catalogue
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.errors import ConfigurationError
+from outbox_pipeline.model import RECORDED_NAMES
 from outbox_pipeline.observe.lag_slo import LagThresholds
 from outbox_pipeline.settings import Setting
 from outbox_pipeline.store import strategy_record
-from outbox_pipeline.strategies import RECORDED_NAMES
 from outbox_pipeline.strategies.quarantine import ON_POISON_CHOICES, OnPoison
 
 # The settings this resource carries, by field name.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from confluent_kafka import KafkaError
 
-from ..strategies.base import FailureKind
+from ..model import FailureKind
 
 # Errors no retry can fix: the record itself is unacceptable (too large, invalid topic name).
 PERMANENT_ERRORS = frozenset(

@@ -63,7 +63,7 @@ class WorkerPresence:
         heartbeat_s: float = 1.0,
     ) -> None:
         self.conn = conn
-        self.kind = kind  # "relay" serves every partition (strategies/sharing.py deals partitions among them)
+        self.kind = kind  # "relay" serves every partition (strategies/positions/sharing.py deals partitions among them)
         self.table = table
         self.worker_id = worker_id
         self.mode: LivenessMode = liveness

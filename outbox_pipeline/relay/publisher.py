@@ -23,12 +23,12 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from ..config import redact_kafka_config, redact_kafka_error
 from ..errors import ConfigurationError
+from ..model import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from ..store.header_rules import UnencodableHeaders
 from ..store.record_headers import CloudEvents, Headers, RecordHeaders, cloud_events_from_env
 from ..store.record_size import record_bytes
 from ..store.topic_names import is_valid_topic
 from ..store.tracing import BatchSpan, start_batch_span
-from ..strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .kafka_errors import PRODUCER_RESET_ERRORS, failure_kind
 from .topic_limits import TopicLimits
 from .transactional import MAX_TRANSACTIONAL_PRODUCERS, TransactionalProducers, drop

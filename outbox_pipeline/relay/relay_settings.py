@@ -1,5 +1,5 @@
-"""Engine room: how a relay worker is set up (RelaySettings, what the CLI, Dagster runs and the bench all build it
-with) and how often it claims under steady traffic (Pacer)."""
+"""How a relay worker is set up (RelaySettings: the CLI, Dagster runs and the bench build both relays with it), how it
+backs off after a failure (Backoff) and how often it claims under steady traffic (Pacer)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ class RelaySettings:
     wal_takeover_s: float = settings.WAL_TAKEOVER_S.default
     # wal: min_cycle_s of the wal relay's Pacer.
     wal_linger_s: float = settings.WAL_LINGER_MS.default / 1000
+    # wal: messages handed to Kafka at once (a backlog's batch; steady traffic sends what came), whatever batch_size.
+    wal_batch_max: int = 20_000
+    # wal: how often a waiting relay tries the slot's lock (relay/wal/leader.py).
+    wal_leader_poll_s: float = 1.0
 
     def error_backoff_s(self, failures: int) -> float:
         """The wait after the ``failures``-th failure in a row: doubling up to the maximum, jittered by half."""
@@ -65,6 +69,22 @@ class RelaySettings:
                 **fields,
             }
         )
+
+
+@dataclass
+class Backoff:
+    """The failures in a row (a database or a broker that is down) and the wait after each, for both relays."""
+
+    settings: RelaySettings
+    failures: int = 0
+
+    def next_s(self) -> float:
+        """One more failure: how long to wait before trying again (RelaySettings.error_backoff_s)."""
+        self.failures += 1
+        return self.settings.error_backoff_s(self.failures)
+
+    def reset(self) -> None:
+        self.failures = 0
 
 
 @dataclass

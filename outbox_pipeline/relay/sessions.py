@@ -1,4 +1,4 @@
-"""Engine room: a relay worker's PostgreSQL sessions (relay/loop.py runs the loop over them).
+"""A table relay's PostgreSQL sessions, what relay/loop.py asks the database through (its ``Sessions``).
 
 The control session holds the worker's liveness lock and registration and LISTENs for commits; each strategy instance
 has a session of its own (two when a strategy pipelines with one open transaction per batch in flight). All are opened
@@ -14,10 +14,12 @@ from collections.abc import Callable
 import psycopg
 
 from .. import server
+from ..config import OutboxTable
+from ..observe.lag import explain_pending, pending_in_scope
 from ..store.relayable import require_relayable
 from ..store.schema import require_current
 from ..strategies.base import Strategy, StrategyConfig
-from ..strategies.sharing import UNSCOPED_KIND
+from ..strategies.positions import UNSCOPED_KIND
 from .presence import WorkerPresence
 from .relay_settings import RelaySettings
 from .wakeups import WakeUps
@@ -34,17 +36,15 @@ class WorkerSessions:
         strategy_factory: StrategyFactory,
         strategy_config: StrategyConfig,
         settings: RelaySettings,
-        wake_ups: WakeUps,
         stop: threading.Event,
-        registered: threading.Event,
     ) -> None:
         self.dsn = dsn
         self.strategy_factory = strategy_factory
-        self.strategy_config = strategy_config
+        self.config = strategy_config
         self.settings = settings
-        self.wake_ups = wake_ups
+        self.wake_ups = WakeUps(strategy_config.table, stop)
         self.stop = stop
-        self.registered = registered  # set once the worker is in the registry
+        self.registered = threading.Event()  # set once the worker is in the registry
         self.control: psycopg.Connection | None = None
         self._connections: list[psycopg.Connection] = []
         self._strategies: list[Strategy] = []
@@ -61,9 +61,9 @@ class WorkerSessions:
             for _ in range(wanted):
                 conn = server.connect(self.dsn, autocommit=True, application_name=self._application_name)
                 self._connections.append(conn)
-                strategy = self.strategy_factory(conn, self.strategy_config)
+                strategy = self.strategy_factory(conn, self.config)
                 if not self._strategies:
-                    require_relayable(conn, self.strategy_config.table, strategy.name)
+                    require_relayable(conn, self.config.table, strategy.name)
                 self._strategies.append(strategy)
         return self._strategies
 
@@ -72,12 +72,12 @@ class WorkerSessions:
         if self._presence is None:
             conn = server.connect(self.dsn, autocommit=True, application_name=self._application_name)
             self.control = conn
-            require_current(conn, self.strategy_config.table)
-            scoped = self.strategy_config.partitions is not None
+            require_current(conn, self.config.table)
+            scoped = self.config.partitions is not None
             presence = WorkerPresence(
                 conn,
-                self.strategy_config.table,
-                self.strategy_config.worker_id,
+                self.config.table,
+                self.config.worker_id,
                 self.settings.liveness,
                 kind="relay-scoped" if scoped else UNSCOPED_KIND,
                 heartbeat_s=self.settings.upkeep_interval_s,
@@ -91,7 +91,7 @@ class WorkerSessions:
 
     @property
     def _application_name(self) -> str:
-        return f"outbox {self.strategy_config.worker_id}"[:63]
+        return f"outbox {self.config.worker_id}"[:63]
 
     def upkeep(self) -> bool | None:
         """Heartbeat and reap at most every upkeep_interval_s: None when not due, else whether dead workers' work
@@ -101,6 +101,54 @@ class WorkerSessions:
         self._upkeep_at = time.monotonic()
         reaped = self.connect_control().upkeep()
         return bool(reaped.partitions or reaped.rows)
+
+    @property
+    def listening(self) -> bool:
+        """Whether commits are announced to this worker (else only its poll finds them)."""
+        return self.wake_ups.listening
+
+    def announced(self) -> bool:
+        """Whether commits were announced since the last look (the NOTIFYs are dropped: the next claim sees them)."""
+        return self.wake_ups.coalesce(self.control) > 0
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Wake at the first NOTIFY (a commit that inserted rows) or after the timeout (wakeups.py); True: a NOTIFY."""
+        if not self.settings.listen:
+            self.stop.wait(timeout_s)
+            return False
+        try:
+            if self.control is None:
+                self.connect_control()
+                return False  # rows committed before LISTEN sent no wake-up: look once more before waiting
+            return self.wake_ups.wait(self.control, timeout_s)
+        except psycopg.OperationalError:
+            self.disconnect()
+            self.stop.wait(timeout_s)
+            return False
+
+    def stand_by(self, timeout_s: float) -> None:
+        """Wait to ask for the active worker's role again (Strategy.standing_by), not listening meanwhile."""
+        try:
+            self.wake_ups.stand_by(self.control, timeout_s)
+        except psycopg.OperationalError:
+            self.disconnect()
+            self.stop.wait(timeout_s)
+
+    def pending(self) -> bool:
+        """Whether rows in this worker's scope are still to publish (``until_empty``)."""
+        return pending_in_scope(*self._scope())
+
+    def explain_pending(self) -> list[str]:
+        """Why rows are still pending when ``max_seconds`` ended an ``until_empty`` run: asked of the database, which
+        may be the reason it could not finish."""
+        try:
+            return explain_pending(*self._scope())
+        except psycopg.OperationalError as exc:
+            return [f"unknown: the database did not answer ({str(exc).strip().splitlines()[0]})"]
+
+    def _scope(self) -> tuple[psycopg.Connection, OutboxTable, str, frozenset[tuple[str, int]] | None]:
+        strategy = self.strategies()[0]
+        return strategy.conn, self.config.table, strategy.name, self.config.partitions
 
     def disconnect(self, *, deregister: bool = False) -> None:
         if deregister and self._presence is not None:

@@ -1,5 +1,5 @@
-"""Engine room: what a relay worker counts (RelayStats, BatchMetrics) and the hooks it reports through
-(RelayInstruments, implemented for Prometheus by metrics.py)."""
+"""What a relay worker counts (RelayStats, BatchMetrics) and the hooks it reports through (RelayInstruments: Prometheus
+in observe/metrics.py, nowhere in NullInstruments)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
-from ..strategies.base import AckResult, Claim, PublishOutcome
+from ..model import AckResult, Claim, PublishOutcome
 from ..timestamps import PG_EPOCH
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,25 @@ class RelayInstruments(Protocol):
     def claimed(self, seconds: float, rows: int, collisions: int) -> None: ...
     def acked_batch(self, publish_s: float, ack_s: float, outcome: PublishOutcome, result: AckResult) -> None: ...
     def error(self) -> None: ...
+
+
+class NullInstruments:
+    """Instruments that report nowhere: a relay run without /metrics (tests, the bench, Dagster runs)."""
+
+    def loop(self) -> None:
+        pass
+
+    def database_ok(self) -> None:
+        pass
+
+    def claimed(self, seconds: float, rows: int, collisions: int) -> None:
+        pass
+
+    def acked_batch(self, publish_s: float, ack_s: float, outcome: PublishOutcome, result: AckResult) -> None:
+        pass
+
+    def error(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -120,6 +139,13 @@ class RelayStats:
             f"published_but_ack_failed={self.lost_ownership} dead_lettered={self.dead_lettered} "
             f"retried={self.retried} errors={self.errors} msg/s={self.msg_per_s:,.0f}"
         )
+
+
+def database_error(stats: RelayStats, instruments: RelayInstruments, exc: Exception) -> str:
+    """Count a database error (the relay's stats and /metrics); its first line, to log."""
+    stats.errors += 1
+    instruments.error()
+    return str(exc).strip().splitlines()[0]
 
 
 _CREATED_AT = attrgetter("created_at")

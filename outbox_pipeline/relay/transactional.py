@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from ..model import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from ..store.record_headers import Headers
 from ..store.topic_names import is_valid_topic
-from ..strategies.base import DeliveryFailure, FailureKind, OutboxRecord, PublishOutcome
 from .kafka_errors import failure_kind
 from .topic_limits import TopicLimits
 

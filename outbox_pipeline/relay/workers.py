@@ -20,17 +20,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
+from typing import TYPE_CHECKING, Protocol
 
 from ..config import default_worker_id
 from ..errors import OutboxError
-from ..strategies import WAL, strategy_class
-from ..strategies.base import PublishOutcome, Strategy, StrategyConfig
+from ..model import WAL, PublishOutcome
+from ..strategies import strategy_class
+from ..strategies.base import Strategy, StrategyConfig
 from .loop import Relay
 from .publisher import KafkaPublisher
 from .relay_settings import RelaySettings
-from .stats import RelayInstruments
-from .wal.leader import LeaderSettings
-from .wal.relay import WalRelay, WalRelaySettings
+from .sessions import WorkerSessions
+from .stats import RelayInstruments, RelayStats
+from .wal.relay import WalRelay
+
+if TYPE_CHECKING:
+    from ..observe.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,18 @@ class WorkerSpec:
     log_level: int = logging.INFO
 
 
+class RelayWorker(Protocol):
+    """What every relay is to its callers (the CLI's processes, Dagster runs, the bench, the tests): the table relay
+    (loop.py) and the wal relay (wal/relay.py) alike."""
+
+    stop: threading.Event  # set it to end the run after the batch in Kafka is confirmed
+    stats: RelayStats
+    registered: threading.Event  # set while the worker is registered (table) or streams the slot (wal)
+
+    def prepare(self) -> None: ...  # connect and start the producer now, before a measurement's clock starts
+    def run(self) -> RelayStats: ...
+
+
 def build_relay(
     spec: WorkerSpec,
     stop: threading.Event | None = None,
@@ -63,49 +80,30 @@ def build_relay(
     strategy_cls: type[Strategy] | None = None,
     instruments: RelayInstruments | None = None,
     observer: Callable[[PublishOutcome], None] | None = None,
-) -> Relay:
-    """The one way a relay worker is assembled: the CLI's processes, the bench and the test workers call it.
+) -> RelayWorker:
+    """The one way a relay worker is assembled: the CLI's processes, the bench, Dagster runs and the test workers.
 
     ``publisher`` and ``strategy_cls`` replace the defaults built from the spec (a Dagster resource's publisher,
     the bench's read-only ceiling, the fault suite's instrumented workers); ``observer`` sees every outcome.
     """
-    return Relay(
-        spec.dsn,
-        strategy_cls or strategy_class(spec.strategy),
-        replace(spec.config, worker_id=spec.worker_id or default_worker_id()),
-        publisher or KafkaPublisher(spec.kafka_config),
-        spec.settings,
-        stop,
-        instruments=instruments,
-        observer=observer,
-    )
-
-
-def build_wal_relay(
-    spec: WorkerSpec,
-    stop: threading.Event | None = None,
-    *,
-    publisher: KafkaPublisher | None = None,
-    observer: Callable[[PublishOutcome], None] | None = None,
-    instruments: RelayInstruments | None = None,
-) -> WalRelay:
-    """The wal strategy's relay (relay/wal/), from the same spec: one process streams the slot, others wait."""
-    return WalRelay(
-        spec.dsn,
-        spec.config.table,
-        publisher or KafkaPublisher(spec.kafka_config),
-        WalRelaySettings(
-            until_idle=spec.settings.until_empty or spec.settings.until_idle,
-            max_seconds=spec.settings.max_seconds,
-            linger_s=spec.settings.wal_linger_s,
-            leader=LeaderSettings(takeover_after_s=spec.settings.wal_takeover_s),
-        ),
-        stop,
-        worker_id=spec.worker_id or default_worker_id(),
-        on_poison=spec.config.on_poison,
-        observer=observer,
-        instruments=instruments,
-    )
+    stop = stop or threading.Event()
+    publisher = publisher or KafkaPublisher(spec.kafka_config)
+    config = replace(spec.config, worker_id=spec.worker_id or default_worker_id())
+    if spec.strategy == WAL:  # one process streams the slot, others wait (relay/wal/)
+        return WalRelay(
+            spec.dsn,
+            config.table,
+            publisher,
+            spec.settings,
+            stop,
+            worker_id=config.worker_id,
+            on_poison=config.on_poison,
+            observer=observer,
+            instruments=instruments,
+        )
+    factory = strategy_cls or strategy_class(spec.strategy)
+    sessions = WorkerSessions(spec.dsn, factory, config, spec.settings, stop)
+    return Relay(sessions, publisher, spec.settings, stop, observer=observer, instruments=instruments)
 
 
 @dataclass(frozen=True)
@@ -127,6 +125,24 @@ class WorkerResult:
     # --until-empty stopped with rows pending: why (lag.explain_pending)
     remaining: tuple[str, ...] = ()
 
+    @classmethod
+    def of(cls, spec: WorkerSpec, stats: RelayStats, error: str | None) -> WorkerResult:
+        return cls(
+            spec.index,
+            spec.worker_id or "",
+            stats.published,
+            stats.claimed,
+            stats.collisions,
+            stats.lost_ownership,
+            stats.dead_lettered,
+            stats.retried,
+            stats.errors,
+            stats.elapsed_s,
+            stats.summary(),
+            error,
+            tuple(stats.remaining),
+        )
+
 
 def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
     """Entry point of one spawned relay process: its own connection, producer and strategy.
@@ -141,22 +157,34 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
         signal.signal(sig, lambda *_: stop.set())
     # The parent started us with them blocked: one sent while we booted waited for the handler above.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    relay_spec = replace(spec, worker_id=spec.worker_id or default_worker_id())
-    worker_id = relay_spec.worker_id or ""
-    table = spec.config.table
-    served = None
-    if spec.metrics_port is not None:
-        from ..observe.metrics import serve_worker_metrics
+    spec = replace(spec, worker_id=spec.worker_id or default_worker_id())
+    served = _serve_metrics(spec)
+    relay = build_relay(spec, stop, instruments=served.metrics if served else None)
+    try:
+        error = _run_reporting(relay, spec.worker_id or "")
+    finally:
+        if served is not None:
+            served.stop()
+    log.info("worker %s finished: %s", spec.worker_id, relay.stats.summary())
+    results.put(WorkerResult.of(spec, relay.stats, error))
+    if error is not None:
+        sys.exit(1)
 
-        # Worker n serves on port + n; the first also samples the outbox's lag.
-        served = serve_worker_metrics(
-            spec.metrics_port + spec.index, spec.dsn, table, spec.strategy, sample_lag=spec.index == 0
-        )
-    relay: Relay | WalRelay = (
-        build_wal_relay(relay_spec, stop, instruments=served.metrics if served else None)
-        if spec.strategy == WAL
-        else build_relay(relay_spec, stop, instruments=served.metrics if served else None)
+
+def _serve_metrics(spec: WorkerSpec) -> WorkerMetrics | None:
+    """/metrics and /healthz when asked for: worker n serves on port + n; the first also samples the outbox's lag."""
+    if spec.metrics_port is None:
+        return None
+    from ..observe.metrics import serve_worker_metrics
+
+    table = spec.config.table
+    return serve_worker_metrics(
+        spec.metrics_port + spec.index, spec.dsn, table, spec.strategy, sample_lag=spec.index == 0
     )
+
+
+def _run_reporting(relay: RelayWorker, worker_id: str) -> str | None:
+    """Run the relay, logging its counts every METRICS_INTERVAL_S; what ended it, when it was not a stop."""
     done = threading.Event()
 
     def report() -> None:
@@ -165,41 +193,18 @@ def relay_worker(spec: WorkerSpec, results: Queue[WorkerResult]) -> None:
 
     reporter = threading.Thread(target=report, name="relay-metrics", daemon=True)
     reporter.start()
-    error: str | None = None
     try:
         relay.run()
     except OutboxError as exc:  # a condition an operator fixes (an id in use): its message, not a traceback
-        error = str(exc)
         log.error("worker %s stopped: %s", worker_id, exc)
+        return str(exc)
     except Exception as exc:  # reported to the parent, which exits non-zero
-        error = f"{type(exc).__name__}: {exc}"
         log.exception("worker %s crashed", worker_id)
+        return f"{type(exc).__name__}: {exc}"
     finally:
         done.set()
         reporter.join()
-        if served is not None:
-            served.stop()
-    stats = relay.stats
-    log.info("worker %s finished: %s", worker_id, stats.summary())
-    results.put(
-        WorkerResult(
-            spec.index,
-            worker_id,
-            stats.published,
-            stats.claimed,
-            stats.collisions,
-            stats.lost_ownership,
-            stats.dead_lettered,
-            stats.retried,
-            stats.errors,
-            stats.elapsed_s,
-            stats.summary(),
-            error,
-            tuple(stats.remaining),
-        )
-    )
-    if error is not None:
-        sys.exit(1)
+    return None
 
 
 @contextmanager

@@ -5,7 +5,7 @@ partition keeps its own history: while the ordinary relay loop runs in a thread 
 share of the partitions with every other live worker, woken by NOTIFY), the caller gets, every
 ``report_every_s``, one :class:`PartitionProgress` per partition this worker was dealt or published to
 in the interval, with the partition's lag read in one query. Every live relay worker is dealt a disjoint
-share (strategies/sharing.py), so each partition is reported by one worker per interval.
+share (strategies/positions/sharing.py), so each partition is reported by one worker per interval.
 
 Stopping: :meth:`StreamRun.stop` (or the window, ``settings.max_seconds``) ends the loop after the batch in
 flight is confirmed and acked; an exception in the caller (an orchestrator's interrupt) does the same
@@ -23,16 +23,14 @@ from dataclasses import dataclass, replace
 import psycopg
 
 from .. import server
+from ..model import WAL, OutboxRecord, PublishOutcome
 from ..observe.lag import PartitionLag, partition_lag
-from ..relay.loop import Relay
 from ..relay.publisher import KafkaPublisher
 from ..relay.relay_settings import RelaySettings
 from ..relay.stats import RelayInstruments, RelayStats
-from ..relay.wal.relay import WalRelay
-from ..relay.workers import WorkerSpec, build_relay, build_wal_relay
-from ..strategies import WAL
-from ..strategies.base import OutboxRecord, PublishOutcome, StrategyConfig
-from ..strategies.sharing import deal
+from ..relay.workers import WorkerSpec, build_relay
+from ..strategies.base import StrategyConfig
+from ..strategies.positions import deal
 from .wal_partitions import WalPartitions
 
 Pair = tuple[str, int]
@@ -148,15 +146,10 @@ class StreamRun:
             config,
             worker_id=config.worker_id,
         )
-        self.relay: Relay | WalRelay
         if strategy == WAL:
             # One relay streams the slot; each message's partition is its key's, as the SQL routing has it.
             self._tally = _Tally(WalPartitions(dsn, config.table))
-            self.relay = build_wal_relay(
-                spec, publisher=publisher, observer=self._tally.observe, instruments=instruments
-            )
-        else:
-            self.relay = build_relay(spec, publisher=publisher, instruments=instruments, observer=self._tally.observe)
+        self.relay = build_relay(spec, publisher=publisher, instruments=instruments, observer=self._tally.observe)
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         # Set when the relay thread has finished (deregistered). Waited on instead of Thread.join: a join

@@ -15,9 +15,9 @@ from psycopg import sql
 
 from .. import server
 from ..config import OutboxTable
+from ..model import OutboxRecord
 from ..partitioning import partition_for
 from ..store.migrations import DEFAULT_TOPIC_ROW, DEFAULT_VIRTUAL_PARTITIONS
-from ..strategies.base import OutboxRecord
 
 # Partition counts are read again this often (an operator may change one).
 COUNTS_TTL_S = 60.0

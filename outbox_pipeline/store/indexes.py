@@ -26,7 +26,7 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError, SchemaError
-from ..strategies import RECORDED_NAMES
+from ..model import RECORDED_NAMES
 
 ROW_STRATEGIES = ("locking", "advisory", "lease")
 DROP_LOCK_TIMEOUT = "5s"  # how long dropping an index may queue writers and relays behind it

@@ -14,8 +14,6 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..strategies.base import MESSAGE_BODY_COLUMNS
-from ..strategies.quarantine import create_quarantine_tables
 from .header_rules import refuse_reserved_headers, refuse_unsendable_headers
 from .partition_counts import check_snapshot_writers, create_partition_count_guard, lock_counts_as_owner
 from .record_size import create_record_bytes, sql_enqueue_size_check
@@ -37,6 +35,61 @@ class Migration:
     version: int
     name: str
     apply: Callable[[psycopg.Connection, OutboxTable], None]
+
+
+# The columns a copy of an outbox row keeps besides its ids, topic and key (dead letters, rows held behind one), as
+# migrations 1 and 8 created them; migration 11 adds ``payload_bytes bytea`` and lets ``payload`` be NULL.
+MESSAGE_BODY_COLUMNS = """
+    type           text,
+    payload        jsonb       NOT NULL,
+    headers        jsonb       NOT NULL,
+    partition      integer     NOT NULL,
+    priority       smallint    NOT NULL,
+    transaction_id xid8        NOT NULL,
+    created_at     timestamptz NOT NULL,
+"""
+
+
+def _create_quarantine_tables(conn: psycopg.Connection, t: OutboxTable) -> None:
+    """Migration 8."""
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE TABLE {holds} (
+                topic           text        NOT NULL,
+                key             text        NOT NULL,
+                partition       integer     NOT NULL,
+                dead_letter_id  bigint      NOT NULL,
+                held_since      timestamptz NOT NULL DEFAULT now(),
+                released_at     timestamptz,
+                release         text        CHECK (release IN ('retry', 'discard')),
+                released_by     text,
+                available_after timestamptz NOT NULL DEFAULT now(),
+                PRIMARY KEY (topic, key)
+            )
+            """
+        ).format(holds=t.holds)
+    )
+    conn.execute(sql.SQL("CREATE INDEX outbox_holds_partition ON {} (topic, partition)").format(t.holds))
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE TABLE {held} (
+                id             bigint      PRIMARY KEY,
+                message_id     uuid        NOT NULL,
+                topic          text        NOT NULL,
+                key            text        NOT NULL,
+                {body}
+                attempts       integer     NOT NULL DEFAULT 0,
+                last_error     text,
+                held_at        timestamptz NOT NULL DEFAULT now()
+            )
+            """
+        ).format(held=t.held, body=sql.SQL(MESSAGE_BODY_COLUMNS.strip()))
+    )
+    conn.execute(sql.SQL("CREATE INDEX outbox_held_key ON {} (topic, key, transaction_id, id)").format(t.held))
+    for column in ("discarded_at timestamptz", "discarded_by text", "discard_reason text"):
+        conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN " + column).format(t.dead_letters))
 
 
 def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
@@ -244,7 +297,7 @@ def _m005_worker_registry(conn: psycopg.Connection, t: OutboxTable) -> None:
 
 
 def _m008_quarantine(conn: psycopg.Connection, t: OutboxTable) -> None:
-    create_quarantine_tables(conn, t)
+    _create_quarantine_tables(conn, t)
     create_partition_count_guard(conn, t, default_row=DEFAULT_TOPIC_ROW, with_holds=True)
 
 

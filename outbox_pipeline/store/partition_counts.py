@@ -13,7 +13,6 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..strategies.offsets import BEHIND_POSITION
 
 # Refuses a change of a topic's effective partition count (its own row, or the default row for the topics
 # without one) while any of its rows is pending: the key's old rows and new rows would sit in two partitions
@@ -128,6 +127,21 @@ _LOCK_COUNTS_AS_OWNER = """
     BEGIN
         {lock_counts};
     END $$
+"""
+
+
+# Message row ``m`` is behind offsets row ``o``'s position, in the order of the strategy that last advanced it
+# (``read_by``): ``partitioned`` by (transaction id, id), ``serialized`` by id. With none recorded, behind in both
+# orders: a "write first, enqueue last" writer commits a lower xid after a higher id, so a row behind in one order
+# may be ahead in the other. Whoever asks whether a row was relayed (maintenance, the partition-count guard) asks
+# this, never the strategy it was told: a wrong name must not pass an unrelayed row.
+BEHIND_POSITION = """
+    coalesce(CASE o.read_by
+        WHEN 'serialized' THEN m.id <= o.last_processed_id
+        WHEN 'partitioned' THEN (m.transaction_id, m.id) <= (o.last_processed_transaction_id, o.last_processed_id)
+        ELSE m.id <= o.last_processed_id
+             AND (m.transaction_id, m.id) <= (o.last_processed_transaction_id, o.last_processed_id)
+    END, false)
 """
 
 

@@ -12,15 +12,14 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError
-from ..strategies import WAL, strategy_class
-from ..strategies.positions import PositionStrategy
+from ..model import POSITION_STRATEGIES
 from . import strategy_record
 from .indexes import require_indexes
 
 
 def keeps_positions(strategy: str) -> bool:
     """Whether ``strategy`` keeps positions (partitioned, serialized) rather than marking rows."""
-    return strategy != WAL and issubclass(strategy_class(strategy), PositionStrategy)
+    return strategy in POSITION_STRATEGIES
 
 
 def other_orders(

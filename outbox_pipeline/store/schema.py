@@ -17,8 +17,8 @@ from psycopg.rows import tuple_row
 
 from ..config import OutboxTable
 from ..errors import OutboxError, SchemaError
+from ..model import WAL
 from ..server import require_supported
-from ..strategies import WAL
 from . import strategy_record
 from .indexes import build, drop_except, indexes_for
 from .migrations import DEFAULT_DAYS_AHEAD, LATEST_VERSION, MIGRATION_LOCK_CLASS, MIGRATIONS, Migration

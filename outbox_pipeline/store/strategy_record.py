@@ -25,7 +25,7 @@ from psycopg import sql
 
 from ..config import OutboxTable
 from ..errors import OutboxError
-from ..strategies import POSITION_STRATEGIES, RECORDED_NAMES, STRATEGY_NAMES, WAL
+from ..model import POSITION_STRATEGIES, RECORDED_NAMES, STRATEGY_NAMES, WAL
 from .wal.objects import drop_by_hand
 
 # Who recorded it (``recorded_by``).

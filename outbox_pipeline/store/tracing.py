@@ -19,7 +19,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..strategies.base import OutboxRecord
+    from ..model import OutboxRecord
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"

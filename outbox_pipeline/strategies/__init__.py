@@ -17,23 +17,11 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from ..model import ORDERED_FIRST, RECORDED_NAMES, STRATEGY_NAMES
 from .base import Strategy
 
-_MODULES = {
-    "locking": ("locking", "LockingStrategy"),
-    "advisory": ("advisory", "AdvisoryStrategy"),
-    "lease": ("lease", "LeaseStrategy"),
-    "partitioned": ("partitioned", "PartitionedStrategy"),
-    "serialized": ("serialized", "SerializedStrategy"),
-}
-STRATEGY_NAMES = tuple(_MODULES)
-WAL = "wal"
-# What an outbox can be relayed by: the table strategies and the wal lane.
-RECORDED_NAMES = (*STRATEGY_NAMES, WAL)
-# The strategies that keep a position per partition (the others mark or delete rows).
-POSITION_STRATEGIES = ("partitioned", "serialized")
-# Every strategy, the ordered ones first (``all``).
-ORDERED_FIRST = ("partitioned", "serialized", "advisory", "lease", "locking")
+# Each strategy's module and class: ``locking`` is ``locking.LockingStrategy``.
+_MODULES = {name: (name, f"{name.capitalize()}Strategy") for name in STRATEGY_NAMES}
 
 
 def strategy_list(text: str) -> list[str]:

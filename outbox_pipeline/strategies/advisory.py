@@ -49,7 +49,8 @@ import psycopg
 from psycopg import IsolationLevel, pq
 
 from ..errors import ConfigurationError
-from .base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig, fetch_records
+from ..model import AckResult, Claim, OutboxRecord, PublishOutcome
+from .base import Strategy, StrategyConfig, fetch_records
 from .quarantine import NO_HOLDS, Quarantine
 from .rows import finish, select_pending_sql, split_failures
 

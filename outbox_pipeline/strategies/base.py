@@ -9,9 +9,9 @@ relay loop (``outbox_pipeline.relay.loop``) is the same for every strategy.
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
 import psycopg
 from psycopg import sql
@@ -20,6 +20,7 @@ from psycopg.types.string import ByteaBinaryLoader
 
 from .. import server
 from ..config import OutboxTable, default_worker_id
+from ..model import AckResult, Claim, OutboxRecord, PublishOutcome
 
 AckMode = Literal["delete", "mark-sent"]
 
@@ -44,18 +45,6 @@ RECORD_COLUMNS = """
 """
 
 
-# The columns a copy of an outbox row keeps besides its ids, topic and key (dead letters, rows held behind one), as
-# migrations 1 and 8 created them; migration 11 adds ``payload_bytes bytea`` and lets ``payload`` be NULL.
-MESSAGE_BODY_COLUMNS = """
-    type           text,
-    payload        jsonb       NOT NULL,
-    headers        jsonb       NOT NULL,
-    partition      integer     NOT NULL,
-    priority       smallint    NOT NULL,
-    transaction_id xid8        NOT NULL,
-    created_at     timestamptz NOT NULL,
-"""
-
 # Dead-lettering the rows of a CTE named ``moved`` (the failed rows with their ``error`` and the ``attempts`` before
 # this one): one statement for the row strategies' rows (rows.py), the position strategies' (offsets.py) and rows
 # held behind a dead letter (quarantine.py). A row dead-lettered again (replayed or rewound past, and refused again)
@@ -72,25 +61,6 @@ DEAD_LETTER_MOVED = """
         dead_lettered_by = excluded.dead_lettered_by, retried_at = NULL,
         discarded_at = NULL, discarded_by = NULL, discard_reason = NULL
 """
-
-
-class OutboxRecord(NamedTuple):
-    """One row to publish. A named tuple, not a dataclass: built once per row on the hot path, where a
-    frozen dataclass's __init__ cost more than fetching the row."""
-
-    id: int
-    topic: str
-    key: bytes | None
-    payload: bytes  # as published: the row's bytes, or its JSON text in UTF-8
-    headers: str  # jsonb text; "{}" when the row has none
-    message_id: bytes
-    outbox_id: bytes
-    created_at: int  # microseconds since 2000-01-01 UTC, the binary timestamptz (timestamps.py)
-    type: bytes | None
-    partition: int
-    transaction_id: str
-    attempts: int
-    binary: bool  # the payload is bytes (payload_bytes), not JSON text
 
 
 def fetch_records(
@@ -113,78 +83,12 @@ def stamped_cursor(conn: psycopg.Connection, *, raw: bool = False) -> psycopg.Cu
     timestamps.py): no datetime per row, and a row a plain-SQL writer stamped 'infinity' loads too (as a
     datetime it raises, and the relay could never claim past it). ``text`` loads as its UTF-8 bytes
     (RECORD_COLUMNS): the server no longer runs ``convert_to`` five times per row to make them bytea. ``raw``: a
-    ``RawCursor``, for statements written with ``$n`` placeholders (see position_reads.positional)."""
+    ``RawCursor``, for statements written with ``$n`` placeholders (see positions/reads.positional)."""
     cur = psycopg.RawCursor(conn) if raw else conn.cursor()
     cur.format = psycopg.pq.Format.BINARY
     cur.adapters.register_loader("timestamptz", Int8BinaryLoader)
     cur.adapters.register_loader("text", ByteaBinaryLoader)
     return cur
-
-
-# Why Kafka did not confirm a record, which decides what the failure costs the record:
-# - "permanent": the record can never be delivered (too large, invalid topic name): dead-letter it now;
-# - "record": Kafka refused this record (an explicit per-record error, a topic that does not exist):
-#   counts toward ``max_attempts``;
-# - "transport": the broker was unreachable, timed out or fenced the producer. Not the record's fault,
-#   so it never counts: a broker maintenance window must not turn into dead letters. The relay backs
-#   off and the lag rises (and alerts) instead.
-FailureKind = Literal["permanent", "record", "transport"]
-
-
-@dataclass(frozen=True, slots=True)
-class DeliveryFailure:
-    record: OutboxRecord
-    error: str
-    kind: FailureKind
-
-    @property
-    def permanent(self) -> bool:
-        return self.kind == "permanent"
-
-    @property
-    def counts(self) -> bool:
-        """Whether this failure counts toward the record's ``max_attempts``."""
-        return self.kind != "transport"
-
-
-@dataclass(frozen=True, slots=True)
-class PublishOutcome:
-    """What Kafka confirmed for one batch: ``delivered`` keeps the batch's order."""
-
-    delivered: Sequence[OutboxRecord]
-    failed: Sequence[DeliveryFailure]
-    elapsed_s: float = 0.0
-
-
-@dataclass
-class Claim:
-    """A batch a worker owns until it acks or gives it back. ``state`` is the strategy's own."""
-
-    records: list[OutboxRecord]
-    collisions: int = 0
-    state: Any = None
-    # Set by strategies that publish atomically (Kafka transactions): each (topic, partition)'s transactional id;
-    # each partition's rows of the batch are one transaction.
-    transactional_ids: Mapping[tuple[str, int], str] | None = None
-    # Ordered strategies (quarantine.py): rows read but not published, their key being held; the ack moves
-    # them into the hold. A claim may consist of these alone.
-    withheld: list[OutboxRecord] = field(default_factory=list)
-    # The quarantine version the claim was read under, and whether it publishes released held rows.
-    holds_version: int = 0
-    release: bool = False
-    # Whether other work was waiting when this was claimed (another partition a position strategy could lease): the
-    # relay claims again at once. A full batch means the same; otherwise it waits for a NOTIFY or its poll.
-    others_waiting: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class AckResult:
-    acked: int = 0
-    # Published, but the worker no longer owned the rows when it tried to ack (lease expired and
-    # another worker took them): those rows will be published again by their new owner.
-    lost_ownership: int = 0
-    retried: int = 0
-    dead_lettered: int = 0
 
 
 @dataclass(frozen=True)

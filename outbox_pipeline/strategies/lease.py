@@ -59,14 +59,11 @@ from typing import ClassVar
 import psycopg
 from psycopg import IsolationLevel, sql
 
+from ..model import AckResult, Claim, OutboxRecord, PublishOutcome
 from ..timestamps import created_at_bounds
 from .base import (
     FRESH_LEASE_SHARE,
     RECORD_COLUMNS,
-    AckResult,
-    Claim,
-    OutboxRecord,
-    PublishOutcome,
     Strategy,
     StrategyConfig,
     fetch_records,

@@ -15,7 +15,8 @@ from typing import ClassVar, Literal
 import psycopg
 from psycopg import IsolationLevel
 
-from .base import AckResult, Claim, PublishOutcome, Strategy, StrategyConfig
+from ..model import AckResult, Claim, PublishOutcome
+from .base import Strategy, StrategyConfig
 from .rows import FairPick, claim_fair, finish
 
 

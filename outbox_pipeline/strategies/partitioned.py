@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from .base import Claim, OutboxRecord, StrategyConfig
+from ..model import Claim, OutboxRecord
+from .base import StrategyConfig
 from .positions import PositionStrategy
 
 _XID, _ID = attrgetter("transaction_id"), attrgetter("id")

@@ -24,16 +24,8 @@ from psycopg import sql
 
 from .. import settings
 from ..config import OutboxTable
-from .base import (
-    DEAD_LETTER_MOVED,
-    MESSAGE_BODY_COLUMNS,
-    RECORD_COLUMNS,
-    DeliveryFailure,
-    OutboxRecord,
-    PublishOutcome,
-    StrategyConfig,
-    fetch_records,
-)
+from ..model import DeliveryFailure, OutboxRecord, PublishOutcome
+from .base import DEAD_LETTER_MOVED, RECORD_COLUMNS, StrategyConfig, fetch_records
 
 # What an ordered strategy does with the rest of a key when one of its rows is dead-lettered:
 # "quarantine" holds them until an operator retries or discards the dead letter; "skip" publishes them
@@ -53,48 +45,6 @@ _COLUMNS = (
     "created_at, "
     "attempts, last_error"
 )
-
-
-def create_quarantine_tables(conn: psycopg.Connection, t: OutboxTable) -> None:
-    """Migration 8."""
-    conn.execute(
-        sql.SQL(
-            """
-            CREATE TABLE {holds} (
-                topic           text        NOT NULL,
-                key             text        NOT NULL,
-                partition       integer     NOT NULL,
-                dead_letter_id  bigint      NOT NULL,
-                held_since      timestamptz NOT NULL DEFAULT now(),
-                released_at     timestamptz,
-                release         text        CHECK (release IN ('retry', 'discard')),
-                released_by     text,
-                available_after timestamptz NOT NULL DEFAULT now(),
-                PRIMARY KEY (topic, key)
-            )
-            """
-        ).format(holds=t.holds)
-    )
-    conn.execute(sql.SQL("CREATE INDEX outbox_holds_partition ON {} (topic, partition)").format(t.holds))
-    conn.execute(
-        sql.SQL(
-            """
-            CREATE TABLE {held} (
-                id             bigint      PRIMARY KEY,
-                message_id     uuid        NOT NULL,
-                topic          text        NOT NULL,
-                key            text        NOT NULL,
-                {body}
-                attempts       integer     NOT NULL DEFAULT 0,
-                last_error     text,
-                held_at        timestamptz NOT NULL DEFAULT now()
-            )
-            """
-        ).format(held=t.held, body=sql.SQL(MESSAGE_BODY_COLUMNS.strip()))
-    )
-    conn.execute(sql.SQL("CREATE INDEX outbox_held_key ON {} (topic, key, transaction_id, id)").format(t.held))
-    for column in ("discarded_at timestamptz", "discarded_by text", "discard_reason text"):
-        conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN " + column).format(t.dead_letters))
 
 
 @dataclass(frozen=True, slots=True)

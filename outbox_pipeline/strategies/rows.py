@@ -14,18 +14,9 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
+from ..model import AckResult, DeliveryFailure, OutboxRecord, PublishOutcome
 from ..timestamps import created_at_bounds
-from .base import (
-    DEAD_LETTER_MOVED,
-    RECORD_COLUMNS,
-    AckResult,
-    DeliveryFailure,
-    OutboxRecord,
-    PublishOutcome,
-    StrategyConfig,
-    fetch_records,
-    scope_condition,
-)
+from .base import DEAD_LETTER_MOVED, RECORD_COLUMNS, StrategyConfig, fetch_records, scope_condition
 
 
 def select_pending_sql(config: StrategyConfig, *, order: str, lock: bool) -> sql.Composed:

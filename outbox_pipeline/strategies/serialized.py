@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any, ClassVar
 
-from .base import OutboxRecord
+from ..model import OutboxRecord
 from .positions import PositionStrategy
 
 _ID = attrgetter("id")

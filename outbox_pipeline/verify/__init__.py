@@ -28,8 +28,8 @@ import psycopg
 
 from ..config import OutboxTable
 from ..errors import OutboxError
+from ..model import WAL
 from ..store import strategy_record
-from ..strategies import WAL
 from .checks import ORDERED_STRATEGIES, OrderedStrategy, Workspace
 from .consume import consume_topics, make_consumer
 from .report import Latency, MessageRef, OrderViolation, VerifyReport

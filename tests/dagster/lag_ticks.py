@@ -11,7 +11,7 @@ import psycopg
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.relay.presence import present
-from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
+from outbox_pipeline.strategies.positions import UNSCOPED_KIND
 
 
 def tick(

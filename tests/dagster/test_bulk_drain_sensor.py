@@ -13,7 +13,7 @@ from outbox_pipeline import OutboxTable
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.relay_stream import relay_stream_job
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.strategies.offsets import discover
+from outbox_pipeline.strategies.positions import discover
 from resources.spark import SparkResource
 
 from .conftest import Written

@@ -23,9 +23,9 @@ import psycopg
 import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.model import OutboxRecord
 from outbox_pipeline.relay.publisher import KafkaPublisher
 from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies.base import OutboxRecord
 from tests.kit.kafka import shows_only_committed
 from tests.kit.probes import dead_letters, pending, positions, wait_until
 from tests.kit.relay import message_ids, order_by_key

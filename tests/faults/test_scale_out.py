@@ -4,7 +4,7 @@ a steady rate, and every 1.5 s one worker that holds work is killed with SIGKILL
 within one batch per kill, the longest any row waited for its partition to be served, and the failover time of each
 kill: from the kill to the next publish of what the dead worker held (its partitions, its leased rows; for
 `advisory`, the outbox), p50 and p99 over 12 kills, printed as FAULT figures (the README quotes them). For the
-position strategies, once stable: the partitions dealt to the live workers (strategies/sharing.py) cover each
+position strategies, once stable: the partitions dealt to the live workers (strategies/positions/sharing.py) cover each
 partition once and evenly (max <= 2 x min), and the figures show how the batches actually spread.
 """
 
@@ -212,7 +212,7 @@ def _commit_order(dsn: str, table: OutboxTable, strategy: str) -> dict[int, tupl
 
 @dataclass(frozen=True)
 class Spread:
-    """Once stable: the partitions dealt to each live worker (its home, strategies/sharing.py), and over
+    """Once stable: the partitions dealt to each live worker (its home, strategies/positions/sharing.py), and over
     SPREAD_WINDOW_S the distinct partitions each one claimed and the share of batches claimed at home."""
 
     dealt: dict[str, tuple[int, ...]]

@@ -51,7 +51,7 @@ def test_two_relays_on_one_partition_never_publish_the_same_batch(
         set_topic_partitions(db, table, topic, 1)
     committed = write(dsn, table, topic, BACKLOG, serialized=serialized)
     # Slow enough that each third of the writes outlasts a hand-over (a stop, the other worker's next deal of the
-    # partitions, strategies/sharing.py, and a restart), so both workers publish.
+    # partitions, strategies/positions/sharing.py, and a restart), so both workers publish.
     writer = Writer(dsn, table, topic, serialized=serialized, per_tx=5, total=WRITTEN_LIVE, pause_s=0.03)
     relays = [
         workers(

@@ -39,9 +39,6 @@ RELAY_SETTINGS: dict[str, object] = {
     "error_backoff_max_s": 1.0,
     "max_poll_interval_s": 1.0,
 }
-# The wal relay's own settings (WalRelaySettings), the same back-off; its batch is the run's batch size, so that what
-# a fault leaves in flight is a batch of the run's, as for the table strategies.
-WAL_SETTINGS: dict[str, object] = {"error_backoff_s": 0.2, "max_backoff_s": 1.0}
 
 
 class HarnessWorker(WorkerProcess):
@@ -111,8 +108,13 @@ class WorkerPool:
         }
         if self.relaying.strategy == WAL:
             # A streamer silent for lease_s is taken over: the harness's lease_s is what wal calls its takeover time.
-            spec["settings"] = {**RELAY_SETTINGS, "wal_takeover_s": self.setup.lease_s}
-            spec["wal"] = {**WAL_SETTINGS, "batch_max": self.setup.batch_size}
+            # Its batch is the run's, so that what a fault leaves in flight is a batch of the run's, as for the table
+            # strategies.
+            spec["settings"] = {
+                **RELAY_SETTINGS,
+                "wal_takeover_s": self.setup.lease_s,
+                "wal_batch_max": self.setup.batch_size,
+            }
         return HarnessWorker(spec, self.directory, name).start()
 
     def _long_timeout_producer(self) -> dict[str, object]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -12,13 +12,13 @@ import psycopg
 from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.relay.loop import Relay
+from outbox_pipeline.model import WAL
+from outbox_pipeline.relay.loop import OutcomeObserver, Relay
 from outbox_pipeline.relay.relay_settings import RelaySettings
 from outbox_pipeline.relay.stats import RelayStats
 from outbox_pipeline.relay.wal.relay import WalRelay
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay, build_wal_relay
-from outbox_pipeline.strategies import WAL
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.relay.workers import WorkerSpec, build_relay
+from outbox_pipeline.strategies.base import Strategy, StrategyConfig
 from outbox_pipeline.strategies.quarantine import OnPoison
 
 from .kafka import Record
@@ -37,25 +37,35 @@ def make_relay(
     max_seconds: float | None = 60.0,
     listen: bool = False,
     linger_s: float = RelaySettings.min_cycle_s,
+    settings: Mapping[str, Any] | None = None,
+    strategy_cls: type[Strategy] | None = None,
+    observer: OutcomeObserver | None = None,
     **config: object,
 ) -> Relay:
+    """A table relay worker as the CLI builds one; ``settings`` overrides RelaySettings fields, ``config`` the
+    StrategyConfig's, ``strategy_cls`` the strategy's class (an instrumented subclass)."""
     worker_id = config.pop("worker_id", None)
     spec = WorkerSpec(
         dsn,
         strategy,
         {"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})},
         RelaySettings(
-            batch_size=batch_size,
-            until_empty=until_empty,
-            max_seconds=max_seconds,
-            listen=listen,
-            poll_interval_s=0.05,
-            min_cycle_s=linger_s,
+            **{
+                "batch_size": batch_size,
+                "until_empty": until_empty,
+                "max_seconds": max_seconds,
+                "listen": listen,
+                "poll_interval_s": 0.05,
+                "min_cycle_s": linger_s,
+                **(settings or {}),
+            }
         ),
         replace(StrategyConfig(table=table), **config),  # type: ignore[arg-type]
         worker_id=worker_id,  # type: ignore[arg-type]
     )
-    return build_relay(spec, stop)
+    relay = build_relay(spec, stop, strategy_cls=strategy_cls, observer=observer)
+    assert isinstance(relay, Relay), f"{strategy} is not a table strategy"
+    return relay
 
 
 def drain(dsn: str, table: OutboxTable, bootstrap: str, strategy: str, **kwargs: Any) -> RelayStats:
@@ -121,14 +131,17 @@ def make_wal_relay(
     producer: dict[str, object] | None = None,
     worker_id: str | None = None,
     on_poison: OnPoison = "quarantine",
+    settings: Mapping[str, Any] | None = None,
 ) -> WalRelay:
     """The wal strategy's relay, assembled as the CLI's worker processes assemble it."""
     spec = WorkerSpec(
         dsn,
         WAL,
         {"bootstrap.servers": bootstrap, "message.timeout.ms": 10_000, **(producer or {})},
-        RelaySettings(until_empty=until_idle, max_seconds=max_seconds),
+        RelaySettings(until_empty=until_idle, max_seconds=max_seconds, **(settings or {})),
         StrategyConfig(table=table, on_poison=on_poison),
         worker_id=worker_id,
     )
-    return build_wal_relay(spec, stop)
+    relay = build_relay(spec, stop)
+    assert isinstance(relay, WalRelay)
+    return relay

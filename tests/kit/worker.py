@@ -14,8 +14,8 @@ transaction whose records Kafka has all taken, before the commit: its records ar
 ``pause_before_transaction`` freezes it as its N-th transaction is about to begin (its partition claimed, its
 producer perhaps not made yet).
 
-A ``wal`` worker is the wal strategy's relay (relay/wal/) with the same publisher; ``wal`` in the spec sets its own
-settings (WalRelaySettings: ``batch_max``, the back-off), which RelaySettings does not carry. It logs no claims.
+A ``wal`` worker is the wal strategy's relay (relay/wal/) with the same publisher and settings (``wal_batch_max``, the
+back-off). It logs no claims.
 
 Steps: claim-begin, claim N [P] (N records, 0: nothing; P: the first record's partition), home P... (the
 partitions dealt to it, when that changes), produce N, delivered OK FAILED, ack-begin,
@@ -38,14 +38,13 @@ from typing import IO, Any
 from confluent_kafka import Producer
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.relay.loop import Relay
+from outbox_pipeline.model import WAL, AckResult, Claim, OutboxRecord, PublishOutcome
 from outbox_pipeline.relay.publisher import KafkaPublisher, PendingBatch
 from outbox_pipeline.relay.relay_settings import RelaySettings
 from outbox_pipeline.relay.transactional import TransactionalProducers, _Reports
-from outbox_pipeline.relay.wal.relay import WalRelay
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay, build_wal_relay
-from outbox_pipeline.strategies import WAL, strategy_class
-from outbox_pipeline.strategies.base import AckResult, Claim, OutboxRecord, PublishOutcome, Strategy, StrategyConfig
+from outbox_pipeline.relay.workers import WorkerSpec, build_relay
+from outbox_pipeline.strategies import strategy_class
+from outbox_pipeline.strategies.base import Strategy, StrategyConfig
 
 
 class Events:
@@ -219,14 +218,8 @@ def main(spec: dict[str, Any]) -> None:
         spec.get("pause_in_transaction"),
         spec.get("pause_before_transaction"),
     )
-    relay: Relay | WalRelay
-    if spec["strategy"] == WAL:
-        relay = build_wal_relay(worker, stop, publisher=publisher)
-        relay.settings = dataclasses.replace(relay.settings, **spec.get("wal", {}))
-    else:
-        relay = build_relay(
-            worker, stop, publisher=publisher, strategy_cls=instrumented(strategy_class(spec["strategy"]), events)
-        )
+    table_strategy = None if spec["strategy"] == WAL else instrumented(strategy_class(spec["strategy"]), events)
+    relay = build_relay(worker, stop, publisher=publisher, strategy_cls=table_strategy)
     events("start")
     try:
         relay.run()

@@ -21,8 +21,9 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from psycopg import sql
 
 from ...config import OutboxTable
+from ...model import OutboxRecord, PublishOutcome
 from ...relay.publisher import KafkaPublisher, PendingBatch
-from ...strategies.base import RECORD_COLUMNS, OutboxRecord, PublishOutcome, fetch_records
+from ...strategies.base import RECORD_COLUMNS, fetch_records
 from ...verify.consume import make_consumer
 
 

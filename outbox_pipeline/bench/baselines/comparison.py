@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ...strategies import WAL
+from ...model import WAL
 from ..runner import RunResult, RunSpec, Servers, run_once
 from ..server_jit import JIT_SUFFIX, set_server_jit
 from ..wal_outbox import WAL_WORKERS

@@ -30,8 +30,8 @@ from pathlib import Path
 import psycopg
 
 from ... import settings
+from ...model import WAL
 from ...store.schema import init_db
-from ...strategies import WAL
 from ..runner import Servers
 from ..server_jit import JIT_SUFFIX, set_server_jit
 from ..wal_outbox import drop_outbox, table_for

@@ -27,8 +27,8 @@ import psycopg
 from ... import settings
 from ...config import OutboxTable
 from ...localstack.ports import free_port
+from ...model import WAL
 from ...observe.liveness import live_workers
-from ...strategies import WAL
 from ..procstat import tree_cpu_s
 from ..runner import Servers
 from ..wal_outbox import wait_streaming

@@ -21,9 +21,9 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from ... import settings
 from ...config import OutboxTable
+from ...model import WAL
 from ...observe.lag import partition_lag
 from ...store.schema import set_topic_partitions
-from ...strategies import WAL
 from ..children import Child, sleep_until
 from ..runner import Servers
 from ..wal_outbox import wait_confirmed

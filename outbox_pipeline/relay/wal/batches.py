@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...strategies.base import OutboxRecord
+from ...model import OutboxRecord
 
 
 @dataclass

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ...model import DeliveryFailure, OutboxRecord, PublishOutcome
 from ...store.wal.format import MALFORMED_TOPIC
-from ...strategies.base import DeliveryFailure, OutboxRecord, PublishOutcome
 from .pgoutput import Message
 
 _NO_ID = b"00000000-0000-0000-0000-000000000000"

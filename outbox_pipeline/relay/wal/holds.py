@@ -31,10 +31,11 @@ import psycopg
 from psycopg import sql
 
 from ...config import OutboxTable
+from ...model import DeliveryFailure, OutboxRecord
 from ...store.database_encoding import database_codec, unholdable
 from ...store.wal import format as wal_format
 from ...store.wal.format import UNSTORABLE_TOPIC, MalformedMessage
-from ...strategies.base import RECORD_COLUMNS, DeliveryFailure, OutboxRecord, fetch_records
+from ...strategies.base import RECORD_COLUMNS, fetch_records
 from ...strategies.quarantine import OnPoison, dead_letter_held
 from ...timestamps import as_parameter
 

@@ -21,22 +21,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import psycopg
 
-from ... import settings
 from ...config import OutboxTable
+from ...model import AckResult, OutboxRecord, PublishOutcome
 from ...store.wal import position as wal_position
 from ...store.wal.format import MalformedMessage
 from ...store.wal.format import record as wal_record
 from ...store.wal.objects import names_of
 from ...store.wal.slot import require_streamable
-from ...strategies.base import AckResult, OutboxRecord, PublishOutcome
 from ...strategies.quarantine import OnPoison
 from ..publisher import KafkaPublisher, PendingBatch
-from ..relay_settings import Pacer
-from ..stats import RelayInstruments, RelayStats
+from ..relay_settings import Backoff, Pacer, RelaySettings
+from ..stats import NullInstruments, RelayInstruments, RelayStats, database_error
 from .batches import Batch
 from .failures import is_dead_letter, malformed, settle
 from .holds import WalHolds, dead_letters_not_confirmed
@@ -51,16 +50,22 @@ log = logging.getLogger(__name__)
 RELEASE_CHECK_INTERVAL_S = 1.0
 
 
-@dataclass(frozen=True)
-class WalRelaySettings:
-    batch_max: int = 20_000  # messages handed to Kafka at once (a backlog's batch; steady traffic sends what came)
-    read_timeout_s: float = 0.5  # the longest wait for the stream when nothing is pending
-    linger_s: float = settings.WAL_LINGER_MS.default / 1000  # the Pacer's min_cycle_s (OUTBOX_WAL_LINGER_MS)
-    until_idle: bool = False  # stop once everything written before the stream opened is published (tests, drains)
-    max_seconds: float | None = None
-    error_backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    leader: LeaderSettings = LeaderSettings()
+# The longest wait for the stream when nothing is pending.
+READ_TIMEOUT_S = 0.5
+
+
+@dataclass
+class _Streaming:
+    """What streaming the slot carries from one read to the next."""
+
+    stream: ReplicationStream
+    leader: SlotLeader
+    confirms: RecordedConfirms
+    pacer: Pacer
+    batch: Batch = field(default_factory=lambda: Batch([], []))
+    in_flight: PendingBatch | None = None  # the one batch in Kafka; the stream is read while it is
+    commit: str = "0"  # the transaction being read: its commit position (a record's transaction_id, holds.py)
+    reached: int = 0  # the furthest position the server said it has sent
 
 
 class WalRelay:
@@ -73,7 +78,7 @@ class WalRelay:
         dsn: str,
         table: OutboxTable,
         publisher: KafkaPublisher,
-        settings: WalRelaySettings,
+        settings: RelaySettings,
         stop: threading.Event | None = None,
         *,
         worker_id: str = "wal",
@@ -92,50 +97,73 @@ class WalRelay:
         self._prefix = self._names.prefix.encode()
         self.holds = WalHolds(table, on_poison, worker_id)
         self.observer = observer
-        self.instruments = instruments  # /metrics and /healthz (observe/metrics.py), as for the table relay
+        self.instruments = instruments or NullInstruments()  # /metrics and /healthz, as for the table relay
         self.registered = threading.Event()  # set while this relay streams the slot (a run's tag, a test's wait)
+        self._backoff = Backoff(settings)
         self._releases_due = 0.0
         self._heartbeat_due = 0.0
         self._led_at = 0.0  # monotonic: when the last heartbeat was sent (no relay took over before that)
         self._dead: set[int] = set()  # dead letters the stream may send again (not confirmed past): never published
 
-    def run(self) -> RelayStats:
-        deadline = time.monotonic() + self.settings.max_seconds if self.settings.max_seconds else None
-        fence_s = self.publisher.message_timeout_s + FENCE_MARGIN_S  # a frozen predecessor's queue expires by then
-        leader = SlotLeader(self.dsn, self.table, self.stop, replace(self.settings.leader, fence_s=fence_s))
-        failures = 0
+    @property
+    def _until_idle(self) -> bool:
+        """Stop once everything written before the stream opened is published (tests, drains)."""
+        return self.settings.until_idle or self.settings.until_empty
+
+    @property
+    def _leader_settings(self) -> LeaderSettings:
+        """A frozen predecessor's queue expires ``fence_s`` after it was taken over (leader.py)."""
+        return LeaderSettings(
+            poll_s=self.settings.wal_leader_poll_s,
+            takeover_after_s=self.settings.wal_takeover_s,
+            fence_s=self.publisher.message_timeout_s + FENCE_MARGIN_S,
+        )
+
+    def prepare(self) -> None:
+        """Start the producer (the slot's lock is taken in ``run``)."""
         self.publisher.warm_up()
+
+    def run(self) -> RelayStats:
+        max_s = self.settings.max_seconds
+        deadline = time.monotonic() + max_s if max_s else None
+        leader = SlotLeader(self.dsn, self.table, self.stop, self._leader_settings)
+        self.prepare()
         try:
-            while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            while self._running(deadline):
                 try:
-                    if not leader.acquire(deadline, self._alive):
-                        if not self.stop.is_set():  # max_seconds passed first: say why nothing was published
-                            self.stats.remaining = [
-                                f"another relay streams the slot {self._names.slot}: this one waited for it until "
-                                "its --max-seconds"
-                            ]
+                    if not self._lead(leader, deadline) or self._stream(leader, deadline):
                         break
-                    require_streamable(leader.connection, self.table)
-                    if self._stream(leader, deadline):
-                        break
-                    failures = 0
                 except (psycopg.OperationalError, SlotInUseError) as exc:
-                    failures += 1
-                    self.stats.errors += 1
-                    if self.instruments is not None:
-                        self.instruments.error()
-                    if isinstance(exc, SlotInUseError):  # a process the lock does not know of: wait for it
-                        log.warning("%s; trying again", exc)
-                    else:
-                        log.warning("database unavailable (%s); reconnecting", str(exc).strip().splitlines()[0])
-                    self.publisher.purge()  # its lock may be another relay's by now: none of it may follow theirs
-                    leader.release()
-                    self.stop.wait(
-                        min(self.settings.error_backoff_s * 2 ** (failures - 1), self.settings.max_backoff_s)
-                    )
+                    self._database_down(exc, leader)
         finally:
             leader.release()
         return self.stats
+
+    def _running(self, deadline: float | None) -> bool:
+        return not self.stop.is_set() and (deadline is None or time.monotonic() < deadline)
+
+    def _lead(self, leader: SlotLeader, deadline: float | None) -> bool:
+        """Wait to be the slot's streamer; False when stopped or past ``max_seconds`` first (then say why)."""
+        if not leader.acquire(deadline, self._alive):
+            if not self.stop.is_set():
+                self.stats.remaining = [
+                    f"another relay streams the slot {self._names.slot}: this one waited for it until its --max-seconds"
+                ]
+            return False
+        require_streamable(leader.connection, self.table)
+        return True
+
+    def _database_down(self, exc: psycopg.OperationalError | SlotInUseError, leader: SlotLeader) -> None:
+        """Give up the lead and everything not yet in Kafka (the lock may be another relay's by now: none of it may
+        follow theirs), then try again after a back-off."""
+        reason = database_error(self.stats, self.instruments, exc)
+        if isinstance(exc, SlotInUseError):  # a process the lock does not know of: wait for it
+            log.warning("%s; trying again", reason)
+        else:
+            log.warning("database unavailable (%s); reconnecting", reason)
+        self.publisher.purge()
+        leader.release()
+        self.stop.wait(self._backoff.next_s())
 
     def _stream(self, leader: SlotLeader, deadline: float | None) -> bool:
         try:
@@ -146,7 +174,7 @@ class WalRelay:
     def _stream_slot(self, leader: SlotLeader, deadline: float | None) -> bool:
         """Stream until stopped (True: the run is over) or the stream breaks (an OperationalError)."""
         row = leader.connection.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
-        idle_at = int(row[0]) if row and self.settings.until_idle else None  # until_idle: the WAL to get past
+        idle_at = int(row[0]) if row and self._until_idle else None  # until_idle: the WAL to get past
         self.holds.load(leader.connection)
         self._dead = dead_letters_not_confirmed(leader.connection, self.table, self._names.slot)
         # Where Kafka has everything before, as the database remembers it (a crash, a restore: position.py).
@@ -160,99 +188,116 @@ class WalRelay:
         ) as stream:
             log.info("streaming the slot %s", self._names.slot)
             self.registered.set()
-            return self._stream_events(
-                stream, leader, deadline, idle_at, RecordedConfirms(stream, leader, self.table, recorded)
-            )
+            self._backoff.reset()
+            confirms = RecordedConfirms(stream, leader, self.table, recorded)
+            pacer = Pacer(self.settings.wal_linger_s, full_rows=1)
+            return self._stream_events(_Streaming(stream, leader, confirms, pacer), deadline, idle_at)
 
-    def _stream_events(
-        self,
-        stream: ReplicationStream,
-        leader: SlotLeader,
-        deadline: float | None,
-        idle_at: int | None,
-        confirms: RecordedConfirms,
-    ) -> bool:
-        """The stream's events, published in order (``_stream_slot``).
+    def _stream_events(self, s: _Streaming, deadline: float | None, idle_at: int | None) -> bool:
+        """The stream's events, published in order. One batch at a time is in Kafka, and the stream is read while it
+        is: a backlog's next batch is decoded while the producer sends the last one; steady traffic goes out once the
+        linger has passed (the Pacer)."""
+        while self._running(deadline):
+            self._alive()
+            self._heartbeat(s.leader)
+            sending = len(s.in_flight.records) if s.in_flight is not None else 0
+            events = s.stream.read(self._read_timeout(s))
+            self._take(s, events)
+            if events and self._gathering(s, sending):
+                continue  # more is waiting: gather it (while Kafka works on what is out)
+            if s.in_flight is not None and not self._settle_in_flight(s):
+                continue  # Kafka is down: backed off, the rest is published again
+            if s.batch.records:
+                self._send(s)
+            elif self._caught_up(s, idle_at):
+                return True
+        self._last_batch(s)
+        return True
 
-        One batch at a time is in Kafka, and the stream is read while it is: a backlog's next batch is decoded while
-        the producer sends the last one; steady traffic goes out once the linger has passed (the Pacer)."""
-        batch = Batch([], [])
-        in_flight: PendingBatch | None = None
-        commit = "0"  # the transaction being read: its commit position (a record's transaction_id, holds.py)
-        failures = 0
-        reached = 0
-        batch_max = self.settings.batch_max
+    def _read_timeout(self, s: _Streaming) -> float:
+        """No wait with a batch in Kafka; the linger's rest while commits gather; else until the stream says more."""
+        if s.in_flight is not None:
+            return 0.0
+        if s.batch.records:
+            return max(0.0, s.pacer.pause_s())
+        s.confirms.flush()  # before the relay waits: the slot holds nothing it need not
+        return READ_TIMEOUT_S
+
+    def _take(self, s: _Streaming, events: Sequence[object]) -> None:
+        """The events read into the batch: our messages in commit order (a held key's to its hold), each
+        transaction's end, and how far the server has sent."""
+        records = s.batch.records
         prefix = self._prefix
         holds = self.holds
-        pacer = Pacer(self.settings.linger_s, full_rows=1)
-        while not self.stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            self._alive()
-            self._heartbeat(leader)
-            sending = len(in_flight.records) if in_flight is not None else 0
-            if in_flight is not None:
-                timeout = 0.0
-            elif batch.records:  # lingering (the Pacer): what commits meanwhile goes in the same batch
-                timeout = max(0.0, pacer.pause_s())
-            else:
-                confirms.flush()  # before the relay waits: the slot holds nothing it need not
-                timeout = self.settings.read_timeout_s
-            events = stream.read(timeout)
-            records = batch.records
-            held: list[OutboxRecord] = []
-            for event in events:
-                if type(event) is Message:
-                    if event.prefix == prefix and (record := self._record(event, commit, leader)) is not None:
-                        (held if holds.keys and holds.holds(record) else records).append(record)
-                elif type(event) is Begin:
-                    commit = str(event.final_lsn)
-                elif type(event) is Commit:
-                    batch.commits.append((len(records), event.end_lsn))
-                    reached = max(reached, event.end_lsn)
-                elif type(event) is Keepalive:
-                    reached = max(reached, event.wal_end)
-                    if not records and not batch.commits and in_flight is None:
-                        confirms.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
-            holds.keep(leader.connection, held)  # before the slot is confirmed past them
-            unsent = len(records) - sending
-            if events and unsent < batch_max and (in_flight is None or not self.publisher.settled()):
-                continue  # more is waiting: gather it (while Kafka works on what is out)
-            if in_flight is not None:
-                settled, down = self._settle(in_flight, stream, leader)
-                in_flight = None
-                if (lsn := batch.confirmable(settled)) is not None:
-                    confirms.confirm(lsn)
-                batch.drop(settled)
-                if holds.keys:  # a key held now: its messages not yet published wait in outbox_held
-                    holds.keep(leader.connection, batch.withhold(holds.holds))
-                if down:
-                    failures += 1
-                    confirms.flush()
-                    self._back_off(stream, leader, failures)
-                    continue
-                failures = 0
-                self._release(stream, leader)
-            if batch.records:
-                if len(batch.records) < batch_max and pacer.pause_s() > 0:
-                    continue  # the read above waits out the linger
-                whole = len(batch.records) < batch_max  # all there was: the next batch waits out the linger
-                pacer.claimed(time.monotonic(), min(len(batch.records), batch_max), took_all=whole)
-                in_flight = self._start(leader, batch.records[:batch_max])
-                continue
-            self._release(stream, leader)
-            # Nothing unsent, nothing in Kafka: all the server sent is settled, up to its last keepalive too (a slot
-            # confirmed only to its last commit of ours would keep the WAL written since, for nothing).
-            batch.commits.clear()
-            if reached:
-                confirms.confirm(reached)
-            if idle_at is not None and reached >= idle_at:
-                confirms.flush(final=True)
-                return True
-        if in_flight is not None:  # stopping: confirm what Kafka took
-            settled, _ = self._settle(in_flight, stream, leader)
-            if (lsn := batch.confirmable(settled)) is not None:
-                confirms.confirm(lsn)
-        confirms.flush(final=True)
+        held: list[OutboxRecord] = []
+        for event in events:
+            if type(event) is Message:
+                if event.prefix == prefix and (record := self._record(event, s.commit, s.leader)) is not None:
+                    (held if holds.keys and holds.holds(record) else records).append(record)
+            elif type(event) is Begin:
+                s.commit = str(event.final_lsn)
+            elif type(event) is Commit:
+                s.batch.commits.append((len(records), event.end_lsn))
+                s.reached = max(s.reached, event.end_lsn)
+            elif type(event) is Keepalive:
+                s.reached = max(s.reached, event.wal_end)
+                if not records and not s.batch.commits and s.in_flight is None:
+                    s.confirms.confirm(event.wal_end)  # nothing of ours before it: the slot may move past it
+        holds.keep(s.leader.connection, held)  # before the slot is confirmed past them
+
+    def _gathering(self, s: _Streaming, sending: int) -> bool:
+        """Whether to read again before anything else: the batch has room and Kafka has not settled the last one."""
+        unsent = len(s.batch.records) - sending
+        return unsent < self.settings.wal_batch_max and (s.in_flight is None or not self.publisher.settled())
+
+    def _settle_in_flight(self, s: _Streaming) -> bool:
+        """The batch in Kafka settled: the slot confirmed up to what Kafka took; False when the transport failed
+        (after a back-off: what it did not take is published again)."""
+        assert s.in_flight is not None
+        settled, down = self._settle(s.in_flight, s.stream, s.leader)
+        s.in_flight = None
+        if (lsn := s.batch.confirmable(settled)) is not None:
+            s.confirms.confirm(lsn)
+        s.batch.drop(settled)
+        if self.holds.keys:  # a key held now: its messages not yet published wait in outbox_held
+            self.holds.keep(s.leader.connection, s.batch.withhold(self.holds.holds))
+        if down:
+            s.confirms.flush()
+            self._back_off(s.stream, s.leader)
+            return False
+        self._backoff.reset()
+        self._release(s.stream, s.leader)
         return True
+
+    def _send(self, s: _Streaming) -> None:
+        """Hand the batch to Kafka once the linger has passed (the read waits it out) or it is full."""
+        records, batch_max = s.batch.records, self.settings.wal_batch_max
+        if len(records) < batch_max and s.pacer.pause_s() > 0:
+            return
+        whole = len(records) < batch_max  # all there was: the next batch waits out the linger
+        s.pacer.claimed(time.monotonic(), min(len(records), batch_max), took_all=whole)
+        s.in_flight = self._start(s.leader, records[:batch_max])
+
+    def _caught_up(self, s: _Streaming, idle_at: int | None) -> bool:
+        """Nothing unsent, nothing in Kafka: all the server sent is settled, up to its last keepalive too (a slot
+        confirmed only to its last commit of ours would keep the WAL written since, for nothing). True: an
+        ``until_idle`` run is done."""
+        self._release(s.stream, s.leader)
+        s.batch.commits.clear()
+        if s.reached:
+            s.confirms.confirm(s.reached)
+        if idle_at is not None and s.reached >= idle_at:
+            s.confirms.flush(final=True)
+            return True
+        return False
+
+    def _last_batch(self, s: _Streaming) -> None:
+        """Stopping: confirm what Kafka took."""
+        if s.in_flight is not None:
+            settled, _ = self._settle(s.in_flight, s.stream, s.leader)
+            if (lsn := s.batch.confirmable(settled)) is not None:
+                s.confirms.confirm(lsn)
+        s.confirms.flush(final=True)
 
     def _settle(self, pending: PendingBatch, stream: ReplicationStream, leader: SlotLeader) -> tuple[int, bool]:
         """Wait for the batch; how many of its records from the first are settled (delivered or dead-lettered),
@@ -283,13 +328,12 @@ class WalRelay:
         self.stats.busy_s += time.monotonic() - pending.started
         if self.observer is not None:
             self.observer(outcome)
-        if self.instruments is not None:
-            self.instruments.acked_batch(
-                time.monotonic() - pending.started,
-                0.0,
-                outcome,
-                AckResult(acked=len(outcome.delivered), dead_lettered=dead),
-            )
+        self.instruments.acked_batch(
+            time.monotonic() - pending.started,
+            0.0,
+            outcome,
+            AckResult(acked=len(outcome.delivered), dead_lettered=dead),
+        )
 
     def _wait_settled(self, stream: ReplicationStream, leader: SlotLeader) -> None:
         """Until the producer holds nothing unsettled, the streamer saying it is alive meanwhile (``_settle``)."""
@@ -303,9 +347,8 @@ class WalRelay:
 
     def _alive(self) -> None:
         """The loop turns and the database answers (the last statement or read did not raise): /healthz."""
-        if self.instruments is not None:
-            self.instruments.loop()
-            self.instruments.database_ok()
+        self.instruments.loop()
+        self.instruments.database_ok()
 
     def _release(self, stream: ReplicationStream, leader: SlotLeader) -> None:
         """Publish the messages held behind keys an operator released, in order, and let those keys flow again (with
@@ -348,9 +391,9 @@ class WalRelay:
                 stopped.error,
             )
 
-    def _back_off(self, stream: ReplicationStream, leader: SlotLeader, failures: int) -> None:
+    def _back_off(self, stream: ReplicationStream, leader: SlotLeader) -> None:
         """Wait before publishing again, answering the walsender meanwhile."""
-        until = time.monotonic() + min(self.settings.error_backoff_s * 2 ** (failures - 1), self.settings.max_backoff_s)
+        until = time.monotonic() + self._backoff.next_s()
         while not self.stop.is_set() and (left := until - time.monotonic()) > 0:
             stream.confirm(stream.confirmed)  # a status update: the walsender hears from its relay
             self._heartbeat(leader)
@@ -359,7 +402,7 @@ class WalRelay:
     @property
     def _alive_every_s(self) -> float:
         """How often the streamer says it is alive: often enough that a waiting relay never takes it for frozen."""
-        return min(DEFAULT_STATUS_INTERVAL_S, self.settings.leader.takeover_after_s / 3)
+        return min(DEFAULT_STATUS_INTERVAL_S, self.settings.wal_takeover_s / 3)
 
     def _heartbeat(self, leader: SlotLeader) -> None:
         """Its lock session's sign of life, which a waiting relay judges it by (leader.py)."""
@@ -374,7 +417,7 @@ class WalRelay:
         before then, and one that did waits until all of it has expired (leader.py). A relay frozen and thawed after
         that hands nothing over (publisher.py withdraws it)."""
         self._heartbeat(leader)
-        return self.publisher.start(records, until=self._led_at + self.settings.leader.takeover_after_s / 2)
+        return self.publisher.start(records, until=self._led_at + self.settings.wal_takeover_s / 2)
 
     def _record(self, event: Message, commit: str, leader: SlotLeader) -> OutboxRecord | None:
         """The record of a message under the outbox's prefix; None for one that is not to be published: a dead letter

@@ -21,7 +21,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from ...strategies.base import OutboxRecord
+from ...model import OutboxRecord
 
 VERSION = 1
 BYTES_PAYLOAD = 0x01

@@ -16,7 +16,7 @@ from psycopg import sql
 
 from outbox_pipeline.cli import main
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.strategies import STRATEGY_NAMES
+from outbox_pipeline.model import STRATEGY_NAMES
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids
 

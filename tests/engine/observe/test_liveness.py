@@ -9,7 +9,6 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import psycopg
@@ -88,8 +87,14 @@ def test_a_relay_whose_worker_id_is_held_by_a_live_session_refuses_to_start_and_
 ) -> None:
     holder = connect()
     WorkerPresence(holder, table, "same-id", "session").register()
-    second = make_relay(db.info.dsn, table, kafka.bootstrap_servers, "partitioned", worker_id="same-id")
-    second.settings = replace(second.settings, worker_id_wait_s=0.5)
+    second = make_relay(
+        db.info.dsn,
+        table,
+        kafka.bootstrap_servers,
+        "partitioned",
+        worker_id="same-id",
+        settings={"worker_id_wait_s": 0.5},
+    )
 
     with pytest.raises(WorkerIdInUseError, match=rf"in use by a live session \(pid {holder.info.backend_pid},"):
         second.run()

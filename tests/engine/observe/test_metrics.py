@@ -20,7 +20,7 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import free_port
 from outbox_pipeline.observe.metrics import LagSampler, MetricsServer, RelayMetrics
 from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay, build_wal_relay
+from outbox_pipeline.relay.workers import WorkerSpec, build_relay
 from outbox_pipeline.strategies.base import StrategyConfig
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
@@ -183,7 +183,7 @@ def test_a_wal_relay_streaming_or_waiting_to_stream_stays_healthy_and_counts_wha
     spec = WorkerSpec(
         dsn, "wal", {"bootstrap.servers": kafka.bootstrap_servers}, RelaySettings(), StrategyConfig(table=wal_outbox)
     )
-    relays = [build_wal_relay(spec, stop, instruments=m) for m in (streaming, waiting)]
+    relays = [build_relay(spec, stop, instruments=m) for m in (streaming, waiting)]
     threads = [threading.Thread(target=r.run) for r in relays]
     for t in threads:
         t.start()

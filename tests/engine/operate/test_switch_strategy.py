@@ -17,7 +17,7 @@ from outbox_pipeline.operate.dead_letters import discard_dead_letters
 from outbox_pipeline.operate.switch import switch_strategy
 from outbox_pipeline.relay.presence import present
 from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies.sharing import UNSCOPED_KIND
+from outbox_pipeline.strategies.positions import UNSCOPED_KIND
 from tests.kit.kafka import KafkaProbe
 from tests.kit.quarantine import POISON, arrived_by_key, poisoned
 from tests.kit.relay import drain, make_relay, order_by_key, row_count

@@ -1,6 +1,6 @@
-"""How a position worker learns of a new partition (strategies/discovery.py): a partition is nobody's to lease until it
-has an offsets row, and the frequent look at the rows written since the last one must find a partition's first row
-even when that row's transaction drew its id before others and committed after them (issue 40, case 22)."""
+"""How a position worker learns of a new partition (strategies/positions/discovery.py): a partition is nobody's to lease
+until it has an offsets row, and the frequent look at the rows written since the last one must find a partition's first
+row even when that row's transaction drew its id before others and committed after them (issue 40, case 22)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 import psycopg
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.strategies.discovery import Discovery
+from outbox_pipeline.strategies.positions import Discovery
 from tests.kit.probes import positions
 
 TOPIC = "late"

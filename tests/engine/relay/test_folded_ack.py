@@ -13,9 +13,10 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.model import Claim, PublishOutcome
 from outbox_pipeline.store.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import Claim, PublishOutcome, StrategyConfig
+from outbox_pipeline.strategies.base import StrategyConfig
 from outbox_pipeline.strategies.positions import PositionStrategy
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
@@ -128,8 +129,8 @@ def test_a_paced_relay_acks_in_its_next_claims_and_kafka_gets_every_row_once_in_
         max_seconds=120,
         listen=True,
         linger_s=0.1,
+        strategy_cls=folds.factory,
     )
-    relay.strategy_factory = folds.factory
     relay_thread = threading.Thread(target=relay.run)
     relay_thread.start()
     written: list[int] = []

@@ -101,6 +101,8 @@ def test_a_standby_relay_is_not_woken_by_each_commit_the_holder_publishes(
     scale-out fault scenario on the CI runner). A standby asks again at its poll interval, whatever is committed."""
     topic = new_topic()
     stop = threading.Event()
+    # Poll and upkeep far beyond the test: the standby can only look again if a commit wakes it.
+    far = {"poll_interval_s": 3600, "max_poll_interval_s": 3600, "upkeep_interval_s": 3600}
     relays = {
         name: make_relay(
             db.info.dsn,
@@ -112,13 +114,10 @@ def test_a_standby_relay_is_not_woken_by_each_commit_the_holder_publishes(
             max_seconds=120,
             listen=True,
             worker_id=name,
+            settings=far if name == "standby" else None,
         )
         for name in ("holder", "standby")
     }
-    # Poll and upkeep far beyond the test: the standby can only look again if a commit wakes it.
-    relays["standby"].settings = replace(
-        relays["standby"].settings, poll_interval_s=3600, max_poll_interval_s=3600, upkeep_interval_s=3600
-    )
     threads = {name: threading.Thread(target=relay.run) for name, relay in relays.items()}
     try:
         for name, relay in relays.items():  # the holder's first claim takes the lock, then it waits for rows

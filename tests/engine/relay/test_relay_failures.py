@@ -3,7 +3,6 @@ What arrived in Kafka and what remains in PostgreSQL are compared with what was 
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 import time
@@ -17,10 +16,9 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.model import STRATEGY_NAMES, OutboxRecord
 from outbox_pipeline.relay.publisher import PendingBatch
 from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import STRATEGY_NAMES
-from outbox_pipeline.strategies.base import OutboxRecord
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, make_relay, message_ids
 from tests.kit.workers import WorkerProcess
@@ -203,10 +201,15 @@ def test_an_idle_relay_is_woken_by_notify_not_by_polling(
     stop = threading.Event()
     # Poll and upkeep intervals far beyond the test's deadline: only a NOTIFY can make the relay look again.
     relay = make_relay(
-        dsn, table, kafka.bootstrap_servers, strategy, stop=stop, until_empty=False, max_seconds=120, listen=True
-    )
-    relay.settings = dataclasses.replace(
-        relay.settings, poll_interval_s=3600, max_poll_interval_s=3600, upkeep_interval_s=3600
+        dsn,
+        table,
+        kafka.bootstrap_servers,
+        strategy,
+        stop=stop,
+        until_empty=False,
+        max_seconds=120,
+        listen=True,
+        settings={"poll_interval_s": 3600, "max_poll_interval_s": 3600, "upkeep_interval_s": 3600},
     )
     worker = threading.Thread(target=relay.run)
     worker.start()

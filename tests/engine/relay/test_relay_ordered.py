@@ -7,7 +7,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -16,14 +16,15 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import Broker
-from outbox_pipeline.relay.loop import Relay
+from outbox_pipeline.model import Claim, PublishOutcome
 from outbox_pipeline.relay.publisher import KafkaPublisher
 from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.relay.workers import RelayWorker, WorkerSpec, build_relay
 from outbox_pipeline.store.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import Claim, PublishOutcome, StrategyConfig
+from outbox_pipeline.strategies.base import StrategyConfig
 from tests.kit.kafka import KafkaProbe, shows_only_committed
-from tests.kit.relay import drain, message_ids, order_by_key, run_workers
+from tests.kit.relay import drain, make_relay, message_ids, order_by_key, run_workers
 
 ORDERED = ["partitioned", "serialized"]
 
@@ -346,24 +347,28 @@ def test_a_batch_read_ahead_is_not_published_when_the_batch_before_it_lost_the_l
                 )
             return claim
 
-    publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers})
     # until_idle: the thief's rows stay pending for an hour; until_empty would wait for them
-    settings = RelaySettings(batch_size=10, until_idle=True, max_seconds=30, listen=False, poll_interval_s=0.05)
-    stats = Relay(dsn, StolenAfterReadAhead, StrategyConfig(table=table), publisher, settings).run()
+    relay = make_relay(
+        dsn,
+        table,
+        kafka.bootstrap_servers,
+        "partitioned",
+        batch_size=10,
+        until_empty=False,
+        max_seconds=30,
+        settings={"until_idle": True},
+        strategy_cls=StolenAfterReadAhead,
+    )
+    stats = relay.run()
     arrived = message_ids(kafka.consume(topic, expect=10, deadline_s=5))
     assert len(arrived) == 10, f"{len(arrived)} messages published; only batch N (10) may be"
     assert stats.lost_ownership == 10
 
 
-class _CountingProducers(Relay):
-    """Records how many transactional producers the publisher keeps after each ack."""
-
-    kept: list[int]
-
-    def _ack(self, batch: Any, outcome: PublishOutcome) -> Any:
-        result = super()._ack(batch, outcome)
-        self.kept.append(self.publisher.transactional_producers)
-        return result
+@dataclass(frozen=True)
+class Counted:
+    relay: RelayWorker
+    kept: list[int]  # transactional producers kept after each ack
 
 
 def test_transactional_producers_are_bounded_and_dropped_when_another_worker_holds_their_partition(
@@ -375,14 +380,18 @@ def test_transactional_producers_are_bounded_and_dropped_when_another_worker_hol
     config = StrategyConfig(table=table, kafka_transactions=True, worker_id="one")
     settings = RelaySettings(batch_size=10, until_empty=True, max_seconds=60, listen=False, poll_interval_s=0.05)
 
-    def relay(max_transactional: int) -> _CountingProducers:
+    def relay(max_transactional: int, stop: threading.Event | None = None, **overrides: Any) -> Counted:
+        """A relay and how many transactional producers its publisher keeps after each ack."""
         publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers}, max_transactional=max_transactional)
-        counting = _CountingProducers(dsn, strategy_class("partitioned"), config, publisher, settings)
-        counting.kept = []
-        return counting
+        kept: list[int] = []
+        spec = WorkerSpec(dsn, "partitioned", {}, replace(settings, **overrides), config, worker_id="one")
+        built = build_relay(
+            spec, stop, publisher=publisher, observer=lambda _: kept.append(publisher.transactional_producers)
+        )
+        return Counted(built, kept)
 
     bounded = relay(4)
-    bounded.run()
+    bounded.relay.run()
     assert bounded.kept and max(bounded.kept) == 4, f"transactional producers kept: {bounded.kept}"
     assert len(set(message_ids(kafka.consume(topic, expect=200, isolation="read_committed")))) == 200
 
@@ -390,10 +399,8 @@ def test_transactional_producers_are_bounded_and_dropped_when_another_worker_hol
     # producers are dropped at the next check (every DISCOVERY_INTERVAL_S) while partition 0 still flows.
     enqueue_many(db, [Message(topic, {"n": i}, key=f"k{i}") for i in range(200)], table=table)
     stop = threading.Event()
-    unbounded = relay(16)
-    unbounded.stop = stop
-    unbounded.settings = replace(settings, until_empty=False, max_seconds=None)
-    worker = threading.Thread(target=unbounded.run)
+    unbounded = relay(16, stop, until_empty=False, max_seconds=None)
+    worker = threading.Thread(target=unbounded.relay.run)
     worker.start()
     try:
         _until("8 producers", lambda: 8 in unbounded.kept)

@@ -10,9 +10,9 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.model import STRATEGY_NAMES
 from outbox_pipeline.observe.lag import partition_lag
 from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import STRATEGY_NAMES
 from outbox_pipeline.strategies.base import StrategyConfig
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, message_ids

@@ -1,4 +1,4 @@
-"""Position workers share the partitions out evenly (strategies/sharing.py): each live unscoped worker is
+"""Position workers share the partitions out evenly (strategies/positions/sharing.py): each live unscoped worker is
 dealt a home, serves it first, and takes another's partition only once its oldest row has waited."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import psycopg
 import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.model import PublishOutcome
 from outbox_pipeline.relay.presence import WorkerPresence
 from outbox_pipeline.store.schema import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import PublishOutcome, StrategyConfig
-from outbox_pipeline.strategies.positions import PositionStrategy
-from outbox_pipeline.strategies.sharing import STEAL_AFTER_S
+from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.strategies.positions import STEAL_AFTER_S, PositionStrategy
 
 PARTITIONS = 8
 

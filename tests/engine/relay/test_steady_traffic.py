@@ -10,8 +10,8 @@ import psycopg
 import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
+from outbox_pipeline.model import PublishOutcome
 from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies.base import PublishOutcome
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
 from tests.kit.relay import make_relay

@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import psycopg
 import pytest
@@ -18,8 +17,9 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import LocalBroker
+from outbox_pipeline.model import STRATEGY_NAMES
 from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import STRATEGY_NAMES, strategy_class
+from outbox_pipeline.strategies import strategy_class
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import make_relay, message_ids, order_by_key
 
@@ -68,9 +68,9 @@ def test_a_broker_outage_longer_than_max_attempts_dead_letters_nothing_and_loses
         max_attempts=2,
         backoff_base_s=0.05,
         backoff_max_s=0.2,
+        # The relay's own pause after a batch Kafka took none of stays short, so the outage sees many publishes.
+        settings={"error_backoff_max_s": 0.3},
     )
-    # The relay's own pause after a batch Kafka took none of stays short, so the outage sees many publishes.
-    relay.settings = replace(relay.settings, error_backoff_max_s=0.3)
     broker.freeze()
     worker = threading.Thread(target=relay.run)
     try:

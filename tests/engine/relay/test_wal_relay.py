@@ -17,9 +17,10 @@ from psycopg.conninfo import make_conninfo
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
 from outbox_pipeline.relay.publisher import KafkaPublisher
+from outbox_pipeline.relay.relay_settings import RelaySettings
 from outbox_pipeline.relay.wal.leader import LeaderSettings, SlotLeader
 from outbox_pipeline.relay.wal.pgoutput import pg_clock_us, standby_status
-from outbox_pipeline.relay.wal.relay import WalRelay, WalRelaySettings
+from outbox_pipeline.relay.wal.relay import WalRelay
 from outbox_pipeline.relay.wal.stream import ReplicationStream
 from outbox_pipeline.store.schema import init_db
 from outbox_pipeline.store.wal.format import decode
@@ -406,14 +407,14 @@ def test_a_streaming_relay_of_a_role_without_monitoring_rights_is_not_taken_for_
     has REPLICATION (docs/wal.md), and a waiting relay of that role must still tell a live streamer from a frozen one.
     Found by the harness (seed 1, wal, 20 s): every streamer was ended by the waiting relay, busy or idle."""
     role, as_role, table = _outbox_of_a_relay_role(db, dsn)
-    takeover = LeaderSettings(poll_s=0.1, takeover_after_s=1.0)
+    takeover = RelaySettings(wal_leader_poll_s=0.1, wal_takeover_s=1.0)
     stops = [threading.Event(), threading.Event()]
     relays = [
         WalRelay(
             as_role,
             table,
             KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers}),
-            WalRelaySettings(leader=takeover),
+            takeover,
             stop,
         )
         for stop in stops
@@ -426,7 +427,7 @@ def test_a_streaming_relay_of_a_role_without_monitoring_rights_is_not_taken_for_
         threads[1].start()
         wait_until(
             "the first relay has streamed for four takeover times",
-            lambda: _seconds_since_start(db, streaming) > 4 * takeover.takeover_after_s,
+            lambda: _seconds_since_start(db, streaming) > 4 * takeover.wal_takeover_s,
             15.0,
         )
 
@@ -530,7 +531,7 @@ def test_a_streaming_relay_waiting_for_a_broker_that_is_down_is_not_taken_for_fr
     stops = threading.Event(), threading.Event()
     # Kafka's answer takes longer than the takeover time: 9 s against 4 (the first publish to a topic also waits up
     # to 2 s reading its limits, topic_limits.py).
-    settings = WalRelaySettings(leader=LeaderSettings(poll_s=0.2, takeover_after_s=4.0), max_backoff_s=1.0)
+    settings = RelaySettings(wal_leader_poll_s=0.2, wal_takeover_s=4.0, error_backoff_max_s=1.0)
     down = {"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 9000}
     relays = [WalRelay(db.info.dsn, wal_outbox, KafkaPublisher(down), settings, stop) for stop in stops]
     threads = [threading.Thread(target=relay.run) for relay in relays]
@@ -560,7 +561,7 @@ def test_a_streaming_relay_publishing_a_released_key_to_a_broker_that_is_down_is
     (issue 50, case 12: with Kafka down, a waiting relay ended the live streamer, and the two took turns)."""
     topic = new_topic("wal")  # type: ignore[operator]
     stops = threading.Event(), threading.Event()
-    settings = WalRelaySettings(leader=LeaderSettings(poll_s=0.2, takeover_after_s=4.0), max_backoff_s=1.0)
+    settings = RelaySettings(wal_leader_poll_s=0.2, wal_takeover_s=4.0, error_backoff_max_s=1.0)
     down = {"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 9000, **SMALL}
     relays = [WalRelay(db.info.dsn, wal_outbox, KafkaPublisher(down), settings, stop) for stop in stops]
     threads = [threading.Thread(target=relay.run) for relay in relays]
@@ -601,7 +602,7 @@ def test_a_relay_that_finds_the_slot_streamed_by_a_process_it_cannot_end_waits_a
     names = names_of(table)
     holder = ReplicationStream.open(dsn, names.slot, names.publication)  # the superuser's
     stop = threading.Event()
-    settings = WalRelaySettings(error_backoff_s=0.2, max_backoff_s=0.5)
+    settings = RelaySettings(error_backoff_base_s=0.2, error_backoff_max_s=0.5)
     relay = WalRelay(as_role, table, KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers}), settings, stop)
     failure: list[BaseException] = []
     thread = threading.Thread(target=lambda: _run_catching(relay, failure))
@@ -638,9 +639,7 @@ def test_a_streamer_hands_kafka_nothing_once_it_may_have_been_taken_over(
     and tries again after a heartbeat (issue 50, case 6). Here the takeover time is shorter than any hand-over."""
     topic = new_topic("wal")  # type: ignore[operator]
     _write(db, wal_outbox, topic, *[("k", {"n": n}) for n in range(1000)])
-    settings = WalRelaySettings(
-        leader=LeaderSettings(takeover_after_s=1e-6), max_seconds=3.0, error_backoff_s=0.1, max_backoff_s=0.2
-    )
+    settings = RelaySettings(wal_takeover_s=1e-6, max_seconds=3.0, error_backoff_base_s=0.1, error_backoff_max_s=0.2)
     publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers})
     try:
         stats = WalRelay(db.info.dsn, wal_outbox, publisher, settings).run()

@@ -11,8 +11,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import OutboxTable
+from outbox_pipeline.model import STRATEGY_NAMES
 from outbox_pipeline.store.schema import init_db, set_topic_partitions
-from outbox_pipeline.strategies import STRATEGY_NAMES
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 

@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.strategies import STRATEGY_NAMES
+from outbox_pipeline.model import STRATEGY_NAMES
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, message_ids
 

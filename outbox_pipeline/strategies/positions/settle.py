@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from .base import Claim, DeliveryFailure, OutboxRecord, PublishOutcome
+from ...model import Claim, DeliveryFailure, OutboxRecord, PublishOutcome
 from .offsets import PartitionLease
 
 Key = tuple[str, int]

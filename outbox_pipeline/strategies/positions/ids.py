@@ -8,8 +8,8 @@ from collections.abc import Iterable
 
 import psycopg
 
+from ..base import StrategyConfig
 from . import offsets
-from .base import StrategyConfig
 from .discovery import DISCOVERY_INTERVAL_S
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from ..config import OutboxTable
+from ...config import OutboxTable
 
 # How often a worker looks at the registry and the offsets rows to deal the partitions again.
 DEAL_INTERVAL_S = 1.0

@@ -2,7 +2,7 @@
 
 One row per (topic, virtual partition): its stored position, and the lease that makes one worker its reader.
 Each function is one statement: discover partitions that have rows but no offsets row, the partitions a worker could
-lease (the claim that leases and reads them is position_reads.py), advance a batch's positions by compare-and-set,
+lease (the claim that leases and reads them is positions/reads.py), advance a batch's positions by compare-and-set,
 release leases, and copy undeliverable rows to the dead letters. The reading and acking logic around them is
 positions.py.
 """
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from ..config import OutboxTable
-from .base import DEAD_LETTER_MOVED, DeliveryFailure, OutboxRecord, StrategyConfig, scope_condition
+from ...config import OutboxTable
+from ...model import DeliveryFailure, OutboxRecord
+from ..base import DEAD_LETTER_MOVED, StrategyConfig, scope_condition
 from .sharing import IS_HOME
 
 # Distinct (topic, partition) pairs of the message table as a loose index scan: one probe of the
@@ -35,21 +36,6 @@ _PAIRS_CTE = """
             ORDER BY m.topic, m.partition LIMIT 1
         ) next
     )
-"""
-
-
-# Message row ``m`` is behind offsets row ``o``'s position, in the order of the strategy that last advanced it
-# (``read_by``): ``partitioned`` by (transaction id, id), ``serialized`` by id. With none recorded, behind in both
-# orders: a "write first, enqueue last" writer commits a lower xid after a higher id, so a row behind in one order
-# may be ahead in the other. Whoever asks whether a row was relayed (maintenance, the partition-count guard) asks
-# this, never the strategy it was told: a wrong name must not pass an unrelayed row.
-BEHIND_POSITION = """
-    coalesce(CASE o.read_by
-        WHEN 'serialized' THEN m.id <= o.last_processed_id
-        WHEN 'partitioned' THEN (m.transaction_id, m.id) <= (o.last_processed_transaction_id, o.last_processed_id)
-        ELSE m.id <= o.last_processed_id
-             AND (m.transaction_id, m.id) <= (o.last_processed_transaction_id, o.last_processed_id)
-    END, false)
 """
 
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import psycopg
 
+from ...model import OutboxRecord
+from ..base import FRESH_LEASE_SHARE, StrategyConfig
 from . import offsets
-from .base import FRESH_LEASE_SHARE, OutboxRecord, StrategyConfig
 from .offsets import PartitionLease
 from .sharing import Home
 

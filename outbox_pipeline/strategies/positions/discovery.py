@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from ..config import OutboxTable
+from ...config import OutboxTable
 from . import offsets
 
 DISCOVERY_INTERVAL_S = 5.0

@@ -8,7 +8,7 @@ partitions, 926 statements per 1,000 messages. One claim now leases every free p
 and each partition read ahead, its fair share of the batch (``limit`` split evenly), and one ack moves every position
 (offsets.advance_many). A partition that never runs dry cannot keep the others waiting: every claim serves all of
 them. ``partitioned``'s snapshot rule and every other read condition are the strategy's own (``work``). Which
-partitions a claim reads past and how many it leases: position_chains.py.
+partitions a claim reads past and how many it leases: positions/chains.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import sql
 
-from .base import RECORD_COLUMNS, OutboxRecord, StrategyConfig
+from ...model import OutboxRecord
+from ..base import RECORD_COLUMNS, StrategyConfig
 from .offsets import PartitionLease, candidates, released_hold
 from .sharing import IS_HOME
 

@@ -3,7 +3,7 @@
 They never touch message rows. A claim leases the virtual partitions that wait (their ``outbox_offsets`` rows, the
 talk's ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``) and reads each past its stored position, in order,
 together with the home partitions (sharing.py) whose previous batch is still in Kafka (read past that batch:
-pipelining), in one statement (position_reads.py). A batch therefore spans partitions: each gets a fair share of it,
+pipelining), in one statement (positions/reads.py). A batch therefore spans partitions: each gets a fair share of it,
 so a partition that never runs dry cannot keep the others waiting. The ack advances every position of the batch with
 a compare-and-set on (owner, old position), in one statement, in the same transaction as any dead letters; under
 steady traffic (the relay paced, nothing read ahead, Kafka took the whole batch) it goes in the next claim's statement
@@ -19,7 +19,7 @@ duplicates bounded by one batch). A row that can never be delivered (too large, 
 attempts is copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the
 default) its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
 are published without it. With Kafka transactions each partition's rows of a batch are one Kafka transaction (its
-transactional id is the partition's), and a claim takes fewer partitions (position_chains.py).
+transactional id is the partition's), and a claim takes fewer partitions (positions/chains.py).
 """
 
 from __future__ import annotations
@@ -34,23 +34,16 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg import IsolationLevel
 
+from ...model import AckResult, Claim, OutboxRecord, PublishOutcome
+from ..base import Strategy, StrategyConfig, stamped_cursor
+from ..quarantine import NO_HOLDS, Quarantine
 from . import offsets
-from .base import (
-    AckResult,
-    Claim,
-    OutboxRecord,
-    PublishOutcome,
-    Strategy,
-    StrategyConfig,
-    stamped_cursor,
-)
+from .chains import MAX_PARTITIONS_PER_CLAIM, Chain, Chains
 from .discovery import Discovery
+from .ids import TransactionalIds
 from .offsets import Move, PartitionLease
-from .position_chains import MAX_PARTITIONS_PER_CLAIM, Chain, Chains
-from .position_ids import TransactionalIds
-from .position_reads import PartitionRead, Reads, Settle, claim_sql, read_partitions
-from .position_settle import count_by_partition, settle_all
-from .quarantine import NO_HOLDS, Quarantine
+from .reads import PartitionRead, Reads, Settle, claim_sql, read_partitions
+from .settle import count_by_partition, settle_all
 from .sharing import Dealer, Home
 
 Key = tuple[str, int]
@@ -160,7 +153,7 @@ class PositionStrategy(Strategy):
 
     def _read(self, limit: int, settle: Sequence[Settle] = ()) -> Reads:
         home = self._dealer.current()
-        # Read ahead at home only, and in turns (position_chains.py): reading ahead keeps a lease as long as the
+        # Read ahead at home only, and in turns (positions/chains.py): reading ahead keeps a lease as long as the
         # partition has work, so the first worker of a backlog kept every partition and the others idled.
         cap = self._chains.cap - len(settle)
         ahead = self._chains.ahead(home, cap)
@@ -273,7 +266,7 @@ class PositionStrategy(Strategy):
 
     def before_publish(self, claim: Claim) -> Claim | None:
         """A batch read ahead is published only where the batch before it acked in full while owned, and where
-        its lease is still this worker's (renewed if old: position_chains.py): past a failure or a lost lease the
+        its lease is still this worker's (renewed if old: positions/chains.py): past a failure or a lost lease the
         position cannot move, so publishing it would only add duplicates (the README's bound is one batch); those
         partitions are given back, the rest goes. Nor if a hold began or ended since it was read: it may hold a row
         that is held now."""
