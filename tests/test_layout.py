@@ -115,8 +115,9 @@ def test_the_packages_modules_import_one_another_without_a_cycle() -> None:
     assert import_cycle(graph) == []
 
 
-# The package's layers, lowest first (outbox_pipeline/__init__.py says what each is for): a module may import its
-# own layer and those below. The package's __init__ is the public API and re-exports from store, so it is left out.
+# The package's layers, lowest first (docs/architecture.md says what each is for, a section each, in this order): a
+# module may import its own layer and those below. The package's __init__ is the public API and re-exports from
+# store, so it is left out.
 LAYERS = ("", "store", "strategies", "observe", "relay", "operate", "drain", "runs", "commands", "dagster")
 COMMAND_ROOMS = ("cli", "bench", "verify", "localstack")
 
@@ -151,6 +152,70 @@ def test_an_import_from_a_lower_layer_to_a_higher_one_is_named() -> None:
     graph = {"outbox_pipeline.store.enqueue": {"outbox_pipeline.relay.publisher", "outbox_pipeline.config"}}
 
     assert imports_up(graph) == ["outbox_pipeline.store.enqueue -> outbox_pipeline.relay.publisher"]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+# The Dagster rooms at the repository's top, described in the dagster layer's section.
+TOP_ROOMS = ("assets", "resources")
+
+
+def layer_sections(doc: str) -> dict[str, str]:
+    """The doc's "## Layers" cut at its ``### `` headings: a layer's name -> its section, in the doc's order."""
+    layers = doc.split("\n## Layers\n", 1)[-1].split("\n## ", 1)[0]
+    sections = {}
+    for chunk in layers.split("\n### ")[1:]:
+        heading, _, body = chunk.partition("\n")
+        sections[heading.strip()] = body
+    return sections
+
+
+def heading_of(layer: str) -> str:
+    return layer or "top level"
+
+
+def documented_modules(root: Path) -> dict[str, str]:
+    """Each module's path as the doc names it (from the repository's top, ``outbox_pipeline/`` left out) -> the
+    heading of the section that must name it."""
+    found = {}
+    for path in sorted((root / "outbox_pipeline").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[path.relative_to(root / "outbox_pipeline").as_posix()] = heading_of(LAYERS[layer_of(module)])
+    for room in TOP_ROOMS:
+        for path in sorted((root / room).rglob("*.py")):
+            found[path.relative_to(root).as_posix()] = heading_of("dagster")
+    return found
+
+
+def undocumented(doc: str, modules: dict[str, str]) -> list[str]:
+    """The modules the doc does not name, in backticks, in their own layer's section."""
+    sections = layer_sections(doc)
+    return sorted(
+        f"{path} (under ### {heading})"
+        for path, heading in modules.items()
+        if f"`{path}`" not in sections.get(heading, "")
+    )
+
+
+def test_docs_architecture_describes_the_layers_in_their_order() -> None:
+    assert list(layer_sections(ARCHITECTURE.read_text())) == [heading_of(layer) for layer in LAYERS]
+
+
+def test_docs_architecture_names_every_module_in_its_own_layer() -> None:
+    modules = documented_modules(ROOT)
+
+    assert {"relay/loop.py", "model.py", "strategies/positions/offsets.py", "assets/spark/drain_job.py"} <= set(modules)
+    assert modules["definitions.py"] == modules["resources/kafka.py"] == "dagster"
+    assert undocumented(ARCHITECTURE.read_text(), modules) == []
+
+
+def test_a_module_missing_from_its_layers_section_is_named() -> None:
+    doc = "# A\n\n## Layers\n\n### store\n\n- `store/schema.py`: ...\n\n### relay\n\n- `store/enqueue.py`\n\n## Words\n"
+    modules = {"store/schema.py": "store", "store/enqueue.py": "store", "relay/loop.py": "relay"}
+
+    assert list(layer_sections(doc)) == ["store", "relay"]
+    assert undocumented(doc, modules) == ["relay/loop.py (under ### relay)", "store/enqueue.py (under ### store)"]
 
 
 # What a reader holds in mind at once: a function of at most this many lines, and blocks nested at most this deep (an
