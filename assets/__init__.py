@@ -1,12 +1,11 @@
-"""Dagster room: assets over the outbox (backlog and lag check, per-partition relay; Spark drains, maintenance).
-
-Names resolve on first use (PEP 562): Spark executors import ``assets.spark.datasource`` and must not pay
-for importing Dagster and every asset with it.
-"""
+"""Dagster assets over the outbox: the backlog and its checks, the per-partition relay; the PySpark assets are in
+spark/. Each module: docs/architecture.md#assets-and-resources."""
 
 import importlib
 from typing import Any
 
+# Names resolve on first use (PEP 562): Spark executors import ``assets.spark.datasource`` and must not pay for
+# importing Dagster and every asset with it.
 _EXPORTS = {
     "outbox_backlog": ".backlog",
     "outbox_lag_slo": ".backlog",

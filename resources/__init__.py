@@ -1,4 +1,5 @@
-"""Dagster room: resources wrapping the engine's PostgreSQL and Kafka access, and alert delivery."""
+"""Dagster resources around the engine's PostgreSQL and Kafka access, alert delivery and the Spark session. Each
+module: docs/architecture.md#assets-and-resources."""
 
 from .alerts import Alert, AlertResource
 from .kafka import KafkaResource

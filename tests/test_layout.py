@@ -4,6 +4,7 @@ the Dagster definitions load."""
 from __future__ import annotations
 
 import ast
+import importlib
 import pkgutil
 import subprocess
 import sys
@@ -208,6 +209,20 @@ def test_docs_architecture_names_every_module_in_its_own_layer() -> None:
     assert {"relay/loop.py", "model.py", "strategies/positions/offsets.py", "assets/spark/drain_job.py"} <= set(modules)
     assert modules["definitions.py"] == modules["resources/kafka.py"] == "dagster"
     assert undocumented(ARCHITECTURE.read_text(), modules) == []
+
+
+def test_each_layer_exports_the_names_its_all_declares() -> None:
+    """Layers re-export what the others use (some on first use, PEP 562): a renamed name must not leave a stale one."""
+    import outbox_pipeline
+
+    packages = [info.name for info in pkgutil.walk_packages(outbox_pipeline.__path__, "outbox_pipeline.") if info.ispkg]
+    layers = [importlib.import_module(name) for name in ["outbox_pipeline", *packages, *TOP_ROOMS, "assets.spark"]]
+    exported = {layer.__name__: layer.__all__ for layer in layers if hasattr(layer, "__all__")}
+
+    assert {"outbox_pipeline.store", "outbox_pipeline.relay", "outbox_pipeline.bench", "resources"} <= set(exported)
+    assert {name: [n for n in names if not hasattr(sys.modules[name], n)] for name, names in exported.items()} == {
+        name: [] for name in exported
+    }
 
 
 def test_a_module_missing_from_its_layers_section_is_named() -> None:

@@ -1,8 +1,6 @@
-"""Dagster room: the PySpark assets (bulk drain, daily partition maintenance), their jobs and schedule.
-
-Resource keys: ``postgres`` (PostgresResource), ``kafka`` (KafkaResource, bulk_drain only) and
-``spark`` (SparkResource).
-"""
+"""The PySpark assets (bulk drain, daily partition maintenance), their jobs and schedule; their resource keys are
+``postgres``, ``kafka`` (bulk_drain only) and ``spark``. Each module: docs/architecture.md#the-spark-room; the design:
+docs/spark.md."""
 
 import importlib
 from typing import Any

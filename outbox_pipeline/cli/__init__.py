@@ -1,9 +1,6 @@
-"""Engine room: the ``outbox`` command line (argument parsing and the way errors end a command).
-
-Configuration comes from the environment (``OUTBOX_PG_DSN``, ``OUTBOX_SCHEMA``, ``KAFKA_*``); flags
-override it. Errors a user can fix print one line and exit 2; DSN passwords are never printed. The commands
-live beside this module, by what they do.
-"""
+"""The ``outbox`` command line: its parser, and how an error ends a command (what a user can fix prints one line and
+exits 2; DSN passwords are never printed). Configuration comes from the environment, flags override it, and the
+commands live beside this module: docs/architecture.md#commands."""
 
 from __future__ import annotations
 

@@ -1,7 +1,45 @@
-"""Engine, layer 4: the relay. Its loop (loop.py), its PostgreSQL sessions and wake-ups, its settings and stats, who
-it is (presence), and its Kafka side: the publisher, transactional producers, Kafka's errors and topics' limits; the
-worker processes `outbox relay` starts (workers.py); the wal strategy's replication stream (wal/). The strategies it
-runs are a layer of their own below `store`.
+"""The relay: its loop, its PostgreSQL sessions, its Kafka side, the worker processes `outbox relay` starts, and the
+wal strategy's relay (wal/). Each module: docs/architecture.md#relay."""
 
-May import: the top-level modules, `strategies`, `store`, `observe`.
-"""
+from . import wal
+from .loop import OutcomeObserver, Relay
+from .presence import WorkerIdInUseError, WorkerPresence, present
+from .publisher import (
+    DEFAULT_PRODUCER_CONFIG,
+    REQUIRED_PRODUCER_CONFIG,
+    KafkaPublisher,
+    PendingBatch,
+    check_producer_config,
+)
+from .relay_settings import RelaySettings
+from .stats import RelayInstruments, RelayStats
+from .transactional import TransactionalProducers
+from .wakeups import WakeUps
+from .wal import WalRelay
+from .workers import RelayWorker, WorkerResult, WorkerSpec, build_relay, run_worker_processes
+
+# The wal relay's own names are in ``wal``.
+__all__ = [
+    "DEFAULT_PRODUCER_CONFIG",
+    "REQUIRED_PRODUCER_CONFIG",
+    "KafkaPublisher",
+    "OutcomeObserver",
+    "PendingBatch",
+    "Relay",
+    "RelayInstruments",
+    "RelaySettings",
+    "RelayStats",
+    "RelayWorker",
+    "TransactionalProducers",
+    "WakeUps",
+    "WalRelay",
+    "WorkerIdInUseError",
+    "WorkerPresence",
+    "WorkerResult",
+    "WorkerSpec",
+    "build_relay",
+    "check_producer_config",
+    "present",
+    "run_worker_processes",
+    "wal",
+]

@@ -1,5 +1,15 @@
-"""Engine, layer 7: the units of relay work a Dagster run executes (a partition caught up, a long-lived stream), as
-plain functions: orchestration/ calls them, and they import no Dagster.
+"""The relay work a Dagster run executes (a partition caught up, a long-lived stream), as plain functions:
+orchestration/ calls them, and they import no Dagster. Each module: docs/architecture.md#runs."""
 
-May import: every engine layer below (`strategies` to `drain`).
-"""
+from .partition_run import PartitionRunReport, end_backoff, lag_of, relay_partition
+from .stream_run import PartitionProgress, StreamReport, StreamRun
+
+__all__ = [
+    "PartitionProgress",
+    "PartitionRunReport",
+    "StreamReport",
+    "StreamRun",
+    "end_backoff",
+    "lag_of",
+    "relay_partition",
+]

@@ -1,16 +1,5 @@
-"""Engine room: the relay strategies, one module each, behind ``base.Strategy``.
-
-| name        | seed variant | order            | rows mutated            | workers              |
-|-------------|--------------|------------------|-------------------------|----------------------|
-| locking     | talk 1       | none             | delete / mark sent      | many (SKIP LOCKED)   |
-| advisory    | talk 1.1     | global, by id    | delete / mark sent      | one active at a time |
-| lease       | talk 2       | none             | lease + delete / mark   | many (leases)        |
-| partitioned | talk 3       | per partition    | never (offsets only)    | one per partition    |
-| serialized  | talk 4       | per partition    | never (offsets only)    | one per partition    |
-
-``wal`` is not a table strategy: writers emit logical decoding messages and the relay streams them from a
-replication slot (store/wal/, relay/wal/). It is an outbox's strategy all the same (recorded, named by --strategy).
-"""
+"""The table strategies, one module each behind ``base.Strategy``: which rows a worker may claim and what its ack
+records. Each module: docs/architecture.md#strategies; the strategies compared: docs/strategies.md."""
 
 from __future__ import annotations
 
@@ -18,7 +7,32 @@ import argparse
 import importlib
 
 from ..model import ORDERED_FIRST, RECORDED_NAMES, STRATEGY_NAMES
-from .base import Strategy
+from . import positions
+from .advisory import ADVISORY_LOCK_CLASS, AdvisoryStrategy
+from .base import RECORD_COLUMNS, AckMode, Strategy, StrategyConfig, fetch_records
+from .lease import LeaseStrategy
+from .positions import PositionStrategy
+from .quarantine import ON_POISON_CHOICES, OnPoison, dead_letter_held, on_poison_from_env
+
+# The position strategies' own names are in ``positions``.
+__all__ = [
+    "ADVISORY_LOCK_CLASS",
+    "ON_POISON_CHOICES",
+    "RECORD_COLUMNS",
+    "AckMode",
+    "AdvisoryStrategy",
+    "LeaseStrategy",
+    "OnPoison",
+    "PositionStrategy",
+    "Strategy",
+    "StrategyConfig",
+    "dead_letter_held",
+    "fetch_records",
+    "on_poison_from_env",
+    "positions",
+    "strategy_class",
+    "strategy_list",
+]
 
 # Each strategy's module and class: ``locking`` is ``locking.LockingStrategy``.
 _MODULES = {name: (name, f"{name.capitalize()}Strategy") for name in STRATEGY_NAMES}

@@ -1,20 +1,5 @@
-"""Engine room: ``outbox verify``, the delivery ledger check a user runs against a deployment.
-
-Consumes the target topics (every partition, ``assign()``ed explicitly, read_committed) from the start or
-from given offsets until every partition is idle, and compares what arrived with the outbox ledger:
-
-* **lost**: committed in PostgreSQL, never in Kafka;
-* **phantom**: in Kafka, committed nowhere in PostgreSQL;
-* **duplicates**: extra copies (at-least-once delivery makes some; they are not an error);
-* **order violations** (``ordered=``): per key, the first occurrence of each message in Kafka against the
-  order the strategy promises;
-* **latency**: ``created_at`` header -> broker timestamp, percentiles.
-
-Memory stays flat in the number of records: consumed records go to a TEMP table in PostgreSQL with COPY,
-one chunk at a time, and every answer is a SQL query. The broker's high watermarks only tell where a
-partition ended when verify started; "all consumed" is decided by the partitions staying idle (the local
-broker's watermarks run behind the real end of a partition).
-"""
+"""``outbox verify``: the delivery ledger check a user runs against a deployment: lost, phantom, duplicates, order,
+latency (docs/operations.md#checking-delivery-outbox-verify). Each module: docs/architecture.md#commands."""
 
 from __future__ import annotations
 
@@ -33,6 +18,8 @@ from ..store import strategy_record
 from .checks import ORDERED_STRATEGIES, OrderedStrategy, Workspace
 from .consume import consume_topics, make_consumer
 from .report import Latency, MessageRef, OrderViolation, VerifyReport
+
+__all__ = ["VerifyReport", "make_consumer", "parse_start_offset", "verify"]
 
 log = logging.getLogger(__name__)
 

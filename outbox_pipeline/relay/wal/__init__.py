@@ -1,6 +1,35 @@
-"""Engine room: the wal strategy's relay: the replication stream of one logical slot (stream.py) and the wire format
-it carries, pgoutput's messages inside the streaming replication protocol's frames (pgoutput.py).
+"""The wal strategy's relay: a logical slot's messages streamed to Kafka in commit order, one streamer per slot. Each
+module: docs/architecture.md#relay; the design: docs/wal.md."""
 
-Writers emit transactional logical decoding messages (``pg_logical_emit_message(true, ...)``); the relay streams them
-in commit order from a ``pgoutput`` slot, and confirms a position to the slot once Kafka has every message before it.
-"""
+from . import pgoutput
+from .leader import FENCE_MARGIN_S, WAL_LEADER_LOCK_CLASS, LeaderSettings, SlotLeader
+from .pgoutput import StreamEvent, decode_pgoutput, format_lsn, parse_lsn, pg_clock_us, standby_status
+from .relay import WalRelay
+from .stream import (
+    DEFAULT_STATUS_INTERVAL_S,
+    ReplicationStream,
+    ReplicationStreamError,
+    SlotInUseError,
+    SlotNotFoundError,
+)
+
+# pgoutput's message kinds (Begin, Commit, Message, Other) are used through their module.
+__all__ = [
+    "DEFAULT_STATUS_INTERVAL_S",
+    "FENCE_MARGIN_S",
+    "WAL_LEADER_LOCK_CLASS",
+    "LeaderSettings",
+    "ReplicationStream",
+    "ReplicationStreamError",
+    "SlotInUseError",
+    "SlotLeader",
+    "SlotNotFoundError",
+    "StreamEvent",
+    "WalRelay",
+    "decode_pgoutput",
+    "format_lsn",
+    "parse_lsn",
+    "pg_clock_us",
+    "pgoutput",
+    "standby_status",
+]

@@ -1,5 +1,5 @@
 """The position strategies' shared machinery (partitioned, serialized): one offsets row per partition, leased to one
-worker, advanced by compare-and-set (docs/strategies.md)."""
+worker, advanced by compare-and-set (docs/strategies.md). Each module: docs/architecture.md#strategies."""
 
 from .discovery import Discovery
 from .offsets import discover, partition_pairs
