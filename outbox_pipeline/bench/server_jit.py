@@ -14,7 +14,7 @@ import time
 import psycopg
 from psycopg import sql
 
-_SETTLE_DEADLINE_S = 10.0
+_RELOAD_DEADLINE_S = 10.0
 JIT_SUFFIX = " @ jit "  # after a line's or a relay's name: the server's jit it was measured at
 
 
@@ -31,7 +31,7 @@ def set_server_jit(dsn: str, value: str | None) -> None:
         conn.execute("SELECT pg_reload_conf()")
     if value is None:
         return
-    deadline = time.monotonic() + _SETTLE_DEADLINE_S
+    deadline = time.monotonic() + _RELOAD_DEADLINE_S
     while True:  # the postmaster applies the reload on its own time; a new session shows when it has
         with psycopg.connect(dsn, autocommit=True) as probe:
             row = probe.execute("SELECT current_setting('jit')").fetchone()
