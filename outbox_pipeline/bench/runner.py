@@ -1,16 +1,5 @@
-"""Engine room (benchmarks): load N messages, drain them with a strategy, measure, verify.
-
-Every run gets a fresh schema and fresh topics, loaded with COPY, drained by W worker processes
-that start together on a signal (spawn and connection set-up are not timed). Drain time runs from
-that signal to the last delivery confirmed; CPU seconds are read for the relay workers, PostgreSQL
-(postmaster, live backends and reaped ones) and the broker. Speed is never asserted here: results are
-printed, medians of repeated runs are what the README quotes.
-
-A wal outbox is loaded the same way (its trigger turns every COPY row into a message in the WAL, no row), with no
-relay streaming its slot, and drained by one worker running what `outbox relay --strategy wal --until-empty` runs
-until the slot is caught up with the WAL written before it started; its connections and the stream's start are
-timed (the slot's first decoding is part of a backlog's cost). The slot is dropped with the schema, error or not.
-"""
+"""One bulk run: load N messages, drain them with a strategy, measure and verify; speed is printed, never asserted. See
+docs/performance.md#how-a-bulk-run-is-measured."""
 
 from __future__ import annotations
 

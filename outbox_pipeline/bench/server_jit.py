@@ -1,11 +1,5 @@
-"""Engine room (benchmarks): the server's own ``jit`` for a line of a comparison or a latency bench's relay (``outbox
-bench --server-jit on,off``), so that a server with JIT and the same server without it are measured in one invocation,
-interleaved.
-
-Set with ALTER SYSTEM and a reload (a superuser's, as a DBA would), and waited for: sessions opened after the reload
-see it. The relay's sessions set ``jit = off`` for themselves (outbox_pipeline/server.py); what the server's value
-still changes is every session that does not: the baselines, the loads, a user's own code.
-"""
+"""The server's own `jit` for a line of a comparison or a latency bench's relay (`outbox bench --server-jit on,off`), so
+a server with and without JIT is measured in one invocation. See docs/performance.md#the-servers-jit-in-a-comparison."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Engine room: demo traffic for the local stack and bulk loads for benchmarks.
-
-``run_traffic`` behaves like a small service: steady transactions across several topics and keys,
-now and then a rollback (whose messages must never reach Kafka) and a long transaction that holds
-its rows open while later ones commit (the case that makes naive ``id > last_id`` relays skip rows).
-"""
+"""Demo traffic for the local stack (a small service's transactions, rollbacks and long transactions) and bulk loads for
+benchmarks. See docs/dagster.md#the-local-stack-outbox-dev."""
 
 from __future__ import annotations
 

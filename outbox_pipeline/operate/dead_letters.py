@@ -1,7 +1,6 @@
-"""Engine room: the operator's dead letters: list them (with what each holds back and its payload kind), retry them,
-or discard them for good. Each action is one statement or one transaction and says how much it changed; the CLI
-(`outbox dead-letters`) and the Dagster jobs call these.
-"""
+"""The operator's dead letters: list them (with what each holds back), retry or discard them, each action one statement
+or transaction that says how much it changed, for the CLI and the Dagster jobs. See
+docs/strategies.md#poison-messages-keep-their-keys-order-quarantine."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Engine room: operator actions on a running outbox (replay, rewind, stuck leases; dead letters: dead_letters.py).
-
-Each action is one statement or one transaction and says how much it changed, so an operator (or a
-Dagster job launched from the UI) can run it while relays keep running and see what it did. Replays
-are at-least-once by construction: consumers see the replayed messages again, with the same
-``message_id`` header to deduplicate on.
-"""
+"""Operator actions on a running outbox (replay, rewind, stuck leases), each one statement or transaction that says how
+much it changed, so it can run beside live relays; replays are at-least-once by construction. See
+docs/dagster.md#operator-jobs."""
 
 from __future__ import annotations
 

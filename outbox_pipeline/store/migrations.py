@@ -1,8 +1,5 @@
-"""Engine room: the outbox schema's versioned migrations, in order, and the names they define.
-
-``schema.init_db`` applies them; each runs in its own transaction and is recorded in ``outbox_schema_migrations``.
-A migration once released is never edited: a change is a new migration.
-"""
+"""The outbox schema's versioned migrations, in order; a released migration is never edited, a change is a new one. See
+docs/operations.md#upgrading-the-schema."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Engine room: the one small interface every relay strategy implements.
-
-A strategy decides which rows a worker may publish and what "done" means for them: ``claim`` a batch,
-``ack`` it with the publisher's outcome (only what Kafka confirmed is marked delivered; failures are
-retried with backoff or dead-lettered), or ``give_back`` a batch that was not published at all. The
-relay loop (``outbox_pipeline.relay.loop``) is the same for every strategy.
-"""
+"""The one small interface every relay strategy implements (`claim`, `ack`, `give_back`), so one relay loop serves them
+all. See docs/strategies.md#relay-strategies."""
 
 from __future__ import annotations
 

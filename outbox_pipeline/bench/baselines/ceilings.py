@@ -1,13 +1,5 @@
-"""Engine room (benchmarks): the two ceilings every relay result is read against, and the count-back.
-
-- produce-only: the same records, read from the table before the clock starts, handed to the same
-  publisher (same producer settings, same produce loop) by the same number of processes: what the broker
-  and librdkafka take here, with PostgreSQL out of the way.
-- read-only: the same relay with Kafka replaced by a publisher that confirms every batch at once: the
-  strategy's claims and acks alone, what PostgreSQL and our Python give, with Kafka out of the way.
-
-A relay at 90 % of the lower ceiling has nothing left to win on its own side.
-"""
+"""The two ceilings every relay result is read against (produce-only, read-only), and the count-back of what Kafka got.
+See docs/performance.md#the-machine-and-how-to-read-the-figures."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Engine room (benchmarks): a comparison, every line once per round for several rounds (runner.py runs one line
-once), so a round shares the machine's conditions; medians and same-run ratios.
-"""
+"""A comparison: every line once per round for several rounds, so a round shares the machine's conditions; medians and
+same-run ratios. See docs/performance.md#the-machine-and-how-to-read-the-figures."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Engine room (benchmarks): the talk's relay variants, literally, as the baseline to beat.
-
-They run on the talk's own table (talk_table.py, the headline) and on ours (a second line).
-
-Each is what the seed shows, with nothing of ours: `SELECT *` (payloads decoded by the driver),
-batch 100, one `produce` per row then `flush()` per batch, acks by an `IN (...)` list of ids. The only
-deviation is a correctness fix in variant 3's condition (see strategies/partitioned.py), which costs
-nothing. They exist to be measured against in the same run, never to be used.
-"""
+"""The seed's relay variants, literally, as the baseline to beat, on the seed's own table and on ours. See
+docs/performance.md#the-baselines-the-seeds-variants-and-a-hand-written-relay."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Engine room (benchmarks): the talk's own outbox table, the baseline a user would write themselves.
-
-The seed's DDL per variant, nothing of ours added: an identity primary key, no other index unless the
-variant's slide shows one, not partitioned, no triggers. The naive variants (naive.py) run on it as the
-headline baseline; on our table (partitioned by day, six indexes) they are a second, slower line.
-
-Seed fixes, each needed for the DDL to run at all: ``timestampz`` is not a PostgreSQL type
-(``timestamptz`` is), and ``AS IDENTITY()`` with an empty option list is a syntax error (``AS IDENTITY``).
-"""
+"""The seed's own outbox table (`talk` in the bench's line names), the baseline a user would write themselves. See
+docs/performance.md#the-baselines-the-seeds-variants-and-a-hand-written-relay."""
 
 from __future__ import annotations
 

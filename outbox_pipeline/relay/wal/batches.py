@@ -1,5 +1,5 @@
-"""Engine room (relay, wal): what the wal relay holds between the stream and Kafka: the batch, with the commits
-between its messages (what may be confirmed once Kafka has them; position.py confirms them)."""
+"""What the wal relay holds between the stream and Kafka: the batch and the commits between its messages, so it confirms
+to the slot only whole transactions Kafka has. See docs/wal.md#the-relay."""
 
 from __future__ import annotations
 

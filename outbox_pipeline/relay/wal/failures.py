@@ -1,6 +1,5 @@
-"""Engine room (relay, wal): what the failures of a batch Kafka settled mean for the stream: which messages are dead
-letters now, which wait behind their held key, and from where the stream is published again (docs/wal.md, The
-relay). Plain values and decisions, no session: the relay does the writing."""
+"""What the failures of a batch mean for the wal stream: which messages are dead letters now, which wait behind their
+held key, and from where the stream is published again; decisions only, the relay writes. See docs/wal.md#the-relay."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""Engine room (relay, wal): the wal strategy's relay: the slot's messages to Kafka in commit order.
-
-The slot streams each committed transaction whole, in commit order (PostgreSQL decodes the WAL at commit): the
-relay publishes what arrives, in the order it arrives, and confirms a transaction's end to the slot only once Kafka
-has confirmed every message up to it, never past the bound it last recorded in the outbox (position.py). A crash
-resumes from the slot's position, or the recorded one if later: what was published after it comes again (duplicates
-bounded by what was in flight; after a crash of PostgreSQL, the second before it too), nothing is skipped.
-
-Kafka's failures, as the table strategies treat them (relay/kafka_errors.py):
-- the transport (a broker down): nothing after the first such message is confirmed; those messages are published
-  again, in order, after a back-off. Meanwhile the relay keeps answering its walsender (``wal_sender_timeout`` does
-  not end the stream) and saying it is alive on its lock's session (a waiting relay does not take it for frozen,
-  leader.py);
-- a message Kafka will never take (too large, an invalid topic): dead-lettered whole, and with quarantine its key
-  held until an operator retries or discards it, every other key flowing (holds.py); the stream goes on.
-"""
+"""The wal strategy's relay: the slot's messages to Kafka in commit order, confirmed to the slot only once Kafka has
+them. See docs/wal.md#the-relay."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Engine room: how a batch's outcome settles each partition of a position claim (positions.py).
-
-Pure bookkeeping, no SQL: per partition, in publishing order, how far its position moves (only over rows Kafka
-confirmed, were held, or are dead-lettered), what is dead-lettered or held, and where it stops at a failure. The
-ack then writes all of it in one statement (offsets.advance_many).
-"""
+"""How far a batch's outcome advances each partition of a position claim, and what it dead-letters or holds: bookkeeping
+without SQL, written by one ack statement. See docs/strategies.md#one-claim-for-many-partitions."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Engine room: the offsets table of the position strategies (partitioned, serialized).
-
-One row per (topic, virtual partition): its stored position, and the lease that makes one worker its reader.
-Each function is one statement: discover partitions that have rows but no offsets row, the partitions a worker could
-lease (the claim that leases and reads them is positions/reads.py), advance a batch's positions by compare-and-set,
-release leases, and copy undeliverable rows to the dead letters. The reading and acking logic around them is
-positions.py.
-"""
+"""The offsets table of the position strategies: one row per (topic, virtual partition) with its position and lease, and
+the single statements that discover, lease, advance and release them. See
+docs/strategies.md#the-position-strategies-claims-acks-and-failures."""
 
 from __future__ import annotations
 

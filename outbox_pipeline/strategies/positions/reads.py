@@ -1,15 +1,5 @@
-"""Engine room: the one statement a position claim is (partitioned, serialized): lease the partitions that wait, and
-read them together with the partitions this worker has batches in flight for.
-
-A batch spans partitions. Under steady traffic a transaction's rows land in many partitions (keys spread), and a
-claim per partition cost a lease, a read and an ack for each of them: at 2,000 msg/s in 10-row transactions over 8
-partitions, 926 statements per 1,000 messages. One claim now leases every free partition with work (up to
-``max_new``: home partitions first, the one that waited longest first, as the single lease did), reads each of those
-and each partition read ahead, its fair share of the batch (``limit`` split evenly), and one ack moves every position
-(offsets.advance_many). A partition that never runs dry cannot keep the others waiting: every claim serves all of
-them. ``partitioned``'s snapshot rule and every other read condition are the strategy's own (``work``). Which
-partitions a claim reads past and how many it leases: positions/chains.py.
-"""
+"""The one statement a position claim is: lease the partitions that wait and read them together with those read ahead,
+so one claim and one ack serve a batch that spans partitions. See docs/strategies.md#one-claim-for-many-partitions."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""Engine room: what the ordered, read-only strategies (partitioned, serialized) share.
-
-They never touch message rows. A claim leases the virtual partitions that wait (their ``outbox_offsets`` rows, the
-talk's ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``) and reads each past its stored position, in order,
-together with the home partitions (sharing.py) whose previous batch is still in Kafka (read past that batch:
-pipelining), in one statement (positions/reads.py). A batch therefore spans partitions: each gets a fair share of it,
-so a partition that never runs dry cannot keep the others waiting. The ack advances every position of the batch with
-a compare-and-set on (owner, old position), in one statement, in the same transaction as any dead letters; under
-steady traffic (the relay paced, nothing read ahead, Kafka took the whole batch) it goes in the next claim's statement
-instead (``ack_and_claim``), one statement per batch. A worker
-that lost a partition's lease (it was frozen past expiry and another worker took over) advances nothing there and
-dead-letters nothing: that partition's rows count as published-but-ack-failed and the new owner publishes them
-again.
-
-Failures keep each partition's order: its position stops before the first row Kafka did not confirm, and the
-partition backs off (``attempts``, ``last_error``, ``available_after`` on the offsets row); the batch's other
-partitions move on. Rows after the failure that Kafka did confirm are published again on the retry (at-least-once:
-duplicates bounded by one batch). A row that can never be delivered (too large, invalid topic) or that ran out of
-attempts is copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the
-default) its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
-are published without it. With Kafka transactions each partition's rows of a batch are one Kafka transaction (its
-transactional id is the partition's), and a claim takes fewer partitions (positions/chains.py).
-"""
+"""What the position strategies (partitioned, serialized) share: lease partitions, read past each stored position,
+advance each position by compare-and-set only over confirmed rows. See
+docs/strategies.md#the-position-strategies-claims-acks-and-failures."""
 
 from __future__ import annotations
 
