@@ -33,7 +33,7 @@ from .latency import latency_cli
 from .runner import RunSpec, Servers
 from .wal_outbox import WAL_BATCH
 
-# The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
+# The seed's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
 TALK_TABLE = {
     "locking": ("01:53", "01:00"),
     "lease": ("02:08", "01:17"),

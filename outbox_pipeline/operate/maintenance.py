@@ -43,7 +43,7 @@ ARCHIVE_COLUMNS: Sequence[tuple[str, str]] = (
 # The checksum: the sum over rows of the first 32 bits of md5 of every archive column's text, '|'-joined,
 # NULL as \N. Timestamps enter as epoch microseconds and bytes as lowercase hex, the text forms PostgreSQL and Spark
 # agree on. The
-# archive's reader computes the same from the archived values (see the Spark room). Every column counts:
+# archive's reader computes the same from the archived values (assets/spark/datasource.py). Every column counts:
 # an archive that lost an error message or a timestamp must not verify.
 CHECKSUM_COLUMNS: tuple[str, ...] = tuple(name for name, _ in ARCHIVE_COLUMNS)
 TIMESTAMP_COLUMNS = frozenset({"created_at", "available_after", "sent_at"})

@@ -29,9 +29,9 @@ INDEXES = (
     Index("outbox_messages_pending", "(priority DESC, id) WHERE sent_at IS NULL", ROW_STRATEGIES),
     # The oldest unsent rows regardless of priority: the anti-starvation share of each claim.
     Index("outbox_messages_pending_oldest", "(id) WHERE sent_at IS NULL", ROW_STRATEGIES),
-    # Virtual partitions (talk variant 3): read past a (transaction_id, id) position.
+    # Virtual partitions (seed variant 3): read past a (transaction_id, id) position.
     Index("outbox_messages_position", "(topic, partition, transaction_id, id)", ("partitioned",)),
-    # Serialized writers (talk variant 4): read past an id position.
+    # Serialized writers (seed variant 4): read past an id position.
     Index("outbox_messages_serial", "(topic, partition, id)", ("serialized",)),
 )
 

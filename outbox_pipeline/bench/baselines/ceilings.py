@@ -72,7 +72,7 @@ _SEQ = re.compile(rb'"seq":\s*(\d+)')
 def count_back(bootstrap: str, topics: list[str], expected: int, max_s: float = 300.0) -> tuple[int, int]:
     """(distinct messages, records) that arrived in ``topics``, told apart by the payload's ``seq``.
 
-    For tables without a message_id (the talk's): every loaded ``seq`` 0..expected-1 must be there. Called
+    For tables without a message_id (the seed's): every loaded ``seq`` 0..expected-1 must be there. Called
     after the drain, when nothing is produced any more: it reads each partition up to its high watermark
     (an idle gap while the machine is busy must not end the count early), for at most ``max_s``.
     """

@@ -46,7 +46,7 @@ CREATE UNIQUE INDEX ix_outbox_offsets_topic_partition ON {o} USING btree (topic,
 
 
 def create_talk_table(conn: psycopg.Connection, table: OutboxTable, strategy: str) -> None:
-    """The schema ``table.schema`` with the talk's ``outbox_messages`` (and ``outbox_offsets``) for ``strategy``."""
+    """The schema ``table.schema`` with the seed's ``outbox_messages`` (and ``outbox_offsets``) for ``strategy``."""
     columns = _BASE_COLUMNS + (f",\n    {_EXTRA_COLUMNS[strategy]}" if strategy in _EXTRA_COLUMNS else "")
     conn.execute(sql.SQL("CREATE SCHEMA {}").format(table.schema_ident))
     conn.execute(
@@ -67,7 +67,7 @@ def index_talk_table(conn: psycopg.Connection, table: OutboxTable, strategy: str
 
 
 def add_talk_offsets(conn: psycopg.Connection, table: OutboxTable, topics: list[str], partitions: int) -> None:
-    """The talk's offsets start with a row per partition at position zero."""
+    """The seed's offsets start with a row per partition at position zero."""
     conn.execute(
         sql.SQL(
             "INSERT INTO {} (topic, partition, last_processed_id, last_processed_transaction_id)"

@@ -125,7 +125,7 @@ def discover_recent(conn: psycopg.Connection, table: OutboxTable, floor: int) ->
     return Discovered(created, seen_id, int(row[3]), int(row[4]), complete=rows < RECENT_ROWS)
 
 
-# The talk's "longest unchecked partition first", restricted to partitions that have work (one
+# The seed's "longest unchecked partition first", restricted to partitions that have work (one
 # index probe per partition), so an empty partition costs no lease round trips and "nothing
 # claimed" really means "nothing to publish". The probe is a LIMIT 1 subquery ordered like the read: with 10M
 # relayed rows behind the positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a
