@@ -115,7 +115,7 @@ def load(
 ) -> float:
     """COPY ``count`` messages of about ``payload_bytes`` each; returns the elapsed seconds.
 
-        Rows are spread round-robin over ``topics`` (the seed's layout: two topics), keys ``key-0..keys-1``,
+    Rows are spread round-robin over ``topics`` (the seed's layout: two topics), keys ``key-0..keys-1``,
         each in its topic's virtual partition as enqueue would route it. ``rows_per_transaction`` commits
         every that many rows, like services writing small transactions: one million rows under one
         transaction id is a shape no real outbox has, and it turns seed variant 3's condition (a range on
