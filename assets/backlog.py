@@ -1,10 +1,5 @@
-"""Dagster room: the outbox backlog and its lag SLO check, measured through the engine's lag query.
-
-`outbox_backlog` summarises the lag of every partition as the configured strategy sees it. Its check
-`outbox_lag_slo` fails with WARN or ERROR severity above the thresholds (OUTBOX_LAG_* variables). The
-check can be run from the UI, and `outbox_lag_slo_sensor` evaluates the same verdict every tick
-without a run, so the check's history is the outbox's lag over time.
-"""
+"""The outbox backlog asset and its lag SLO check, measured through the engine's lag query. See
+docs/dagster.md#lag-check."""
 
 import dagster as dg
 

@@ -1,11 +1,5 @@
-"""Dagster room: `relayed_outbox`, one partition per outbox (topic, virtual partition).
-
-A materialization of partition ``orders:3`` is one relay run over that partition: the engine drains it
-until caught up or the time budget, confirming every batch with Kafka before acking it, and the run
-records what an operator needs (published, duplicates risked, dead letters, msg/s, lag before and
-after). The asset's Partitions tab is therefore each outbox partition's relay history. A run that
-leaves rows Kafka refused raises, so the job's RetryPolicy retries it and, in the end, the run fails.
-"""
+"""`relayed_outbox`, one partition per outbox (topic, virtual partition), so each partition's Partitions tab is its
+relay history. See docs/dagster.md#per-partition-runs."""
 
 from typing import Literal
 

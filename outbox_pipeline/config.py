@@ -1,9 +1,5 @@
-"""Engine room: configuration from environment variables, and secret-safe rendering of it.
-
-Names follow the libraries they configure: ``OUTBOX_PG_DSN`` is a libpq DSN or URI, and every
-``KAFKA_*`` variable maps to the librdkafka property of the same name (``KAFKA_BOOTSTRAP_SERVERS`` ->
-``bootstrap.servers``, ``KAFKA_SASL_PASSWORD`` -> ``sasl.password``), the convention of Confluent's images.
-"""
+"""Configuration from environment variables, named after the libraries they configure, and secret-safe rendering of it.
+See docs/operations.md#command-line."""
 
 from __future__ import annotations
 

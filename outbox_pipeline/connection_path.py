@@ -1,19 +1,5 @@
-"""Engine room: does a connection reach its PostgreSQL backend directly, or through something that can move it?
-
-Session liveness (liveness.py) holds a session advisory lock on the worker's control connection for as long as the
-worker lives. That is sound only if the server session stays with this one client connection. A pooler in
-transaction mode (PgBouncer's default for most deployments) hands the server connection to other clients between
-transactions and recycles it on its own schedule, so the lock neither follows the worker nor dies with it. Checking
-that the lock is still held in a second transaction cannot tell: on a quiet pool the same server connection comes
-back every time.
-
-What can tell is the socket itself. The backend reports the address and port it sees its client at
-(``inet_client_addr``, ``inet_client_port``); only a direct connection is seen at this process's own local address
-and port. Over a Unix socket the backend reports none; then the socket's peer (``SO_PEERCRED``, Linux) must be the
-postmaster that forked this backend. Anything else (a pooler, a TCP proxy, source NAT) counts as not direct: such a
-worker's leases end by expiry, which is slower but never wrong. An operator who knows the path keeps one server
-session per client connection (NAT, a plain TCP proxy, PgBouncer in session mode) sets ``OUTBOX_LIVENESS=session``.
-"""
+"""Whether a connection reaches its PostgreSQL backend directly, told from the socket itself, because session liveness
+is sound only then. See docs/operations.md#crashed-workers."""
 
 from __future__ import annotations
 

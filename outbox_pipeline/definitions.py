@@ -1,11 +1,5 @@
-"""Dagster room: the one module that wires assets, checks, jobs, sensors and resources together.
-
-`dagster dev` loads it through workspace.yaml. Resources take their configuration from the
-environment when a run or tick starts (OUTBOX_PG_DSN, OUTBOX_SCHEMA, KAFKA_*, OUTBOX_ALERT_WEBHOOK_URL,
-SPARK_MASTER). The orchestration settings (sensor intervals, the relay strategy, lag thresholds) are read
-here once, from the variables ``outbox settings`` lists: the sensors take them, and runs get the same
-values as the ``orchestration`` resource, which the UI shows with what each one means.
-"""
+"""The one module that wires assets, checks, jobs, sensors and resources together for `dagster dev`. See
+docs/dagster.md#orchestration-settings."""
 
 import dagster as dg
 

@@ -1,8 +1,5 @@
-"""Engine room: the exceptions the outbox raises to its callers.
-
-Every error a caller can fix (bad input, bad configuration) is an ``OutboxError`` with a message that
-names the offending value, so a failed enqueue says what to change instead of surfacing a driver error.
-"""
+"""The exceptions the outbox raises to its callers: every error a caller can fix is an `OutboxError` that names the
+offending value. See docs/payloads.md#a-payload-is-json-or-bytes."""
 
 from __future__ import annotations
 

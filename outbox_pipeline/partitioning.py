@@ -1,9 +1,5 @@
-"""Engine room: Kafka-compatible key hashing.
-
-Virtual partitions use the same function as the Java client's default partitioner and librdkafka's
-``murmur2``/``murmur2_random`` partitioners: ``toPositive(murmur2(key)) % partitions``. With as many
-virtual partitions as Kafka partitions, an outbox partition maps onto exactly one Kafka partition.
-"""
+"""Kafka-compatible key hashing (`toPositive(murmur2(key)) % partitions`), so with as many virtual partitions as Kafka
+partitions an outbox partition maps onto exactly one Kafka partition. See docs/operations.md#routing-in-the-database."""
 
 from __future__ import annotations
 

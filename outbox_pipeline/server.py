@@ -1,21 +1,5 @@
-"""Engine room: the PostgreSQL the engine runs on: which versions it supports, and the settings each of its sessions
-sets for itself (every engine session opens through ``connect``).
-
-Versions: 13 and newer. The ordered strategies read ``xid8`` transaction ids against ``pg_current_snapshot()``, and
-rows carry ``pg_current_xact_id()`` (all new in 13); the routing trigger is a BEFORE INSERT row trigger on the
-partitioned message table (13); message ids default to the core ``gen_random_uuid()`` (13).
-
-JIT: a build with LLVM (Debian's and the official image's packages, most managed services) compiles a statement
-whose planned cost passes ``jit_above_cost`` again at every execution. The relay's statements are short and run many
-times a second, and some of its sessions forbid sorts of the backlog (``enable_sort = off``): before PostgreSQL 18
-that adds 10^10 to the cost of a plan whose one sort is of a few partitions, past every JIT threshold, and each claim
-was compiled with inlining and optimization (3.3 s a claim on Debian's 15). Even with honest costs, a claim over a
-million-row backlog is costed past ``jit_above_cost`` (its reads of unknown size are guessed at a tenth of each
-partition). So every engine session runs with ``jit = off``, set in the one round trip that also sets the session's
-other settings: nothing a DBA has to change. Measured alternatives (docs/operations.md, Your PostgreSQL): a startup
-option (``options=-c jit=off``) costs no statement but PgBouncer refuses the connection; ``SET LOCAL`` costs three
-statements a claim; estimates kept under the thresholds do not stay there as the backlog grows.
-"""
+"""The PostgreSQL the engine runs on: the versions it supports (13 and newer), and the settings every engine session
+sets for itself, `jit = off` first. See docs/operations.md#your-postgresql."""
 
 from __future__ import annotations
 

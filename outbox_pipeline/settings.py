@@ -1,11 +1,5 @@
-"""Engine room: every environment variable the project reads, declared once with its default and meaning.
-
-As Debezium's config definitions do, each setting is a value (``Setting``) that knows how to read and
-check itself; the modules that use one read it through it, and ``outbox settings`` prints the whole
-catalogue with the values in effect (secrets redacted). Dagster's orchestration settings take their
-defaults and descriptions from here, so the UI shows the same words. ``KAFKA_*`` is a family, not one
-setting: every ``KAFKA_X_Y`` is the librdkafka property ``x.y`` (config.kafka_config_from_env).
-"""
+"""Every environment variable the project reads, declared once with its default and meaning, so `outbox settings` and
+the Dagster UI show the same words. See docs/operations.md#command-line."""
 
 from __future__ import annotations
 

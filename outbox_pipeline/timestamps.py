@@ -1,11 +1,5 @@
-"""Engine room: ``created_at`` as the relay carries it, an integer, and as Kafka gets it, ISO-8601 text.
-
-The read loads ``created_at`` as PostgreSQL's binary timestamptz, an int64 of microseconds since 2000-01-01
-UTC (strategies/base.py), instead of having the server format it: ``to_char`` was half of the read's
-execution time on the one database every relay shares. The relay formats the header instead, once per
-distinct value: the rows of one transaction share their ``created_at`` (``now()`` is the transaction's
-start), so a batch of 100-row transactions formats one value in a hundred.
-"""
+"""`created_at` carried as an integer and formatted to ISO-8601 once per distinct value, because the server's `to_char`
+was half of the read's time. See docs/payloads.md#the-kafka-headers-the-relay-sets."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Dagster room: alerts to a webhook (URL from the environment; empty means log only).
-
-Alerting must never take down what it reports on: ``send`` logs every alert, posts it as JSON when a
-webhook is configured, and returns whether it was delivered instead of raising. The URL is read from
-the environment variable named in config (webhook URLs often embed a token), never shown in the UI.
-"""
+"""Alerts to a webhook (empty URL: log only); sending never raises, because alerting must never take down what it
+reports on. See docs/dagster.md#alerts."""
 
 import datetime as dt
 import json

@@ -1,10 +1,5 @@
-"""Dagster room: Kafka resource (bootstrap servers from KAFKA_BOOTSTRAP_SERVERS, librdkafka properties by config).
-
-Secrets never sit in the resource's config (which the UI shows): ``secret_env`` names the environment
-variables that hold them, read when the execution starts. A producer is built per execution and closed
-after it; the relay confirms every batch's delivery reports before acking it, so delivery is confirmed
-inside the step, not by a flush at teardown (which only bounds how long a crashed step's leftovers wait).
-"""
+"""The Kafka resource: bootstrap servers and librdkafka properties by config, secrets only by the names of their
+environment variables. See docs/dagster.md#resources."""
 
 import os
 

@@ -1,9 +1,5 @@
-"""Dagster room: PostgreSQL resource (libpq DSN from OUTBOX_PG_DSN, schema by config, a pool per execution).
-
-The pool is opened when a run, a step process or a sensor tick starts using the resource and closed
-when it ends, so no connection outlives the execution that needed it. The relay opens its own sessions
-from ``dsn`` (it holds transactions across batches); everything else borrows from the pool.
-"""
+"""The PostgreSQL resource: a libpq DSN, the schema, and a pool that lives exactly as long as the execution using it.
+See docs/dagster.md#resources."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager

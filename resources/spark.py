@@ -1,10 +1,5 @@
-"""Dagster room: the Spark session (dagster-pyspark), ``local[*]`` by default, any master by configuration.
-
-The master is configuration, never code: ``local[*]`` here, ``spark://host:7077`` for a standalone
-cluster, ``k8s://https://...`` or ``yarn`` elsewhere; anything else Spark reads (executor memory,
-``spark.jars`` for a Hadoop filesystem, ...) goes in ``spark_conf`` or in ``$SPARK_CONF_DIR/spark-defaults.conf``.
-The session is created on first use within a step and lives as long as the step's process.
-"""
+"""The Spark session resource (dagster-pyspark): `local[*]` by default, any master by configuration, never by code. See
+docs/spark.md#configuration-and-deployment."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Spark room: the Spark bulk drain against the direct relay, interleaved in one invocation.
-
-    python -m assets.spark.bench [--messages 1000000] [--runs 3] [--partitions 1] [--master local[2]] [--verify]
-
-Each round loads the same backlog twice (``outbox bench``'s loader: 100 rows per transaction, two topics) and
-drains it once with ``outbox relay --strategy partitioned --workers 2`` (``outbox bench``'s own line) and
-once with the bulk drain on a Spark session started before the first round (warm: its Python workers are
-reused), alternating which goes first. The engine's ``outbox bench`` cannot import Spark, hence this module.
-"""
+"""The Spark bulk drain against the direct relay, interleaved in one invocation (`python -m assets.spark.bench`); the
+engine's bench cannot import Spark. See docs/performance.md#the-spark-bulk-drain-against-the-direct-relay."""
 
 from __future__ import annotations
 

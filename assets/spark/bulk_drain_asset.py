@@ -1,10 +1,5 @@
-"""Dagster room: the ``bulk_drain`` asset, a PySpark drain of a large backlog, and ``bulk_drain_job``.
-
-Run by hand from the UI or requested by the lag sensor (by job name) when the backlog passes
-``OUTBOX_BULK_DRAIN_THRESHOLD`` rows (declared in orchestration/settings.py). The engine plans and commits on
-the driver (this process), Spark publishes one virtual partition per task; see ``outbox_pipeline.drain.engine``
-for the protocol.
-"""
+"""The `bulk_drain` asset and `bulk_drain_job`: a PySpark drain of a large backlog, run by hand or requested by the lag
+sensor. See docs/spark.md#bulk_drain-job-bulk_drain_job."""
 
 import time
 

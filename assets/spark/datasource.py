@@ -1,12 +1,6 @@
-"""Spark room: the ``outbox_archive`` PySpark Python data source and the archive job built on it.
-
-``outbox_archive`` reads one daily partition in id slices for the Parquet archive; the rows do go through
-Spark here, since Spark writes the Parquet. (The bulk drain moves rows from PostgreSQL to Kafka without
-Spark touching them: drain_job.py.) Everything that touches PostgreSQL is the engine's
-(``outbox_pipeline.operate.maintenance``); these classes only carry values between Spark's processes. Options
-travel as strings: secrets under option names containing "secret", which Spark redacts wherever it shows
-options. Executors need network access to PostgreSQL and a Python that imports outbox_pipeline.
-"""
+"""The `outbox_archive` PySpark data source and the archive job built on it: Spark reads one daily partition in id
+slices and writes the Parquet. See
+docs/spark.md#outbox_partition_maintenance-job-outbox_partition_maintenance_job-daily-partitions."""
 
 from __future__ import annotations
 

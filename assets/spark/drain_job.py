@@ -1,17 +1,5 @@
-"""Spark room: the bulk drain as one Spark job, one task per virtual partition, rows never leaving the task.
-
-Each task reads its frozen range from PostgreSQL and publishes it to Kafka in the same Python worker
-(``outbox_pipeline.drain.ranges``), confirming every delivery before it reports what it delivered: its whole range,
-or the part before a message Kafka did not confirm, with the error. Meanwhile the driver renews every lease of the
-drain (a partition whose task finished early stays the drain's). Once every task reported, the driver commits what
-was confirmed and releases the leases; the relay deals with what stopped a range. A job that failed outright
-(a task crashed) commits what the tasks that finished delivered, and releases the rest.
-
-Why not a Python data source read into a DataFrame and written back out (this module's predecessor): every
-row then crossed into the JVM and back as Arrow, converted from and to Python objects on both sides, for no
-transformation at all. Measured on 1M rows, local[2], warm session: that path ran at a third of the direct
-relay's speed; this one at the direct relay's (docs/performance.md, "Spark bulk drain").
-"""
+"""The bulk drain as one Spark job, one task per virtual partition, the rows never leaving the task that reads and
+publishes them. See docs/spark.md#the-drains-steps-and-who-runs-each."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Dagster room: ``outbox_partition_maintenance`` (one run per UTC day), its job and its daily schedule.
-
-For the run's day: rescue rows that landed in the DEFAULT partition, create partitions ahead, and for
-each day older than the retention window that is fully relayed, archive it to Parquet with Spark,
-verify the archive against PostgreSQL, then detach and drop it. A day that is not fully relayed (or
-whose archive does not match) is skipped with the reason in the run's metadata; nothing unrelayed is
-ever dropped. See ``outbox_pipeline.operate.maintenance`` for what "relayed" means per strategy.
-"""
+"""`outbox_partition_maintenance` (one run per UTC day), its job and its daily schedule: nothing unrelayed is ever
+dropped. See docs/spark.md#outbox_partition_maintenance-job-outbox_partition_maintenance_job-daily-partitions."""
 
 import datetime as dt
 from pathlib import Path

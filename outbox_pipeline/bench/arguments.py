@@ -1,4 +1,4 @@
-"""Engine room (benchmarks): the flags of `outbox bench` (command.py runs what they ask for)."""
+"""The flags of `outbox bench`. See docs/performance.md#how-to-run-each-bench."""
 
 from __future__ import annotations
 

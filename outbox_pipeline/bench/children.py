@@ -1,9 +1,5 @@
-"""Engine room (benchmarks): the latency bench's writer and observer processes, and the lines they say.
-
-Each is `python -m outbox_pipeline.bench.<module> <plan>` in a process of its own (no GIL shared with the bench or
-the relay), talking over stdin/stdout one line at a time; a thread per child reads its lines so a wait has a
-timeout and a child that dies is noticed instead of waited on forever.
-"""
+"""The latency bench's writer and observer processes and the lines they say, each in a process of its own so none shares
+a GIL with the relay. See docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

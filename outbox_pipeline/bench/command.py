@@ -1,16 +1,6 @@
-"""Engine room (benchmarks): `outbox bench`, on the embedded stack unless servers are configured.
-
-    outbox bench --strategy partitioned --workers 2 --baseline --runs 3
-    outbox bench --matrix --messages 1000000
-    outbox bench --latency 200,2000,5000,10000 --rows-per-transaction 10,100 --hot-key 0,2000,4000 --runs 3
-    outbox bench --latency 2000 --strategies all --dagster
-    outbox bench --writers --runs 5
-    outbox bench --strategy serialized --held 0,10000
-    outbox bench --strategy wal --messages 1000000 --runs 3
-    outbox bench --latency 2000 --strategies partitioned,wal --seconds 80 --hold-open 60
-
-Results go to stdout as they come and as a table at the end; README quotes medians of such runs.
-"""
+"""`outbox bench`, on the embedded stack unless servers are configured: bulk drains, the latency bench, writer cost,
+held keys, retained rows, each against baselines of the same invocation. See
+docs/performance.md#how-to-run-each-bench."""
 
 from __future__ import annotations
 
@@ -43,7 +33,7 @@ from .latency import latency_cli
 from .runner import RunSpec, Servers
 from .wal_outbox import WAL_BATCH
 
-# The talk's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
+# The seed's table (1M x 256 B, batch 100, two topics of one partition), mm:ss, for the side-by-side.
 TALK_TABLE = {
     "locking": ("01:53", "01:00"),
     "lease": ("02:08", "01:17"),

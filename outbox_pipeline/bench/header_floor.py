@@ -1,14 +1,5 @@
-"""Engine room (benchmarks): what one more Kafka header costs the producer library itself (`outbox bench
---trace-headers`).
-
-The baseline for the trace header's cost: a producer loop as a user would write it with confluent-kafka (our producer
-settings, the bench's payload size, the three headers every relayed message has), sending the same messages without
-and with a W3C ``traceparent``, rounds interleaved. No PostgreSQL and nothing of the relay: what is left is
-librdkafka's own work for the header (copying it, framing it, compressing and sending its bytes), a floor under what
-carrying it can cost any relay built on this client. Measured on 2026-11-27 at about 0.47 us a message (+14 % of a
-bare producer's 2.8 us; docs/performance.md, "Trace headers"): on a relay spending 5 us a message in a bulk drain,
-7-14 % before any code of ours runs.
-"""
+"""What one more Kafka header costs the producer library itself (`outbox bench --trace-headers`): the floor under any
+relay's cost for the trace header. See docs/performance.md#trace-headers."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Engine room (benchmarks): claim time with a key held behind a dead letter (`outbox bench --held 0,10000`).
-
-Quarantine must not cost the partition's other keys anything: a held key's rows are read once, as the reader
-passes them, and leave the read path (into ``outbox_held``), so a claim with 10,000 held rows reads what a
-claim with none reads. Per step: a fresh outbox of one partition; a poison row (over the producer's
-``message.max.bytes``) followed by N rows of its key among other keys, relayed by the real relay (the poison row
-is dead-lettered, its key's rows are held); then pending rows of other keys, and the strategy's own ``claim``
-timed as in ``--retained`` (with the plans PostgreSQL ran). Step 0 is the same outbox without the poison row.
-"""
+"""Claim time with a key held behind a dead letter (`outbox bench --held 0,10000`): quarantine must cost the partition's
+other keys nothing. See docs/performance.md#claims-with-held-keys-and-retained-rows."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Engine room (benchmarks): CPU seconds of other processes, read from /proc (Linux)."""
+"""CPU seconds of other processes, read from /proc (Linux). See docs/performance.md#how-a-bulk-run-is-measured."""
 
 from __future__ import annotations
 

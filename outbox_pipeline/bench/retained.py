@@ -1,12 +1,5 @@
-"""Engine room (benchmarks): claim latency as already-relayed rows pile up (`outbox bench --retained`).
-
-Mark-sent mode and offset positions keep relayed rows in the table for replay. Every claim must still
-cost what a claim on an empty history costs: an index range that starts at the first pending row (or
-at the stored position) and stops at LIMIT. This fills the table step by step (0, 1M, 10M retained
-rows), times the strategy's own ``claim`` with a pending backlog behind the history, and captures the
-plans PostgreSQL actually ran for those claims through ``auto_explain`` (sent to the client as
-notices), so the evidence is the strategy's real SQL, not a copy of it.
-"""
+"""Claim latency as already-relayed rows pile up (`outbox bench --retained`), with the plans PostgreSQL ran for the
+strategy's real claims. See docs/performance.md#claims-with-held-keys-and-retained-rows."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""Engine room (benchmarks): load N messages, drain them with a strategy, measure, verify.
-
-Every run gets a fresh schema and fresh topics, loaded with COPY, drained by W worker processes
-that start together on a signal (spawn and connection set-up are not timed). Drain time runs from
-that signal to the last delivery confirmed; CPU seconds are read for the relay workers, PostgreSQL
-(postmaster, live backends and reaped ones) and the broker. Speed is never asserted here: results are
-printed, medians of repeated runs are what the README quotes.
-
-A wal outbox is loaded the same way (its trigger turns every COPY row into a message in the WAL, no row), with no
-relay streaming its slot, and drained by one worker running what `outbox relay --strategy wal --until-empty` runs
-until the slot is caught up with the WAL written before it started; its connections and the stream's start are
-timed (the slot's first decoding is part of a backlog's cost). The slot is dropped with the schema, error or not.
-"""
+"""One bulk run: load N messages, drain them with a strategy, measure and verify; speed is printed, never asserted. See
+docs/performance.md#how-a-bulk-run-is-measured."""
 
 from __future__ import annotations
 
@@ -57,10 +46,10 @@ class Servers:
 
 # What a run drains with, and on which table:
 # - ours: the relay (``strategy``) on our table;
-# - talk: the talk's naive variant for ``strategy`` on the talk's own table (talk_table.py), the headline baseline;
+# - talk: the seed's naive variant for ``strategy`` on the seed's own table (talk_table.py), the headline baseline;
 # - naive: the same variant on our table (partitioned by day, more indexes), a second line;
 # - produce-only / read-only: the two ceilings (ceilings.py);
-# - hand-written: the talk's variant 3 or 4 tuned by hand on the talk's table (handwritten.py).
+# - hand-written: seed variants 3 or 4 tuned by hand on the seed's table (handwritten.py).
 RunKind = Literal["ours", "talk", "naive", "produce-only", "read-only", "hand-written"]
 TALK_TABLE_KINDS = ("talk", "hand-written")
 NAIVE_KINDS = ("talk", "naive")
@@ -82,7 +71,7 @@ class RunSpec:
     topics: int = 2
     partitions: int = 1
     keys: int = 1000
-    # Services commit small transactions; the talk's variant 3 depends on it (see demo.load).
+    # Services commit small transactions; seed variant 3 depends on it (see demo.load).
     rows_per_transaction: int = 100
     mode: str = "delete"
     verify: bool = False
@@ -266,7 +255,7 @@ def _load(servers: Servers, spec: RunSpec, table: OutboxTable, topics: list[str]
         topics=topics,
         keys=spec.keys,
         rows_per_transaction=spec.rows_per_transaction,
-        route_in_db=talk,  # the talk's table has no routing: every row in partition 0 (one per topic)
+        route_in_db=talk,  # the seed's table has no routing: every row in partition 0 (one per topic)
     )
     with psycopg.connect(servers.dsn, autocommit=True) as conn:
         if talk:
@@ -277,7 +266,7 @@ def _load(servers: Servers, spec: RunSpec, table: OutboxTable, topics: list[str]
             conn.execute(sql.SQL("ALTER TABLE {} ENABLE TRIGGER outbox_messages_notify").format(table.messages))
             if spec.kind == "naive":
                 prepare_naive_schema(conn, table, spec.strategy)
-            # The talk's offsets table starts with a row per partition; ours discovers them, the naive
+            # The seed's offsets table starts with a row per partition; ours discovers them, the naive
             # variants need them up front.
             conn.execute(
                 sql.SQL(
@@ -325,7 +314,7 @@ def _drain(
     for process in processes:
         process.start()
     # Interpreter start, imports and (ours) connections are not timed; the naive variants connect after the
-    # signal, as the talk's code does.
+    # signal, as the seed's code does.
     for _ in processes:
         ready.acquire()
     if spec.statements:

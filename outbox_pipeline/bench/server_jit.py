@@ -1,11 +1,5 @@
-"""Engine room (benchmarks): the server's own ``jit`` for a line of a comparison or a latency bench's relay (``outbox
-bench --server-jit on,off``), so that a server with JIT and the same server without it are measured in one invocation,
-interleaved.
-
-Set with ALTER SYSTEM and a reload (a superuser's, as a DBA would), and waited for: sessions opened after the reload
-see it. The relay's sessions set ``jit = off`` for themselves (outbox_pipeline/server.py); what the server's value
-still changes is every session that does not: the baselines, the loads, a user's own code.
-"""
+"""The server's own `jit` for a line of a comparison or a latency bench's relay (`outbox bench --server-jit on,off`), so
+a server with and without JIT is measured in one invocation. See docs/performance.md#the-servers-jit-in-a-comparison."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ import time
 import psycopg
 from psycopg import sql
 
-_SETTLE_DEADLINE_S = 10.0
+_RELOAD_DEADLINE_S = 10.0
 JIT_SUFFIX = " @ jit "  # after a line's or a relay's name: the server's jit it was measured at
 
 
@@ -31,7 +25,7 @@ def set_server_jit(dsn: str, value: str | None) -> None:
         conn.execute("SELECT pg_reload_conf()")
     if value is None:
         return
-    deadline = time.monotonic() + _SETTLE_DEADLINE_S
+    deadline = time.monotonic() + _RELOAD_DEADLINE_S
     while True:  # the postmaster applies the reload on its own time; a new session shows when it has
         with psycopg.connect(dsn, autocommit=True) as probe:
             row = probe.execute("SELECT current_setting('jit')").fetchone()

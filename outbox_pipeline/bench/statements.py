@@ -1,8 +1,5 @@
-"""Engine room (benchmarks): where PostgreSQL's time went during a drain, per statement (pg_stat_statements).
-
-The embedded benchmark server preloads the extension; on another server without it, the bench says so once
-per run instead of failing.
-"""
+"""Where PostgreSQL's time went during a drain, per statement (pg_stat_statements), said once when the extension is
+missing. See docs/performance.md#how-a-bulk-run-is-measured."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Engine room (benchmarks): a wal outbox in the benches: made, written, known to be relayed, and dropped with its slot.
-
-A wal outbox keeps no rows: its messages are in the WAL its replication slot retains, and a slot left behind by a
-bench retains WAL for ever (the disk fills). So every bench that makes one drops it with ``drop_outbox`` in a
-``finally``, and ``drop_outbox`` drops the slot of any outbox it is given (for a table outbox there is none: one
-catalog read).
-
-What the benches cannot read from a row, they read from the slot:
-- the writers bench checks that every message it wrote is in the stream (``emitted_messages``: the slot's changes
-  peeked through pgoutput, counted, nothing consumed);
-- the latency bench without an observer waits until the relay has confirmed everything committed before a marker
-  of its own (``wait_confirmed``): the relay confirms a commit to the slot only once Kafka has every message before
-  it, so a confirmed marker means everything before it arrived.
-"""
+"""A wal outbox in the benches: made, written, known to be relayed, and always dropped with its slot (a slot left behind
+fills the disk). See docs/performance.md#the-wal-strategy."""
 
 from __future__ import annotations
 

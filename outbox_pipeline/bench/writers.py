@@ -1,24 +1,5 @@
-"""Engine room (benchmarks): what the outbox costs a service's own transaction (`outbox bench --writers`).
-
-The baseline is what a user would write without us: one INSERT of the same rows (topic, key, jsonb payload) into a
-table with only a primary key, in the same schema. Every writer starts from the same messages, each payload a Python
-object that it serializes as its user would (``json.dumps``; ``enqueue_many`` does it inside). Against it, per
-transaction size (``--rows-per-transaction``, default 1, 10 and 100 rows) and per strategy's index set
-(``--strategies``, default partitioned and serialized: an outbox keeps only its strategy's indexes, indexes.py): the
-Python ``enqueue_many`` (routes in Python, one statement), a plain INSERT into the outbox that names each row's
-partition and one that leaves routing to the trigger, and the SQL ``<schema>.enqueue()`` once per row; for
-``serialized`` the Python and SQL writers enqueue serialized (its writers take the partition's lock: part of what it
-costs). ``wal`` (in the default set when the server can hold it: 14+, ``wal_level = logical``) has no indexes: its
-outbox keeps no rows, and its lines are ``enqueue_many`` emitting (``write_to="wal"``) and the plain INSERT a Java
-writer makes, which its trigger turns into the same message (and no row). One session each, ``synchronous_commit =
-off`` (a durable commit would time the disk's flush, the same for every writer), every cell in a fresh schema (a wal
-outbox's slot dropped with it), cells interleaved in every run. Reported: rows/s, PostgreSQL's CPU per row (the
-server's processes, from /proc; then the writer session's backend alone), each as a ratio to the baseline's in the
-same run, and the WAL bytes per row (the server's insert position before and after: every session's WAL, the
-writer's and anything else running meanwhile, such as autovacuum), medians of ``--runs``. Then bulk: ``outbox load``
-(COPY) with the partition computed in Python against COPY without the partition column (the trigger on every row),
-into the first table strategy's outbox.
-"""
+"""What the outbox costs a service's own transaction (`outbox bench --writers`), each writer form against a plain INSERT
+of the same rows. See docs/performance.md#writer-cost-what-the-outbox-costs-a-services-transaction."""
 
 from __future__ import annotations
 

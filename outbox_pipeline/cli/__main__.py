@@ -1,4 +1,4 @@
-"""Engine room (CLI): ``python -m outbox_pipeline.cli``."""
+"""`python -m outbox_pipeline.cli`. See docs/operations.md#command-line."""
 
 import sys
 

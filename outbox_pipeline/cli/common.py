@@ -1,4 +1,5 @@
-"""Engine room (CLI): what every command shares: the database flags, connections, Kafka config, flag types."""
+"""What every command shares: the database flags, connections, Kafka config, flag types. See
+docs/operations.md#command-line."""
 
 from __future__ import annotations
 

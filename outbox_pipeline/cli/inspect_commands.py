@@ -1,7 +1,5 @@
-"""Engine room (CLI): looking without touching: `outbox lag`, `outbox status` and `outbox settings`.
-
-Both exit 0 once they have read the outbox, whatever its lag (the lag objective's verdict is printed, not returned),
-and 2 on what a user fixes (main): a wal outbox's missing or lost slot is a state they report, with its procedure."""
+"""Looking without touching: `outbox lag`, `outbox status` and `outbox settings`. See
+docs/operations.md#command-line."""
 
 from __future__ import annotations
 

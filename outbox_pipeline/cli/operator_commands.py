@@ -1,5 +1,5 @@
-"""Engine room (CLI): operator actions that change state (replay, dead letters, leases, switching strategy) and
-`outbox verify`."""
+"""Operator actions that change state (replay, dead letters, leases, switching strategy) and `outbox verify`. See
+docs/operations.md#command-line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Engine room (CLI): `outbox relay`: worker processes from the flags, and the summary they end with."""
+"""`outbox relay`: worker processes from the flags, and the summary they end with. See
+docs/operations.md#command-line."""
 
 from __future__ import annotations
 

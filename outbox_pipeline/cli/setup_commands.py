@@ -1,4 +1,5 @@
-"""Engine room (CLI): setting up and feeding an outbox: init-db, enqueue, load, demo-traffic, bench, dev."""
+"""Setting up and feeding an outbox: init-db, enqueue, load, demo-traffic, bench, dev. See
+docs/operations.md#command-line."""
 
 from __future__ import annotations
 

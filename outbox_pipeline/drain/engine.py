@@ -1,37 +1,5 @@
-"""Engine room: bulk drains of a backlog, one frozen range per virtual partition, committed at the end.
-
-The online relay publishes a partition batch by batch; a bulk drain (run by Spark, but nothing here
-knows that) publishes many partitions' whole backlogs in parallel, one task per partition, so per-key
-order holds. Its life cycle, and who runs each step:
-
-1. ``plan_drain`` (driver): lease every available partition with work for the drain's owner
-   (``bulk-drain:<run id>``, the offsets row's ``locked_by``/``available_after``, taken with ``FOR UPDATE
-   SKIP LOCKED`` like the relay's own lease, so the relay skips those partitions until they are released)
-   and freeze each partition's end position, read under one snapshot, so every task's range is finite.
-   Partitions with a key held behind a dead letter (quarantine.py) are left to the relay, which withholds
-   the key's rows until the dead letter is retried or discarded; a drain would publish them ahead of it.
-   A partition whose position another strategy advanced is refused: its position is in another order.
-2. ``fetch_range`` (drain/ranges.py, one task per partition): the rows in (start, end] in the strategy's
-   order, by keyset pages in autocommit (no transaction held open for the drain's duration, which would hold back the
-   ``partitioned`` snapshot rule and vacuum), checking and renewing the lease every second: a task whose drain
-   lost the partition (its driver died and a relay reaped it) stops within a page.
-3. ``publish_range`` (the same task): every row to Kafka with an idempotent producer, every delivery
-   confirmed. A page Kafka did not confirm in full stops the range: the task reports what the pages before it
-   delivered, and the error.
-While the tasks run, ``leases_kept`` (driver) renews every lease of the drain, so a partition whose task finished
-early stays the drain's until the commit: left to ``lease_s``, a relay took it and published the range again.
-4. ``commit_drain`` (driver, once every task reported): compare-and-set each offsets row from (owner, start) to
-   the last position its task confirmed, whole range or part, and release every lease of the drain. What stopped a
-   range is left to the relay, whose attempts and dead letters deal with it. ``release_drain`` (driver, when the
-   job itself failed): release the leases; the relay publishes those partitions again (at-least-once: what the
-   failed job delivered comes twice).
-
-Only the position strategies (``partitioned``, ``serialized``) can be drained this way: their delivery
-state is one position per partition, so a drain of a million rows writes a handful of offsets rows.
-The row strategies keep delivery state on every row (delete or ``sent_at``): a drain would have to
-lease and then mark each row, twice the writes the online relay needs, and they promise no
-per-partition order to preserve.
-"""
+"""Bulk drains of a backlog, one frozen range per virtual partition, committed at the end: the driver's steps (plan,
+keep leases, commit, release), which know nothing of Spark. See docs/spark.md#the-drains-steps-and-who-runs-each."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Engine room: a bulk drain's task side (steps 2 and 3 in drain/engine.py): fetch one frozen range, publish it all.
-
-One task per virtual partition, run wherever the executor is (Spark's Python workers); the driver side (plan,
-commit, release) is in drain/engine.py.
-"""
+"""A bulk drain's task side: fetch one frozen range of one virtual partition and publish it all, wherever the executor
+runs. See docs/spark.md#the-drains-steps-and-who-runs-each."""
 
 from __future__ import annotations
 

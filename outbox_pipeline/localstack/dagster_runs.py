@@ -1,10 +1,5 @@
-"""Local-stack room: `outbox dev` asks its `dagster dev` to cancel the runs in progress before stopping it.
-
-A run that gets the terminal's SIGINT with `dagster dev` has no termination request on record: Dagster marks it
-failed ("interrupted unexpectedly"), the daemon retries it at the next start and the failure alert counts it. Asked
-through the webserver's GraphQL API first (what the UI's Terminate button does), it ends canceled. Plain HTTP: this
-room does not import Dagster.
-"""
+"""`outbox dev` asks its `dagster dev` to cancel the runs in progress before stopping it, so they end canceled, not
+failed. See docs/dagster.md#the-local-stack-outbox-dev."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Engine room: demo traffic for the local stack and bulk loads for benchmarks.
-
-``run_traffic`` behaves like a small service: steady transactions across several topics and keys,
-now and then a rollback (whose messages must never reach Kafka) and a long transaction that holds
-its rows open while later ones commit (the case that makes naive ``id > last_id`` relays skip rows).
-"""
+"""Demo traffic for the local stack (a small service's transactions, rollbacks and long transactions) and bulk loads for
+benchmarks. See docs/dagster.md#the-local-stack-outbox-dev."""
 
 from __future__ import annotations
 
@@ -119,10 +115,10 @@ def load(
 ) -> float:
     """COPY ``count`` messages of about ``payload_bytes`` each; returns the elapsed seconds.
 
-        Rows are spread round-robin over ``topics`` (the talk's layout: two topics), keys ``key-0..keys-1``,
+    Rows are spread round-robin over ``topics`` (the seed's layout: two topics), keys ``key-0..keys-1``,
         each in its topic's virtual partition as enqueue would route it. ``rows_per_transaction`` commits
         every that many rows, like services writing small transactions: one million rows under one
-        transaction id is a shape no real outbox has, and it turns the talk's variant-3 condition (a range on
+        transaction id is a shape no real outbox has, and it turns seed variant 3's condition (a range on
         ``transaction_id`` alone) into a scan of every row already read. ``route_in_db``: COPY without the
         partition column, as a writer in another language would, so the insert trigger routes every row. ``binary``: the
         same payloads as bytes (``payload_bytes``), to compare the two kinds at one size; ``trace_headers``: each
@@ -134,7 +130,7 @@ def load(
     with psycopg.connect(dsn, autocommit=True) as conn:
         # Many small commits: waiting for each one's WAL flush would time the disk, not the load.
         conn.execute("SET synchronous_commit = off")
-        # Without the partition column the table routes (our trigger) or has none to route (the talk's table).
+        # Without the partition column the table routes (our trigger) or has none to route (the seed's table).
         counts = {} if route_in_db else _partition_counts(conn, table, topics)
         routes = [
             (topic, f"key-{k}", partition_for(f"key-{k}", counts[topic]) if counts else 0)

@@ -1,10 +1,5 @@
-"""Local-stack room: `outbox dev` runs PostgreSQL, the broker, demo traffic and `dagster dev` together.
-
-Every child is started in its own session, so a terminal's Ctrl-C reaches only this process, which
-then stops the children in reverse order by PID: dagster (SIGINT to its process group, as a terminal
-would), traffic, broker, and PostgreSQL with a fast shutdown. PID files under ``.outbox/run`` let the
-next start clean up after a supervisor that was killed with SIGKILL.
-"""
+"""`outbox dev` runs PostgreSQL, the broker, demo traffic and `dagster dev` together, and stops them in reverse order on
+Ctrl-C. See docs/dagster.md#the-local-stack-outbox-dev."""
 
 from __future__ import annotations
 

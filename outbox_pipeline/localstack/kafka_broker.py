@@ -1,10 +1,5 @@
-"""Apache Kafka for the tests, the bench and (optionally) `make dev`: one KRaft node (controller and broker in one JVM)
-from the jars of ``kafka/pom.xml``, copied once from Maven Central with Maven into ``$OUTBOX_HOME/kafka/``.
-
-Why Apache Kafka beside Tansu: users run it, and Tansu's fetch lists every batch a partition holds (a tail consumer
-starves past ~10k batches). Why these settings: a test broker on a shared 2-core machine, so a small heap, a serial
-collector and few threads (it idles at ~0.03 cores), one partition for the internal topics, no rebalance delay.
-"""
+"""Apache Kafka for the tests, the bench and optionally `make dev`: one KRaft node from Maven Central's jars, sized for
+a shared 2-core machine. See docs/operations.md#the-broker-tansu-in-development-apache-kafka-in-production."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""TCP port helpers for the local servers.
-
-Why: a server that loses a port race fails deep inside its own log with a vague bind error; checking first
-lets us fail fast with a message that names the port and what to do about it.
-"""
+"""TCP port helpers for the local servers, so a port race fails fast with a message that names the port. See
+docs/dagster.md#the-local-stack-outbox-dev."""
 
 from __future__ import annotations
 

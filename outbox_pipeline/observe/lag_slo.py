@@ -1,13 +1,5 @@
-"""Engine room: the outbox lag SLO, judged from per-partition lag (no I/O, no Dagster).
-
-The verdict is computed here, not in the Dagster check, so that the check run from the UI, the sensor
-that evaluates it every tick and anything else (a CLI, a test) agree on what "lagging" means. The
-whole outbox is judged: the oldest pending row of any partition against the age thresholds, and the
-total pending rows against the count thresholds; a value strictly above a threshold breaches it. Rows
-held behind a dead letter (quarantine) are lag like pending ones, and each held key is named. A wal outbox has no
-rows: its slot is judged (``evaluate_wal_lag``): the oldest unpublished commit against the age thresholds, the WAL
-the slot retains against the retained-bytes ones, and a missing, lost or unreserved slot is an ERROR.
-"""
+"""The outbox lag SLO's verdict from per-partition lag, computed here so the Dagster check, its sensor and the CLI agree
+on what lagging means. See docs/operations.md#lag-and-the-slo."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""Engine room: who is alive. A crashed worker's leases are freed in about a second, not a lease length.
-
-Each relay worker holds a *session* advisory lock on its control connection for as long as it runs, keyed by its
-outbox schema and worker id (``lock_key``), and registers in ``outbox_workers`` (presence.py takes the lock and
-registers). PostgreSQL releases the lock the moment that session ends (the process was killed, the server restarted,
-or its host vanished: the control session asks the server for TCP keepalives, so that takes about 25 s), so
-"registered, and nobody holds its lock" means dead. Every worker's upkeep (``upkeep_interval_s``, 1 s) reaps the dead:
-deletes their registration, frees their partitions (``outbox_offsets``) and row leases (``outbox_leases``) at once.
-Expiry (``lease_s``) stays the fallback for a holder that is connected but hung: its session, and so its lock, lives
-on, and for workers registered as ``expiry`` (behind a pooler, presence.py).
-
-Advisory locks belong to one database, and pg_locks shows those of every database on the server: every read of a
-lock here is scoped to this database, and the key holds the schema, so the same worker id in another database or in
-another outbox of this one is not this worker.
-
-What keeps a reaped-but-alive worker (its control connection broke, its other connections did not) from doing harm
-is what kept a worker whose lease expired from it: acks are fenced by the owner (``locked_by``) and, for positions,
-a compare-and-set on the old position. It publishes duplicates, never skips. A hash collision between two worker ids
-can only make a dead worker look alive: expiry again, never a loss.
-"""
+"""Who is alive: a session advisory lock per worker, so a crashed worker's leases are freed in about a second, not a
+lease length. See docs/operations.md#crashed-workers."""
 
 from __future__ import annotations
 

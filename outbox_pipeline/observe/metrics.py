@@ -1,15 +1,5 @@
-"""Engine room: Prometheus metrics of a relay worker, and its liveness probe (`outbox relay --metrics-port`).
-
-Three parts, each on a registry of the worker's own (no global registry: two workers in one process, as the
-tests run them, do not share counters):
-- ``RelayMetrics``: what the relay loop does (counters, latency histograms), fed by the loop's hooks;
-- ``LagSampler``: pending rows and oldest age per partition, held rows and the xmin horizon's age (a wal outbox:
-  its slot's retained and unconfirmed WAL, the oldest unpublished commit's age, whether the slot can stream), read
-  by a thread once per ``interval_s`` and served from that snapshot, so a scrape costs no query however often
-  Prometheus (or several of them) scrapes;
-- ``MetricsServer``: ``/metrics`` and ``/healthz`` (200 while the loop turns, its database session answers and
-  Kafka takes what it publishes; 503 with the reason otherwise: a Kubernetes liveness probe).
-"""
+"""Prometheus metrics of a relay worker and its liveness probe (`outbox relay --metrics-port`), each worker on its own
+registry. See docs/operations.md#metrics-and-liveness---metrics-port."""
 
 from __future__ import annotations
 

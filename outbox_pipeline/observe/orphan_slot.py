@@ -1,9 +1,5 @@
-"""Engine room: a replication slot of a wal outbox's name beside an outbox that a table strategy relays.
-
-No relay reads such a slot, and it retains every WAL segment from its restart point on, until the disk fills: a
-refused ``init-db --strategy wal`` left one behind before it asked first, and a slot can be made by hand. Status and
-lag of a table outbox report it, with the SQL that drops it.
-"""
+"""A replication slot named like a wal outbox's beside an outbox a table strategy relays, reported because it retains
+WAL until the disk fills. See docs/operations.md#the-wal-strategy-the-slot."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Engine room: `outbox status`, the answer to "why is orders:3 not moving?" on one screen.
-
-Per partition: who owns it and whether that worker is alive, the position, what is pending and held, how old
-the oldest row is, the backoff and last error, the dead letters, and in words what blocks it: the xmin horizon
-(open transactions older than its committed rows), the lease of a dead worker, a backoff after failures, or a
-key held behind a poison message. Built from the same reads as `outbox lag` (lag.py, horizon.py, liveness),
-so the CLI and the Dagster lag check say the same thing.
-"""
+"""`outbox status`: per partition, who owns it, what is pending and held, and in words what blocks it, from the same
+reads as `outbox lag`. See docs/operations.md#why-is-orders3-not-moving-outbox-status."""
 
 from __future__ import annotations
 

@@ -1,33 +1,5 @@
-"""Engine room: a wal outbox's lag, read from its replication slot (it keeps no rows: nothing is pending per partition).
-
-The slot says, without decoding anything (``store/wal/slot.py``): the WAL it keeps on the server (``retained_bytes``,
-from its restart point to the current WAL position: the disk it costs), the WAL after the position the relay last
-confirmed (``unconfirmed_bytes``: an upper bound of what is left to publish, other tables' WAL included), its
-``wal_status`` and ``safe_wal_size`` (how far it is from ``max_slot_wal_keep_size`` invalidating it), and whether a
-relay streams it (``active_pid``). A missing or lost slot is reported with slot.py's words and procedure.
-
-The age of the oldest unpublished commit is not in the catalog: the WAL does not say when a position was written
-(``track_commit_timestamp`` is usually off and would not say it for an LSN either), and a wal outbox has no rows with
-a ``created_at``. So it is decoded, as the relay would, from a temporary copy of the slot
-(``pg_copy_logical_replication_slot``: the slot itself is untouched, and stays free for a relay to take or streamed
-by one): the copy is peeked to the first transaction after the confirmed position that carries a message of this
-outbox, and that transaction's commit time (pgoutput's Begin carries it, whatever ``track_commit_timestamp``) gives
-the age, exact, in PostgreSQL's clock. Nothing is read when the slot's confirmed position covers all WAL written
-(``caught up``). The server decodes from the slot's restart point (usually some seconds of WAL behind the confirmed
-position; more behind a long transaction), so a read is bounded (``DECODE_TIMEOUT_S``, ``DECODE_ROWS``) and skipped
-by callers that need no age (the lag sensor, every few seconds); past a bound, or for a role without the REPLICATION
-attribute, the age is reported as not measured, and why.
-
-Rejected, tried or weighed:
-- ``pg_stat_replication.flush_lag`` of the relay's walsender: free, but PostgreSQL samples a logical walsender's
-  progress at most once a second, at commits, so a commit that follows another within that second is never sampled
-  and the figure stays at the last one computed: a relay stuck behind Kafka with one message read 0.01 s for as long
-  as it was stuck. It also counts from when the walsender sent a transaction, not from its commit;
-- the relay recording its progress in a table: a write per confirm on the hot path, and nothing new while the relay
-  is down, which is when the age matters;
-- the time since the slot became inactive (PostgreSQL 17's ``inactive_since``): an upper bound that grows with no
-  message pending.
-"""
+"""A wal outbox's lag, read from its replication slot, with the age of the oldest unpublished commit decoded from a
+temporary copy of the slot. See docs/operations.md#the-slots-lag-and-the-oldest-commits-age."""
 
 from __future__ import annotations
 

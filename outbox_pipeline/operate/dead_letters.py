@@ -1,7 +1,6 @@
-"""Engine room: the operator's dead letters: list them (with what each holds back and its payload kind), retry them,
-or discard them for good. Each action is one statement or one transaction and says how much it changed; the CLI
-(`outbox dead-letters`) and the Dagster jobs call these.
-"""
+"""The operator's dead letters: list them (with what each holds back), retry or discard them, each action one statement
+or transaction that says how much it changed, for the CLI and the Dagster jobs. See
+docs/strategies.md#poison-messages-keep-their-keys-order-quarantine."""
 
 from __future__ import annotations
 
@@ -80,23 +79,9 @@ def retry_dead_letters(
     topic: str | None = None,
     by: str | None = None,
 ) -> int:
-    """Put dead letters (not retried yet) back into the outbox; returns how many.
-
-    One statement, so one transaction: the dead letter gets ``retried_at`` and its message is
-    inserted again with the same ``message_id``, ``attempts`` 0, ``created_at`` now (a partition
-    exists for today), a new ``transaction_id`` and always a new id, so position strategies read it past
-    their position: ``serialized`` reads ``id > position``, and a copy that kept its old id once the
-    original row was gone (its day archived and dropped) sat behind the position and was never published
-    (issue 13). Consumers deduplicate by ``message_id``. The serialized writers' lock is taken so that
-    the new id is commit-ordered like any serialized write. A keyed copy is routed again (the insert trigger)
-    with the topic's partition count of today, so it joins its key's partition even if the count changed.
-    Without ``ids`` or ``topic`` every pending dead letter is retried.
-
-    A dead letter its key is held behind (quarantine) goes instead to the head of its held rows and the hold is
-    released: the partition's relay publishes it, then the held rows, in order, then the key flows again. A malformed
-    or unstorable one (wal: bytes no writer of ours made, or the database cannot hold) is no message a retry could
-    put back and stays: ``malformed_among`` names it.
-    """
+    """Put dead letters (not retried yet) back into the outbox, in one statement; returns how many. Without ``ids``
+    or ``topic`` every pending dead letter is retried. Each goes back under a new id past every position, or to the
+    head of the rows its key holds (docs/operations.md#replays-rewinds-and-retried-dead-letters)."""
     seq = table.ident("outbox_messages_id_seq")
     filters = {
         "ids": list(ids) if ids is not None else None,

@@ -1,22 +1,6 @@
-"""Engine room: upkeep of the outbox's daily range partitions (create ahead, rescue DEFAULT rows, drop old).
-
-A daily partition is dropped only when every row in it has been relayed, checked under a lock that
-stops new writes to it, and only after its rows were archived and the archive's row count and checksum
-matched the table's (the archive itself is written elsewhere: this module reads rows and compares
-fingerprints, it never writes files).
-
-"Relayed" depends on the strategy, because that is where delivery state lives:
-
-- row strategies (``locking``, ``advisory``, ``lease``): no row with ``sent_at IS NULL`` (delete mode
-  deletes relayed rows, mark-sent mode stamps them), and no live row lease;
-- position strategies (``partitioned``, ``serialized``): every (topic, partition) with rows in the day
-  has an offsets position at or past all of them. A position before the day means pending rows; one
-  between its rows means the relay (or a bulk drain) is in the middle of it.
-
-Naming the wrong strategy can only refuse a drop, never allow one: position strategies never set
-``sent_at``, row strategies keep no positions, and a position is read in the order of the strategy that advanced
-it (``offsets.BEHIND_POSITION``), whichever of the two position strategies is named.
-"""
+"""Upkeep of the outbox's daily range partitions: create ahead, rescue DEFAULT rows, and drop a day only once every row
+is relayed and its archive matched. See
+docs/spark.md#outbox_partition_maintenance-job-outbox_partition_maintenance_job-daily-partitions."""
 
 from __future__ import annotations
 
@@ -59,7 +43,7 @@ ARCHIVE_COLUMNS: Sequence[tuple[str, str]] = (
 # The checksum: the sum over rows of the first 32 bits of md5 of every archive column's text, '|'-joined,
 # NULL as \N. Timestamps enter as epoch microseconds and bytes as lowercase hex, the text forms PostgreSQL and Spark
 # agree on. The
-# archive's reader computes the same from the archived values (see the Spark room). Every column counts:
+# archive's reader computes the same from the archived values (assets/spark/datasource.py). Every column counts:
 # an archive that lost an error message or a timestamp must not verify.
 CHECKSUM_COLUMNS: tuple[str, ...] = tuple(name for name, _ in ARCHIVE_COLUMNS)
 TIMESTAMP_COLUMNS = frozenset({"created_at", "available_after", "sent_at"})

@@ -1,10 +1,6 @@
-"""Engine room: operator actions on a running outbox (replay, rewind, stuck leases; dead letters: dead_letters.py).
-
-Each action is one statement or one transaction and says how much it changed, so an operator (or a
-Dagster job launched from the UI) can run it while relays keep running and see what it did. Replays
-are at-least-once by construction: consumers see the replayed messages again, with the same
-``message_id`` header to deduplicate on.
-"""
+"""Operator actions on a running outbox (replay, rewind, stuck leases), each one statement or transaction that says how
+much it changed, so it can run beside live relays; replays are at-least-once by construction. See
+docs/dagster.md#operator-jobs."""
 
 from __future__ import annotations
 
@@ -98,20 +94,9 @@ def rewind_partition(
     since: dt.datetime | None = None,
     force: bool = False,
 ) -> Rewound:
-    """Move a partitioned/serialized position back so the relay publishes again from there.
-
-    A position means "everything up to here is published". ``to_id`` alone: just after the row with
-    that id (its transaction id is looked up; ``to_id=0`` replays the whole partition); with
-    ``to_xid``: exactly (to_xid, to_id). ``since``: just before the partition's rows created at or
-    after ``since``, i.e. (their smallest transaction id, their smallest id - 1). That is the position
-    before the first such row in (transaction_id, id) order, with the id lowered to the smallest one
-    so that ``serialized`` (which reads ``id > position``) also replays every one of them.
-
-    Refuses to move forward in either strategy's order (that would skip rows, never replay them) and
-    refuses while a live worker leases the partition, unless ``force``: then the lease is also
-    released, and that worker's next ack fails its compare-and-set and publishes nothing further.
-    One transaction holding the offsets row, so no worker leases it in between.
-    """
+    """Move a partitioned/serialized position back so the relay publishes again from there: just after ``to_id``
+    (exactly ``(to_xid, to_id)`` with ``to_xid``), or before the rows created ``since``. Never forward, and not under a
+    live worker's lease unless ``force`` (docs/operations.md#replays-rewinds-and-retried-dead-letters)."""
     if since is not None and (to_id is not None or to_xid is not None):
         raise OutboxError("rewind takes either a position (to_id, to_xid) or since, not both")
     if since is None and to_id is None:

@@ -1,26 +1,5 @@
-"""Engine room: switching a live outbox from one relay strategy to another without losing or reordering a row.
-
-Each strategy keeps its own record of what it relayed: the row strategies mark rows sent (or delete them), the position
-strategies keep one position per partition in their own order (``read_by``): ``partitioned`` by (transaction id, id),
-``serialized`` by id. A position in one order read in the other skips rows (a transaction that drew a lower id
-commits a higher xid), and a position strategy that finds no position republishes everything retained. So the switch
-translates: a row was relayed when it is marked sent or behind its partition's position (``BEHIND_POSITION``), and
-
-- to ``partitioned``/``serialized``: each partition's position becomes the one just before its first row not relayed
-  in the new order (at worst republishing rows relayed after it: duplicates, never a loss). For ``partitioned`` it
-  is also kept below every running transaction (``pg_snapshot_xmin``): one that wrote a business row before the
-  switch may add an outbox row with its older xid after it. A share lock on the message table waits for writers in
-  flight (up to ``lock_timeout``), so every row counted is committed;
-- to a row strategy: the rows behind their positions are deleted, or marked sent (``mark-sent``).
-
-Procedure (docs/operations.md): build the new strategy's indexes (``outbox indexes``), stop the relays, switch, start
-relays of the new strategy. The switch also records the new strategy as the outbox's (strategy_record.py): relays,
-drains and every command that reads the outbox as some strategy use it from then on, and refuse another. The switch
-refuses while a relay worker is alive, while a key is held behind a dead letter, and while rows held behind a
-released one wait (a hold is the old strategy's to release and relay). It refuses a switch to or from ``wal`` before
-anything else: a wal outbox's messages are in its slot, not in rows, and no procedure translates one into the other
-yet (the refusal says what to do instead).
-"""
+"""Switching a live outbox from one relay strategy to another without losing or reordering a row, by translating what
+the old strategy recorded as relayed. See docs/operations.md#the-outboxs-strategy-and-switching-it."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Dagster room: alerts. `outbox_lag_slo_sensor` evaluates the `outbox_lag_slo` check every tick
-without a run and alerts once per incident (and once on recovery); `outbox_dead_letter_alert` does the
-same for dead letters (an incident opens with the first new one and ends when none is left to retry);
-`relay_run_failure_alert` alerts when a relay run (long-lived or per partition) has failed for good,
-after its op retries and any run retries. A broker that is down does not fail a long-lived run (it backs off
-and goes on); the lag alert announces that incident, once.
-
-The check's evaluations and a backlog observation are recorded on every tick, so the check's history
-and the backlog's plots show the lag over time. The sensor cursor remembers what was last announced;
-an alert the webhook did not accept is sent again on the next tick.
-"""
+"""The alert sensors: the lag SLO, dead letters and failed relay runs, each announced once per incident and once on
+recovery. See docs/dagster.md#alerts."""
 
 import json
 from collections.abc import Callable

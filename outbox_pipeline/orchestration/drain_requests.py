@@ -1,20 +1,5 @@
-"""Dagster room: when `outbox_lag_sensor` asks for a bulk drain on Spark, and when not.
-
-A drain serves the position strategies only and must read in the relay's own order, so the request names the
-relay's strategy. It is an accelerator for a large backlog: the relay runs keep covering the outbox whatever
-happens to it, so the sensor asks for one only when it can help, and never in a loop:
-
-- not while one is in flight;
-- not unless at least OUTBOX_BULK_DRAIN_THRESHOLD pending rows are in partitions a drain could lease now (relay
-  workers working through a backlog lease theirs between batches; a drain planned then takes nothing);
-- not after one that was canceled (an operator terminated it from the UI) until an operator launches one: then
-  the sensor goes on as before;
-- not within OUTBOX_BULK_DRAIN_COOLDOWN_S of one that failed (what stopped it is the relay's to retry or
-  dead-letter: a new one would stop at the same row and republish what it did deliver) or of one that took no
-  partition (every partition was taken between the tick and its plan).
-
-The drain run tags itself with how many partitions it took (DRAINED_TAG), which is how the sensor knows.
-"""
+"""When `outbox_lag_sensor` asks for a bulk drain on Spark, and when not: an accelerator for a large backlog, never
+requested in a loop. See docs/dagster.md#when-the-sensor-asks-for-a-bulk-drain."""
 
 from collections.abc import Sequence
 

@@ -1,11 +1,5 @@
-"""Dagster room: the per-partition relay job, `relay_partition`, which the lag sensor launches.
-
-One run relays one outbox partition (the run's partition key, as for `relayed_outbox`). Transient
-failures (Kafka refusing or timing out, PostgreSQL dropping) are retried inside the run by the
-RetryPolicy, with exponential backoff and jitter; a crashed run worker is retried by the instance's
-run retries (dagster.yaml). The run executes in process: it is a single step, and a step subprocess
-would only add start-up time.
-"""
+"""The per-partition relay job `relay_partition`, retried inside the run by its RetryPolicy and run in process. See
+docs/dagster.md#per-partition-runs."""
 
 from typing import TYPE_CHECKING
 

@@ -1,31 +1,5 @@
-"""Dagster room: `outbox_lag_sensor`, which keeps the outbox's partitions covered by live relay workers.
-
-Relaying is long-lived work: `relay_stream` runs relay for a window as registered workers, and every live
-relay worker (a run, or an `outbox relay` process the registry shows) is dealt its share of the
-partitions, so "covered" means "at least one live relay worker". Every tick reads every partition's lag
-and the registry, registers partitions Dagster has not seen (dynamic partitions), and requests a
-`relay_stream` run only when one is needed:
-
-- no live relay worker and no run starting: one run (the first, or after a crash);
-- the only owners are runs about to end their window: the successor, so the two overlap briefly;
-- partitions lag (OUTBOX_RELAY_TRIGGER_PENDING rows or OUTBOX_RELAY_TRIGGER_AGE_S) while every run is up
-  and fewer than OUTBOX_RELAY_RUNS_MAX are: one more run (more parallelism for a burst). Only lag more runs can
-  shorten counts: not a partition backing off or leased by a bulk drain, not rows held behind a dead letter. A
-  relay worker that came up less than OUTBOX_RELAY_TRIGGER_AGE_S ago is still working through what it found (a
-  run starting against an outbox written before it), so lag is not yet a sign that the runs are too few.
-
-An outbox a run would refuse (its strategy's indexes missing, another strategy's positions) gets no run: the
-tick is skipped with the reason, naming the command that fixes it. A wal outbox is streamed by one relay at a time:
-the sensor keeps one `relay_stream` run on it (none in flight: one; the one in flight ending its window: a
-successor, which waits for the slot and takes over as the first stops), and none while a relay it did not launch
-(`outbox relay`) streams the slot. Each tick reports the slot (observe/wal_lag.py; a missing or lost one with its
-procedure, as a warning).
-
-A run launched but not yet registered counts as an owner for START_GRACE_S, so no tick queues a second run
-for covered partitions; a run whose registered worker died covers nothing at once. The run key is the
-reason plus the latest run it follows, so a tick never requests the same run twice. With a bulk drain job wired in, the
-sensor may request a drain too (drain_requests.py says when), while relay runs keep covering the outbox.
-"""
+"""`outbox_lag_sensor`, which keeps the outbox's partitions covered by live relay workers, requesting a `relay_stream`
+run only when one is needed. See docs/dagster.md#how-the-lag-sensor-decides."""
 
 import time
 from collections.abc import Sequence

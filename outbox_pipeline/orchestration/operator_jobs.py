@@ -1,11 +1,5 @@
-"""Dagster room: operator actions launched from the UI with config (replay, dead-letter retry, stuck lease, a
-strategy's indexes).
-
-Each job calls one engine operation (outbox_pipeline.operate.operations) and records what it changed as the
-run's metadata. Replay and lease release are partitioned like the relay, so the operator picks the
-outbox partition (topic:partition) in the launchpad and the run sits in that partition's history;
-the relay that follows a replay is launched by the lag sensor, which sees the partition lagging again.
-"""
+"""Operator actions launched from the Dagster UI with config, each calling one engine operation and recording what it
+changed as the run's metadata. See docs/dagster.md#operator-jobs."""
 
 import datetime as dt
 

@@ -1,8 +1,5 @@
-"""Dagster room: the outbox's partitions as Dagster partitions, one per (topic, virtual partition).
-
-Keys are ``topic:partition`` (``orders:3``): Kafka topic names cannot contain ``:``, so the last colon
-splits a key unambiguously. The set is dynamic: the lag sensor registers partitions as they appear.
-"""
+"""The outbox's partitions as dynamic Dagster partitions keyed `topic:partition` (Kafka topic names have no colon). See
+docs/dagster.md#partitions."""
 
 import dagster as dg
 

@@ -1,14 +1,5 @@
-"""Dagster room: `relay_stream`, the long-lived relay run the lag sensor keeps alive.
-
-A run is a process with the code location loaded (seconds of CPU), so one run relays for a window
-(OUTBOX_RELAY_WINDOW_S, minutes) as a registered relay worker: it is dealt its share of the outbox
-partitions with every other live worker (other runs, `outbox relay` processes), wakes on NOTIFY, and
-takes over a dead worker's partitions within a second. Every OUTBOX_RELAY_REPORT_INTERVAL_S it records a
-materialization of `relayed_outbox` for each partition it was dealt or published to, so each partition's
-page keeps its history minute by minute. It ends at the window's end, when terminated from the UI, or
-when the process that launched it (the code server of `dagster dev`) goes away, each time after the batch
-in flight is confirmed and acked.
-"""
+"""`relay_stream`, the long-lived relay run the lag sensor keeps alive: a registered relay worker for a window,
+recording each partition's progress. See docs/dagster.md#long-lived-relay-runs."""
 
 import logging
 import os

@@ -1,4 +1,5 @@
-"""Dagster room: what the sensors read of runs: the job type they take, which runs are in flight, Dagster's tags."""
+"""What the sensors read of runs: the job type they take, which runs are in flight, Dagster's tags. See
+docs/dagster.md#sensors."""
 
 from typing import TYPE_CHECKING, TypeAlias
 

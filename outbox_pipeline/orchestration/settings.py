@@ -1,10 +1,5 @@
-"""Dagster room: the deployment's orchestration settings, a resource the UI shows with its values.
-
-Each field's default and description come from the engine's catalogue (``outbox_pipeline.settings``);
-``from_env`` reads the same variables. ``definitions`` builds it once at load: the sensors take it then
-(their intervals are fixed at load), and runs get it as the ``orchestration`` resource, so the run page
-shows what a run used, and an operator may override a field for one run from the launchpad.
-"""
+"""The deployment's orchestration settings as a resource the UI shows with its values, read once at load from the
+engine's catalogue. See docs/dagster.md#orchestration-settings."""
 
 from collections.abc import Mapping
 from typing import Any, cast

@@ -1,8 +1,6 @@
-"""Engine room: what a Kafka error says about the record it failed, which decides what the failure costs.
-
-See ``FailureKind``: permanent (dead-letter now), record (counts toward ``max_attempts``), transport (never
-counts: a broker maintenance window must not turn into dead letters).
-"""
+"""What a Kafka error says about the record it failed (`FailureKind`: permanent, record or transport), which decides
+what the failure costs: a broker's maintenance window must never turn into dead letters. See
+docs/strategies.md#failures."""
 
 from __future__ import annotations
 

@@ -305,7 +305,7 @@ class Relay:
         started = time.monotonic()
         if (settled := self._state.settled) is not None:
             self._state.settled = None
-            result, claim = settled.batch.strategy.claim_settling(
+            result, claim = settled.batch.strategy.ack_and_claim(
                 self.settings.batch_size, settled.batch.claim, settled.outcome
             )
             self._acked(settled.batch, settled.outcome, result, started)

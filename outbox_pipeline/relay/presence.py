@@ -1,14 +1,5 @@
-"""Engine room: a worker's presence: its session lock and registration (liveness.py reads them), and their upkeep.
-
-One worker id, one live process: a worker whose id is held by a live session waits for that session to end (a
-replaced pod whose old session lingers) for up to ``worker_id_wait_s``, then refuses to start and names the holder.
-Only then does it take back what its id held (``offsets.reclaim_own``): never from a live twin.
-
-The lock must stay with the worker's connection. Behind a transaction-pooling PgBouncer it does not: it stays on
-whichever server connection took it, which the pooler hands to others and recycles. ``OUTBOX_LIVENESS=auto`` (the
-default) therefore uses session liveness only on a connection verified to be direct (connection_path.py) and
-``expiry`` otherwise; ``session`` trusts the operator; ``expiry`` never uses the lock.
-"""
+"""A worker's presence: its session lock and registration, and their upkeep, so that one worker id is one live process
+and a crashed worker is seen within seconds. See docs/operations.md#crashed-workers."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Engine room: publishing batches to Kafka and reporting exactly what was confirmed.
-
-Confluent's discipline: produce the whole batch asynchronously, then wait until librdkafka has
-settled every message (``message.timeout.ms`` bounds that: by then each message is delivered or has
-failed). Success reports are switched off (``delivery.report.only.error``): a Python callback per
-message cost more than fetching the row, and "settled without an error report" is the same fact.
-A batch is therefore published with ``start`` (returns at once) and confirmed with ``finish``, which
-lets the relay read and ack in PostgreSQL while Kafka works on the batch in flight. Only one batch is
-in the producer at a time, so "the queue is empty" means "this batch is settled".
-"""
+"""Publishing batches to Kafka with the shared idempotent producer and reporting exactly what Kafka confirmed, so that
+only confirmed rows are acked. See docs/strategies.md#publishing-to-kafka."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""How a relay worker is set up (RelaySettings: the CLI, Dagster runs and the bench build both relays with it), how it
-backs off after a failure (Backoff) and how often it claims under steady traffic (Pacer)."""
+"""How a relay worker is set up (RelaySettings, one for the CLI, Dagster runs and the bench), how it backs off after a
+failure (Backoff) and how often it claims under steady traffic (Pacer). See docs/operations.md#command-line."""
 
 from __future__ import annotations
 

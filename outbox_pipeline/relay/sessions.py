@@ -1,9 +1,5 @@
-"""A table relay's PostgreSQL sessions, what relay/loop.py asks the database through (its ``Sessions``).
-
-The control session holds the worker's liveness lock and registration and LISTENs for commits; each strategy instance
-has a session of its own (two when a strategy pipelines with one open transaction per batch in flight). All are opened
-on first use and dropped together when the database fails, so a reconnect starts from what PostgreSQL holds.
-"""
+"""A table relay's PostgreSQL sessions (control, and one or two per strategy), opened on first use and dropped together
+on a database failure, so a reconnect starts from what PostgreSQL holds. See docs/operations.md#crashed-workers."""
 
 from __future__ import annotations
 

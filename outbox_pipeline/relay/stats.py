@@ -1,5 +1,5 @@
-"""What a relay worker counts (RelayStats, BatchMetrics) and the hooks it reports through (RelayInstruments: Prometheus
-in observe/metrics.py, nowhere in NullInstruments)."""
+"""What a relay worker counts (RelayStats, BatchMetrics) and the hooks it reports through (RelayInstruments: Prometheus,
+or nothing). See docs/operations.md#metrics-and-liveness---metrics-port."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Engine room: each topic's record size limit against the producer's, checked once per topic.
-
-Kafka refuses a record over the producer's own ``message.max.bytes`` at ``produce()``: the publisher then holds back
-the later rows of that key in the batch, so the row that will be dead-lettered (and its key held, quarantine.py) is
-never passed by them. A record under the producer's limit but over the *topic's* ``max.message.bytes`` is refused by
-the broker, later and asynchronously: by then later rows of its key in the same batch may have been delivered, ahead
-of the row that is dead-lettered, and they go out again after it once it is retried. A consumer sees them twice,
-once too early; at most the rest of that key's rows of one batch.
-
-Only the configuration closes that: the producer's limit at or below every topic's (``KAFKA_MESSAGE_MAX_BYTES``,
-librdkafka's ``message.max.bytes``; it counts a record before compression). The first time the relay publishes to a
-topic it reads the topic's limit and warns once if the producer's is larger. Reading it never holds up publishing
-for long, and a broker that does not answer is not asked again.
-"""
+"""Each topic's record size limit read once and checked against the producer's, because only that configuration keeps a
+key's later rows from overtaking a record the broker refuses. See
+docs/payloads.md#the-size-limit-the-record-the-relay-sends."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Engine room: Kafka transactions, one transactional producer per virtual partition (``kafka_transactions``).
-
-A batch is published all or nothing: read_committed consumers see the whole batch or none of it. Unlike the shared
-idempotent producer (publisher.py), every message here has its own delivery report: an aborted transaction must
-account for each row. A second worker on the same partition uses the same transactional id and fences the first, so
-a producer is kept only while its partition is this worker's; at most ``max_producers`` are kept (each holds threads
-and broker connections), least recently used dropped first. Fencing goes both ways: a new producer fences whoever
-used its id before, the partition's new owner too if this worker's lease ran out meanwhile (frozen after its claim),
-so a batch whose producer is new goes out only if ``still_owned`` says the partition is still this worker's.
-"""
+"""Kafka transactions, one transactional producer per virtual partition, so read_committed consumers see a partition's
+share of a batch whole or not at all. See docs/strategies.md#kafka-transactions."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Engine room: how an idle relay learns that there is work, on its control connection.
-
-The outbox's insert trigger sends a NOTIFY at commit; an idle relay LISTENs and claims within milliseconds. NOTIFYs
-that arrive while it works are dropped before its next claim (``coalesce``): that claim sees every commit they
-announce, and each would otherwise wake an empty cycle. A standby (``advisory``) does not listen: every commit would
-wake every standby. Without LISTEN (``--no-listen``), or for rows that announce nothing (two-phase commit writers,
-rows a long transaction held back), the relay's poll interval is the bound.
-"""
+"""How an idle relay learns that there is work: LISTEN for the insert trigger's NOTIFY on its control connection, with
+the poll interval as the bound. See docs/strategies.md#wake-ups."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Engine room: relay worker processes, as `outbox relay --workers N` runs them.
-
-Each worker is a spawned process with its own connections, producer and strategy (nothing inherited),
-started from a picklable ``WorkerSpec``; it sends its cumulative metrics back as a ``WorkerResult``. The
-supervisor forwards SIGINT/SIGTERM to every worker (each then finishes its batch and deregisters) and
-collects the results while they run.
-"""
+"""Relay worker processes as `outbox relay --workers N` runs them: spawned with nothing inherited, stopped by forwarded
+signals, their metrics collected. See docs/operations.md#command-line."""
 
 from __future__ import annotations
 

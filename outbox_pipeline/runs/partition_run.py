@@ -1,11 +1,5 @@
-"""Engine room: drain one (topic, virtual partition) and report what it did, for per-partition runs.
-
-An orchestrator (Dagster) runs one of these per outbox partition so each partition has its own run
-history. The run is the ordinary relay loop scoped to that partition (``StrategyConfig.partitions``),
-stopping when nothing is claimable or at a time budget, plus the partition's lag before and after it
-and a verdict the caller can act on: was Kafka refusing the partition's rows (retry the run), or is
-someone else relaying it right now (nothing to do)? No Dagster here.
-"""
+"""Relay one (topic, virtual partition) until nothing is claimable or a time budget ends, and report its lag and a
+verdict, so an orchestrator keeps one run history per partition. See docs/dagster.md#per-partition-runs."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""Engine room: one long-lived relay worker for an orchestrator, reporting every partition's progress.
-
-A Dagster run costs seconds of CPU to start, so it must relay for minutes, not one batch. Yet each outbox
-partition keeps its own history: while the ordinary relay loop runs in a thread (registered, dealt its
-share of the partitions with every other live worker, woken by NOTIFY), the caller gets, every
-``report_every_s``, one :class:`PartitionProgress` per partition this worker was dealt or published to
-in the interval, with the partition's lag read in one query. Every live relay worker is dealt a disjoint
-share (strategies/positions/sharing.py), so each partition is reported by one worker per interval.
-
-Stopping: :meth:`StreamRun.stop` (or the window, ``settings.max_seconds``) ends the loop after the batch in
-flight is confirmed and acked; an exception in the caller (an orchestrator's interrupt) does the same
-before it propagates. No Dagster here.
-"""
+"""One long-lived relay worker for an orchestrator, reporting every partition's progress at intervals, because a run
+costs seconds to start yet each partition keeps its own history. See docs/dagster.md#long-lived-relay-runs."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Engine room (runs): which partition a wal outbox's message counts under in a run's per-partition history.
-
-A wal message carries a partition only when its writer gave one; the history is kept per (topic, partition) as for
-the table strategies, so a keyed message counts under its key's partition by the routing the SQL writers use
-(``murmur2(key) % the topic's partition count`` in ``outbox_topics``), and a keyless one under partition 0. The
-relay pays nothing for this: only a run that reports history asks, and keys repeat (a bounded cache).
-"""
+"""Which partition a wal message counts under in a run's per-partition history: its writer's, else its key's by the SQL
+writers' routing, else 0. See docs/dagster.md#long-lived-relay-runs."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Engine room (store): what text the database itself can hold, whatever the client's encoding.
-
-A client whose ``client_encoding`` is UTF8 (Django sets it; so does ``PGCLIENTENCODING``) can send a LATIN1 database
-characters it cannot store: the server refuses them in a text column, but a wal message's bytes pass untouched and
-fail later, in the relay's write of its dead letter or its held copy. The writers check against the database's
-encoding here; the relay keeps what it cannot store as bytes (relay/wal/holds.py)."""
+"""What text the database itself can hold, whatever the client's encoding, so a writer refuses what the database could
+not store. See docs/wal.md#writers."""
 
 from __future__ import annotations
 

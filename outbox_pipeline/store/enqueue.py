@@ -1,9 +1,6 @@
-"""Engine room: the enqueue API services call inside their own transaction.
-
-Everything is validated before the first byte reaches PostgreSQL (messages.py), so bad input raises
-``InvalidMessageError`` and leaves the caller's transaction usable and untouched. All rows of one
-call go in with one statement, so a call stores all of its messages or none.
-"""
+"""The enqueue API services call inside their own transaction: validated first, one statement per call, so a call stores
+all of its messages or none and bad input leaves the caller's transaction usable. See
+docs/payloads.md#a-payload-is-json-or-bytes."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Engine room: what a row's stored headers may be, one rule for every writer and the relay.
-
-Headers are a JSON object of name -> string, or name -> ``{"base64": "..."}`` for bytes, base64 as enqueue writes it
-(padded, no whitespace). Python's ``enqueue`` only writes that; SQL ``enqueue`` checks it; from migration 12 the table
-refuses anything else from a plain INSERT (a CHECK on new rows, ``NOT VALID`` so that no old row is read under a
-lock); and the relay dead-letters a row stored before that with anything else (decode_headers, below), instead of
-failing the batch at every try.
-"""
+"""What a row's stored headers may be, one rule for every writer, the table's check and the relay. See
+docs/payloads.md#the-kafka-headers-the-relay-sets."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""Engine room: the message table's indexes, one set per relay strategy.
-
-Every row a service enqueues maintains every index of the table, inside the service's own transaction. The five
-strategies read by different indexes, and an outbox runs one strategy at a time, so an outbox keeps the indexes of
-the strategies it runs (``outbox init-db --strategy S`` on a new outbox; ``outbox indexes``) and nothing else:
-
-- the row strategies (locking, advisory, lease): unsent rows by priority, and the oldest unsent (each claim's share);
-- ``partitioned``: a partition's rows past a (transaction id, id) position;
-- ``serialized``: a partition's rows past an id position.
-
-Discovery, lag and maintenance read through the same index as the strategy's claim. A relay refuses to start
-without its strategy's indexes (``require_indexes``), naming the command that builds them. ``build`` builds one on
-a live outbox without blocking writers: PostgreSQL cannot build an index concurrently on a partitioned table, so it
-creates the parent's index on the parent only (invalid, unused), builds each partition's concurrently and attaches
-it; the parent's becomes valid with the last. Partitions created later inherit it. Rerunning it finishes a build
-that was interrupted.
-"""
+"""The message table's indexes, one set per relay strategy, because every index costs each writer's transaction and an
+outbox runs one strategy at a time. See docs/operations.md#indexes-only-what-the-strategy-reads."""
 
 from __future__ import annotations
 
@@ -44,9 +29,9 @@ INDEXES = (
     Index("outbox_messages_pending", "(priority DESC, id) WHERE sent_at IS NULL", ROW_STRATEGIES),
     # The oldest unsent rows regardless of priority: the anti-starvation share of each claim.
     Index("outbox_messages_pending_oldest", "(id) WHERE sent_at IS NULL", ROW_STRATEGIES),
-    # Virtual partitions (talk variant 3): read past a (transaction_id, id) position.
+    # Virtual partitions (seed variant 3): read past a (transaction_id, id) position.
     Index("outbox_messages_position", "(topic, partition, transaction_id, id)", ("partitioned",)),
-    # Serialized writers (talk variant 4): read past an id position.
+    # Serialized writers (seed variant 4): read past an id position.
     Index("outbox_messages_serial", "(topic, partition, id)", ("serialized",)),
 )
 

@@ -1,9 +1,5 @@
-"""Engine room: a message as a service hands it to the outbox, checked and encoded before it is stored.
-
-Every check runs before the first byte reaches PostgreSQL (enqueue.py), so bad input raises ``InvalidMessageError``
-naming the message and leaves the caller's transaction usable. A row's own headers are stored as jsonb and read back
-for Kafka by ``decode_headers``.
-"""
+"""A message as a service hands it to the outbox, checked and encoded before the first byte reaches PostgreSQL. See
+docs/payloads.md#a-payload-is-json-or-bytes."""
 
 from __future__ import annotations
 

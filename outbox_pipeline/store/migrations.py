@@ -1,8 +1,5 @@
-"""Engine room: the outbox schema's versioned migrations, in order, and the names they define.
-
-``schema.init_db`` applies them; each runs in its own transaction and is recorded in ``outbox_schema_migrations``.
-A migration once released is never edited: a change is a new migration.
-"""
+"""The outbox schema's versioned migrations, in order; a released migration is never edited, a change is a new one. See
+docs/operations.md#upgrading-the-schema."""
 
 from __future__ import annotations
 
@@ -135,11 +132,11 @@ def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
         sql.SQL("CREATE INDEX outbox_messages_pending ON {messages} (priority DESC, id) WHERE sent_at IS NULL").format(
             messages=t.messages
         ),
-        # Virtual partitions (talk variant 3): read past a (transaction_id, id) position.
+        # Virtual partitions (seed variant 3): read past a (transaction_id, id) position.
         sql.SQL("CREATE INDEX outbox_messages_position ON {messages} (topic, partition, transaction_id, id)").format(
             messages=t.messages
         ),
-        # Serialized writers (talk variant 4): read past an id position.
+        # Serialized writers (seed variant 4): read past an id position.
         sql.SQL("CREATE INDEX outbox_messages_serial ON {messages} (topic, partition, id)").format(messages=t.messages),
         sql.SQL(
             """

@@ -1,11 +1,5 @@
-"""Engine room: a topic's partition count cannot change under rows routed with the old one.
-
-A key's rows must stay in one virtual partition. The guard (a trigger on ``outbox_topics``, migration 7) refuses a
-change of a topic's effective count while the topic has pending rows or keys held behind a dead letter; writers whose
-snapshot predates a change fail instead of routing with the old count (migration 9). Migration 13: a change runs in
-READ COMMITTED only, and writers with only a writer's grants take the snapshot check's lock through a SECURITY
-DEFINER function.
-"""
+"""The guard that keeps a topic's partition count from changing under rows routed with the old one, so a key's rows stay
+in one virtual partition. See docs/operations.md#routing-in-the-database."""
 
 from __future__ import annotations
 

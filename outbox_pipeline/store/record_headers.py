@@ -1,13 +1,5 @@
-"""Engine room: the Kafka headers a relayed row carries, built in one place for every producer (publisher.py,
-transactional.py). docs/payloads.md has them in one table.
-
-Every message gets ``message_id`` (the consumer's idempotency key), ``outbox_id`` and ``created_at``; ``type`` when
-the row has one; then the row's own headers column, as written (enqueue.py encodes it; ``traceparent`` and
-``tracestate`` travel there, tracing.py). With CloudEvents on for the topic (``OUTBOX_CLOUDEVENTS``), the binary
-content mode's attributes too: ``ce_specversion``, ``ce_id``, ``ce_type``, ``ce_source``, ``ce_time`` and
-``content-type`` (JSON, or octet-stream for bytes), each unless the row's own headers already name it (a writer of
-Avro says ``content-type: application/avro`` itself).
-"""
+"""The Kafka headers a relayed row carries, built in one place for every producer. See
+docs/payloads.md#the-kafka-headers-the-relay-sets."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""Engine room: a message's size as the relay's producer counts it, so that enqueue refuses what the relay would.
-
-librdkafka refuses a record at ``produce()`` when its key, its value, its headers (each one's name and value, and
-each length as a zigzag varint) and 36 bytes of per-record overhead (MessageV2 at its widest) come to more than
-``message.max.bytes``: a permanent failure, dead-lettered. The relay's record of a row (record_headers.py) is
-- the key and the payload as published: bytes as given, JSON as PostgreSQL's text of the jsonb (``payload::text``):
-  a space after every ``,`` and ``:``, numbers as numeric prints them (``1.5e+16`` as ``15000000000000000``), a key
-  given twice once;
-- ``message_id`` (36), ``outbox_id`` (the id's digits: counted at 19, the widest, so that whether a message fits does
-  not depend on its id), ``created_at`` (27), ``type`` when the row has one, the row's own headers;
-- with CloudEvents on for the topic, ``ce_specversion``, ``ce_id``, ``ce_type``, ``ce_source``, ``ce_time`` and
-  ``content-type``, each unless the row's own headers name it; a row's own empty ``ce_*`` header is left out.
-
-Python ``enqueue`` counts exactly that (``RecordLimit``, from the writer's settings); SQL ``enqueue`` calls
-``<schema>.record_bytes(...)`` (migration 13), the same count in SQL, against the database settings
-``outbox.max_message_bytes``, ``outbox.cloudevents`` and ``outbox.cloudevents_source``.
-"""
+"""A message's size as the relay's producer counts it, so that enqueue refuses what the relay would dead-letter. See
+docs/payloads.md#the-size-limit-the-record-the-relay-sends."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Engine room (store): what a relay, a drain or the lag sensor checks before reading the outbox as a strategy: the
-outbox's recorded strategy (strategy_record.py), that strategy's indexes, and that no partition's position was
-advanced in the other position strategy's order (read in this one's, it would pass rows never relayed).
-`outbox switch-strategy` (operate/switch.py) is how an operator changes any of it."""
+"""What a relay, a drain or the lag sensor checks before reading the outbox as a strategy: the recorded strategy, its
+indexes, and positions in its own order. See docs/operations.md#the-outboxs-strategy-and-switching-it."""
 
 from __future__ import annotations
 

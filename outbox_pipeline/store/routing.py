@@ -1,16 +1,5 @@
-"""Engine room: the database owns the routing, so a writer in any language picks the same virtual partition.
-
-Migration 6 adds the functions, migration 7 uses them: a row inserted without a partition (plain SQL from
-Java, Go, a SQL function) is routed by a BEFORE INSERT trigger; ``<schema>.enqueue(...)`` validates and
-inserts like the Python API; and a topic's partition count cannot change while it has pending rows, which
-would put one key in two partitions relayed independently.
-
-``<schema>.murmur2(bytea)`` is Kafka's murmur2 (the Java client's ``Utils.murmur2``) as an unsigned 32-bit
-value in a bigint, and ``<schema>.partition_for(topic, key)`` is the Java default partitioner's choice,
-``toPositive(murmur2(utf8(key))) % partitions``, over the topic's virtual partition count (``outbox_topics``,
-else its ``'*'`` row). Both equal partitioning.py byte for byte. 32-bit products fit a bigint
-(0xFFFFFFFF x 0x5BD1E995 < 2^63), so each step masks to 32 bits exactly as the Java int arithmetic wraps.
-"""
+"""The routing functions and trigger in the database, so a writer in any language picks the same virtual partition as
+Kafka's Java partitioner. See docs/operations.md#routing-in-the-database."""
 
 from __future__ import annotations
 

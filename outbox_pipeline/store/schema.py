@@ -1,9 +1,5 @@
-"""Engine room: creating and checking the outbox schema (migrations.py holds the steps), its daily range partitions
-and the virtual partition count of each topic.
-
-``init_db`` is idempotent and safe to run concurrently (an advisory lock serialises migrators); each
-migration runs in its own transaction and is recorded in ``outbox_schema_migrations``.
-"""
+"""Creating and checking the outbox schema (idempotent, safe to run concurrently), its daily range partitions and each
+topic's virtual partition count. See docs/operations.md#upgrading-the-schema."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""Engine room: the relay strategy an outbox is relayed by, recorded in the outbox itself.
-
-One strategy relays an outbox at a time. Each keeps its own record of what it relayed (rows marked sent or deleted,
-or one position per partition in its own order), and another strategy reads that record wrongly: a row strategy
-after a position strategy republishes everything retained (and, deleting, drops the ledger); a position strategy
-after ``mark-sent`` republishes every sent row; a position in one order read in the other skips rows. So the outbox
-records its strategy, and whatever reads the outbox as some strategy (relays, drains, status, lag, maintenance,
-the lag sensor, Dagster jobs) asks here which one:
-
-- ``outbox init-db --strategy S`` records S on a new outbox; an outbox without a record (made before this record
-  existed, or without ``--strategy``) takes the strategy of its first relay or drain, unless what another strategy
-  left says otherwise (positions, rows marked sent);
-- only ``outbox switch-strategy --to S`` changes it (switch.py, in the transaction that translates the record);
-- a strategy named that differs from the recorded one is refused, naming the switch; no switch leads to or from
-  ``wal`` (its messages are in a replication slot, not in rows), so there the refusal names what to do instead.
-"""
+"""The relay strategy an outbox is relayed by, recorded in the outbox itself, because another strategy would read the
+first one's record of what it relayed wrongly. See docs/operations.md#the-outboxs-strategy-and-switching-it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Engine room: which topic names Kafka accepts, one rule for Python's enqueue, the table's check, SQL enqueue and
-the relay (a row stored past the checks is dead-lettered, not published)."""
+"""Which topic names Kafka accepts, one rule for Python's enqueue, the table's check, SQL enqueue and the relay. See
+docs/payloads.md#a-payload-is-json-or-bytes."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Engine room: W3C trace context across the outbox, when OpenTelemetry is installed (the ``tracing`` extra).
-
-``enqueue`` stores the writer's current span context in each row's headers (``traceparent``, ``tracestate``), so the
-relay publishes it with the message and a consumer that extracts it continues the writer's trace. The relay makes one
-PRODUCER span per batch ("send <topic>", OpenTelemetry's messaging conventions), linked to the trace of every message
-in it: a batch carries many traces, so it is linked to them rather than a child of one. Without OpenTelemetry nothing
-is imported and nothing is added; with its API but no SDK the span is a no-op and no link is made.
-"""
+"""W3C trace context across the outbox when OpenTelemetry is installed: stored by enqueue, published with the message,
+one linked PRODUCER span per batch. See docs/payloads.md#trace-context-end-to-end."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Engine room: one-dimensional PostgreSQL arrays in binary, built from their elements' bytes.
-
-``enqueue_many`` sends each column of a call as one array. psycopg dumps a list element by element in Python (a
-sub-dumper call, a packed length and two appends each): 0.45-0.6 us an element, about 3 us a row over the five arrays
-every call sends (measured, 100-element lists). Here the elements are bytes already (text as UTF-8, a UUID's 16
-bytes) or numbers packed by one ``struct`` call, so an array costs a length and a join per element.
-
-The wire form (PostgreSQL's ``array_recv``): dimensions (1), a has-nulls flag, the element type's oid, the length and
-the lower bound (1), then each element as its byte length (-1 for NULL) and its bytes.
-"""
+"""One-dimensional PostgreSQL arrays in binary, built from their elements' bytes, because psycopg's element-by-element
+dump cost writers about 3 us a row. See docs/performance.md#writer-cost-what-the-outbox-costs-a-services-transaction."""
 
 from __future__ import annotations
 

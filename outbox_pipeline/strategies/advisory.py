@@ -1,43 +1,5 @@
-"""Engine room: strategy `advisory`, the talk's variant 1.1 (one active worker, strict order by id).
-
-A *session* advisory lock ``pg_try_advisory_lock(ADVISORY_LOCK_CLASS, hashtext(schema))`` elects one
-active worker per outbox. The holder reads unsent rows ``ORDER BY id`` with a plain SELECT (no row
-locks and no long transaction: nobody else reads), publishes, and deletes or marks sent what Kafka
-confirmed. It keeps the lock across batches and releases it in ``close()``; a crashed worker's
-session ends and PostgreSQL releases the lock with it. The other workers are standbys: their
-``claim()`` returns None and the relay asks again every ``poll_interval_s``, without listening for
-new rows: fifteen standbys woken by every commit (about 160 a second in the fault suite's scale-out)
-spent the CPU the one active worker needed.
-
-Why ``pg_try_advisory_lock`` and not the talk's blocking ``pg_advisory_lock``: a blocked claim would
-park a standby inside a statement that never returns, deaf to stop requests, NOTIFY and metrics,
-holding a transaction-less but busy connection. Trying and backing off costs one tiny query per
-poll. Why a session lock and not ``pg_advisory_xact_lock``: the lock must outlive the claim's short
-transactions, across publish and ack and the next batches.
-
-Connection poolers: a session lock belongs to the *server* connection. Behind pgbouncer in
-transaction pooling mode each transaction of this worker may run on a different server connection:
-the lock stays on the one that took it, pgbouncer hands that connection to other clients (who then
-"acquire" the lock too: advisory locks are re-entrant within a session) and the unlock runs on
-another connection and fails. So this strategy needs session pooling or a direct connection (as the
-talk says). As a guard, acquiring refuses to proceed when the server connection already holds the
-lock though this worker never took it, the tell-tale of a transaction pooler; releasing warns when
-the lock is not found.
-
-Order. Kafka receives rows in id order (per partition, so per key). Caveats, precisely:
-- Ids are allocation order, not commit order: a transaction that commits after a higher id was
-  published is delivered late (never skipped: there is no stored position, every claim re-reads all
-  unsent rows). Strategy ``serialized`` makes ids commit-ordered.
-- Priority is ignored: strict id order wins.
-- A batch's delivered rows are acked even when an earlier row of the batch failed: they are in
-  Kafka, and sending them again would only add duplicates and more reordering.
-- A transiently failed row gets ``attempts + 1`` and a backoff in ``available_after``. Until the
-  backoff expires claims skip it, so later rows (of its key too) overtake it; once available it is
-  the lowest id again and goes out in the very next batch, after the rows that overtook it.
-- A row that failed permanently or ran out of attempts moves to the dead-letter table. With
-  ``on_poison="quarantine"`` (the default) its key's later rows are held until an operator retries the dead
-  letter (then it goes first) or discards it (quarantine.py); with "skip" they are published without it.
-"""
+"""Strategy `advisory`: one active worker per outbox, elected by a session advisory lock, publishing in id order; the
+others stand by. See docs/strategies.md#advisory-one-active-worker."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Engine room: the one small interface every relay strategy implements.
-
-A strategy decides which rows a worker may publish and what "done" means for them: ``claim`` a batch,
-``ack`` it with the publisher's outcome (only what Kafka confirmed is marked delivered; failures are
-retried with backoff or dead-lettered), or ``give_back`` a batch that was not published at all. The
-relay loop (``outbox_pipeline.relay.loop``) is the same for every strategy.
-"""
+"""The one small interface every relay strategy implements (`claim`, `ack`, `give_back`), so one relay loop serves them
+all. See docs/strategies.md#relay-strategies."""
 
 from __future__ import annotations
 
@@ -142,7 +137,7 @@ class Strategy(abc.ABC):
     # instance may claim again before its previous claim is acked; "own-connection": a claim is an
     # open transaction, so each claim in flight needs an instance (and connection) of its own.
     pipelining: ClassVar[Literal["shared", "own-connection"]] = "shared"
-    # Whether claim_settling acks and claims in one statement: then a paced relay keeps a batch's ack for the next
+    # Whether ack_and_claim acks and claims in one statement: then a paced relay keeps a batch's ack for the next
     # claim (which comes within the linger) instead of paying a statement for it alone.
     folds_ack: ClassVar[bool] = False
     # Set on the strategy's session in one statement, with server.SESSION_SETTINGS (jit = off: server.py).
@@ -183,7 +178,7 @@ class Strategy(abc.ABC):
     def give_back(self, claim: Claim, error: str) -> None:
         """End a claim whose batch was not published (for example the producer failed)."""
 
-    def claim_settling(self, limit: int, previous: Claim, outcome: PublishOutcome) -> tuple[AckResult, Claim | None]:
+    def ack_and_claim(self, limit: int, previous: Claim, outcome: PublishOutcome) -> tuple[AckResult, Claim | None]:
         """Ack ``previous`` (its batch settled, nothing else in flight), then claim the next batch."""
         return self.ack(previous, outcome), self.claim(limit)
 

@@ -1,52 +1,6 @@
-"""Engine room: strategy `lease`, the talk's variant 2 (two short transactions, leased rows).
-
-Transaction 1, the claim, takes a lease on a fair pick of unsent rows: the talk's ``UPDATE ... FROM
-(SELECT ... FOR UPDATE SKIP LOCKED)``, except that the lease goes into the narrow ``outbox_leases``
-table (``INSERT ... ON CONFLICT``) instead of onto the message row. Updating the wide row wrote a new
-version of it plus, once its page was full, an entry in each of its six indexes: 160-380 ms per 5,000
-rows measured, against ~30 ms for the insert. The claim commits at once, so row locks last
-milliseconds instead of a whole publish; the live lease is what keeps other workers away meanwhile.
-Kafka is written outside any transaction. Transaction 2, the ack, deletes this worker's leases and,
-for the rows it still owned, deletes (or marks sent) what Kafka confirmed and retries or dead-letters
-the rest. Many workers run side by side; there is no order guarantee, and every row still costs two
-writes (lease, then delete), the talk's extra autovacuum work, now on a table of 4 narrow columns.
-
-Leases, and what they cost when they run out:
-- A worker that dies or hangs keeps its rows until ``lease_s`` passes; then any worker re-claims them
-  and publishes them again (at-least-once). ``lease_s`` must exceed the worst publish time (the
-  producer's ``message.timeout.ms`` plus the flush), or slow batches are published twice.
-- The ack is fenced by its own lease rows: it deletes ``outbox_leases`` rows still ``locked_by`` this
-  worker and acts on those ids only. A worker whose lease expired and whose rows another worker
-  re-claimed (``ON CONFLICT ... DO UPDATE`` moved the lease to the new owner) acks none of them; they
-  count as ``lost_ownership`` (Merpay's "published but commit failed").
-- A restarted worker with the same ``worker_id`` (a StatefulSet pod name, the talk's upgrade) frees
-  its own leases when it starts, so it does not wait for them to expire; other workers do.
-- An expired lease row means nothing (a claim overwrites it) and may be deleted at any time.
-
-Why two statements per claim: the lease insert and the read of the leased rows are separate, so the
-read has a snapshot taken after the lease committed. A lease won on a row that another worker acked
-(deleted or marked sent) between this claim's snapshot and its insert is then seen as gone and not
-published again.
-
-Concurrency: the candidate rows are locked ``FOR UPDATE SKIP LOCKED`` while the claim statement runs,
-so two claims at the same moment pick different rows; the lease rows are inserted in id order, so two
-claims that do meet on a row wait for each other in a consistent order (never a deadlock); the
-``ON CONFLICT ... WHERE l.expires_at <= now()`` arbiter sees the latest committed lease, whatever the
-statement's snapshot, so no two live leases ever cover one row. A claim that lost every row it picked
-to a concurrent claim picks again (a few rounds) before it reports "nothing available".
-
-Fairness: like ``rows.claim_fair`` (highest priority first, plus an ``oldest_share`` of each batch
-taken oldest-first so old low-priority rows are never starved), inside the one claim statement. When every
-pending row has one priority, ``rows.oldest_share`` says so and the oldest share is asked for 0 rows: both
-CTEs would walk past the same rows in flight (20,000 with two workers reading ahead, ~1 us each), and the
-oldest one was 14 ms of a 70 ms claim (EXPLAIN ANALYZE, 5,000 rows).
-
-Shuffle and sample (Merpay), when ``sample_factor > 1``: read ``sample_factor x n`` fair candidate
-ids without locking, shuffle them, and lease a random ``n`` of them that are still available.
-Workers then spread over the head of the queue instead of all walking the same first rows; a sampled
-row that another worker leased or published first is a collision (Merpay's already-published count),
-reported in ``Claim.collisions``.
-"""
+"""Strategy `lease`: two short transactions per batch, the claim leasing rows in the narrow `outbox_leases` table, so no
+row lock lasts a publish and many workers share the queue fairly. See
+docs/strategies.md#lease-leased-rows-two-short-transactions."""
 
 from __future__ import annotations
 

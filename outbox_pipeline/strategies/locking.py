@@ -1,10 +1,6 @@
-"""Engine room: strategy `locking`, the talk's variant 1 (one long transaction, SKIP LOCKED).
-
-BEGIN; SELECT ... FOR UPDATE SKIP LOCKED; publish and wait for Kafka; DELETE (or mark sent) what Kafka
-confirmed; COMMIT. Many workers can run side by side: each skips rows another has locked. The row
-locks live as long as the publish, which is the variant's cost; a crash rolls the transaction back
-and the rows become claimable again (at-least-once: they are published again). No order guarantee.
-"""
+"""Strategy `locking`: one long transaction per batch with `FOR UPDATE SKIP LOCKED`, the simplest relay that lets many
+workers run side by side, at the price of row locks held for the whole publish. See
+docs/strategies.md#locking-one-transaction-per-batch."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Engine room: strategy `partitioned`, the talk's variant 3 (virtual partitions, xid8 positions).
-
-Rows are read in (transaction_id, id) order past the partition's stored position, and only from
-transactions older than every transaction still running: ``transaction_id <
-pg_snapshot_xmin(pg_current_snapshot())``. A long transaction therefore holds back every partition
-until it ends (the variant's cost) but its rows are never skipped, unlike ``id > last_id``, because
-ids are drawn at insert time while rows become visible at commit (seed: the xid8 snapshot trick).
-xid8 is 64-bit and never wraps, and ``pg_current_xact_id()`` is the top-level transaction's id.
-
-Seed fix: the talk's query also says ``transaction_id > $last_processed_transaction_id AND (...)``.
-That first conjunct drops the rest of a transaction whose rows span two batches (same xid, higher
-id). The condition here is the row comparison ``(transaction_id, id) > ($xid, $id)``, which the
-(topic, partition, transaction_id, id) index serves as one range scan.
-"""
+"""Strategy `partitioned`: virtual partitions read in `(transaction_id, id)` order below the snapshot's xmin, so rows of
+a late-committing transaction are never skipped. See docs/strategies.md#partitioned-positions-in-transaction-order."""
 
 from __future__ import annotations
 

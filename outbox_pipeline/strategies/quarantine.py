@@ -1,17 +1,5 @@
-"""Engine room: key-scoped quarantine for the ordered strategies (partitioned, serialized, advisory).
-
-When a row of key K is dead-lettered, K's later rows are held back while every other key keeps flowing, so
-K's stream has no hole: a hold (``outbox_holds``) names the key and the dead letter it waits for. The reader
-still passes K's rows, once each, and moves them into ``outbox_held`` instead of publishing them, so a key
-with 10,000 held rows costs the claims of the partition's other keys nothing. An operator's retry (the dead
-letter first, then the held rows) or discard (only the held rows) marks the hold released; the worker that
-owns the partition then publishes the held rows in their order and deletes the hold once none is left.
-
-Who writes what, so no held row can be stranded: only the owner of the partition (the advisory lock holder
-for ``advisory``) creates holds, moves rows into them and deletes them, each in the transaction of its
-ack; an operator only marks a hold released (and puts the retried dead letter at its head). A batch
-read before this worker created or deleted a hold is given back unpublished (``version``).
-"""
+"""Key-scoped quarantine for the ordered strategies: a dead letter holds its key's later rows while every other key
+flows, so the key's stream has no hole. See docs/strategies.md#poison-messages-keep-their-keys-order-quarantine."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Engine room: row state shared by the row-claiming strategies (locking, advisory, lease).
-
-These strategies own individual rows, so delivery state lives on the row: delivered rows are deleted
-or marked sent, transiently failed rows get ``attempts``, ``last_error`` and a backoff in
-``available_after``, and rows that can never be delivered (or ran out of attempts) move to the
-dead-letter table. Each of those is one statement over an id array, whatever the batch size.
-"""
+"""Delivery state on the row, shared by the row strategies (locking, advisory, lease): delete or mark sent, back off,
+dead-letter, each one statement over an id array. See docs/strategies.md#failures."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Engine room: strategy `serialized`, the talk's variant 4 (writers serialized, ids in commit order).
-
-Writers enqueue with ``serialized=True``: a transaction-scoped advisory lock, held from the insert to
-the commit, so no writer draws an id while another's rows are still invisible. Ids then become
-visible in order and the reader can simply read ``id > last_processed_id``; long transactions do not
-hold the reader back. The cost moves to the writers: serialized writers of one outbox queue behind
-each other from their enqueue to their commit, so enqueue last, right before COMMIT (the talk moves
-the outbox insert to the end of the unit of work for the same reason). Rows written without the lock
-(plain ``enqueue``, COPY loads) void the guarantee while writers run concurrently.
-
-Seed fix: the talk's ``LOCK TABLE outbox_messages IN ROW EXCLUSIVE MODE`` does not serialize writers:
-ROW EXCLUSIVE does not conflict with itself (every INSERT already takes it). A self-conflicting lock
-is needed; ``pg_advisory_xact_lock`` is one and blocks no reader.
-"""
+"""Strategy `serialized`: writers take a transaction-scoped advisory lock, so ids are drawn in commit order and the
+reader simply reads `id > last_processed_id`. See docs/strategies.md#serialized-writers-in-commit-order."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Engine room (verify): the questions asked of the workspace: lost, phantom, duplicates, order, latency."""
+"""The questions `outbox verify` asks of its workspace: lost, phantom, duplicates, order, latency. See
+docs/operations.md#checking-delivery-outbox-verify."""
 
 from __future__ import annotations
 

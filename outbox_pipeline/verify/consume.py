@@ -1,4 +1,5 @@
-"""Engine room (verify): consuming every partition of the topics, into the workspace in chunks."""
+"""Consuming every partition of the topics into the verify workspace, in chunks. See
+docs/operations.md#checking-delivery-outbox-verify."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Engine room (verify): the workspace, temp tables in PostgreSQL holding the ledger and what was consumed."""
+"""The verify workspace: temp tables in PostgreSQL holding the ledger and what was consumed. See
+docs/operations.md#checking-delivery-outbox-verify."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Engine room (verify): what `outbox verify` found, and how it says it."""
+"""What `outbox verify` found, and how it says it. See docs/operations.md#checking-delivery-outbox-verify."""
 
 from __future__ import annotations
 

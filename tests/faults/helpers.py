@@ -82,14 +82,14 @@ def consume(
     topics: Iterable[str],
     expected: Iterable[str] = (),
     *,
-    settle_s: float = 1.0,
+    quiet_s: float = 1.0,
     idle_s: float = 6.0,
     deadline_s: float = 90.0,
     isolation: str = "read_uncommitted",
 ) -> list[TimedRecord]:
     """Every record of ``topics`` from the beginning, until idle (never trusting high watermarks).
 
-    Once every ``expected`` message_id is in, ``settle_s`` without a new record ends it (late duplicates and
+    Once every ``expected`` message_id is in, ``quiet_s`` without a new record ends it (late duplicates and
     phantoms are already in the log by then); before that, ``idle_s`` without one gives up. ``read_uncommitted`` sees
     everything that reached the log, phantoms and aborted Kafka transactions included; ``read_committed`` what an
     application consuming transactions sees.
@@ -115,7 +115,7 @@ def consume(
         start = last = time.monotonic()
         while (now := time.monotonic()) - start < deadline_s:
             quiet = now - last
-            if quiet >= idle_s or (not wanted and quiet >= settle_s):
+            if quiet >= idle_s or (not wanted and quiet >= quiet_s):
                 break
             msg = consumer.poll(0.2)
             if msg is None:

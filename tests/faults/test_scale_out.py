@@ -53,7 +53,7 @@ ORDERED = {"partitioned", "serialized"}
 # sixth of the lease: well clear of scheduling noise, and any wait for an expiry still fails.
 LIVENESS_BOUND_S = StrategyConfig.lease_s / 6
 POSITIONS = {"partitioned", "serialized"}
-SETTLE_S = 3.0
+DEAL_STEADY_S = 3.0
 SPREAD_WINDOW_S = 3.0
 
 
@@ -129,7 +129,7 @@ def _held(db: psycopg.Connection, table: OutboxTable, strategy: str, live: set[s
     return {w: k for w, k in held.items() if w in live}
 
 
-def _settled(db: psycopg.Connection, victim: str) -> bool:
+def _quiet(db: psycopg.Connection, victim: str) -> bool:
     """No statement of the frozen worker is still running on the server. SIGSTOP stops the client, not a statement
     it already sent: an ack in flight commits after the freeze, and what it acked has nothing to fail over (read
     before it committed, a kill counted as measurable had no failover to measure: 19 of 21 in CI once). A statement
@@ -148,7 +148,7 @@ def _settled(db: psycopg.Connection, victim: str) -> bool:
 def _still_held(db: psycopg.Connection, table: OutboxTable, strategy: str, kill: Kill) -> None:
     """What the frozen worker holds as it is about to die, once its statements in flight have ended: work it
     finished between the sample and the freeze has nothing to fail over, work it took since has."""
-    wait_until(f"{kill.victim}'s statements in flight to end", lambda: _settled(db, kill.victim), 10, interval_s=0.01)
+    wait_until(f"{kill.victim}'s statements in flight to end", lambda: _quiet(db, kill.victim), 10, interval_s=0.01)
     if strategy == "lease":
         query = sql.SQL("SELECT id FROM {} WHERE locked_by = %s").format(table.leases)
         kill.rows = {oid for (oid,) in db.execute(query, (kill.victim,))}
@@ -242,7 +242,7 @@ class Spread:
 def _spread(live: dict[str, WorkerProcess]) -> Spread:
     for w in live.values():
         w.wait_for("its start", lambda ev: any(e.step == "start" for e in ev), 60)
-    time.sleep(SETTLE_S)  # the deal settles (DEAL_INTERVAL_S) before the measured stretch: not a race fix
+    time.sleep(DEAL_STEADY_S)  # the deal steadies (DEAL_INTERVAL_S) before the measured stretch: not a race fix
     start = time.monotonic()  # the clock of the event logs
     time.sleep(SPREAD_WINDOW_S)
     end = time.monotonic()

@@ -265,7 +265,7 @@ def test_a_frozen_wal_relay_that_thaws_after_the_takeover_leaves_no_key_on_a_sta
             os.killpg(first.pid, signal.SIGCONT)
             # What the thawed producer sends, it sends before its messages time out: watch until they have.
             watch_s = max(1.0, queued_at + timeout_ms / 1000 + 3.0 - time.monotonic())
-            records = consume(proxied_broker.bootstrap, [topic], older + newer, settle_s=watch_s, idle_s=watch_s)
+            records = consume(proxied_broker.bootstrap, [topic], older + newer, quiet_s=watch_s, idle_s=watch_s)
         finally:
             proxied_broker.proxy.restore()
             stop(second)

@@ -30,7 +30,7 @@ from .silences import clock, wal_fence_s
 from .writers import Writer, start_writers
 
 ACTIONS: dict[str, Registered] = {**FAULTS.actions, **OPERATIONS.actions}
-SETTLE_S = 90.0  # the relays' time to finish once the faults end
+FINISH_S = 90.0  # the relays' time to finish once the faults end
 AFTER_SWITCH_S = 30.0  # a chosen schedule's events after a switch: the longest they wait past the run's length
 
 
@@ -141,7 +141,7 @@ def _play(ctx: Context, schedule: Schedule, problems: list[str]) -> list[Writer]
         for name, code in switch.exits
         if code not in (0, -9)
     ]
-    problems += _settle(outbox, ctx.relaying.strategy, "after the faults", ctx.setup)
+    problems += _finished(outbox, ctx.relaying.strategy, "after the faults", ctx.setup)
     problems += _holds(outbox)
     problems += _last_operator_step(ctx, {w.message_id for wr in writers for w in wr.written if w.good})
     codes = pool.stop()
@@ -160,12 +160,12 @@ def _revive(pool: WorkerPool) -> list[str]:
     return found
 
 
-def _settle(outbox: Outbox, strategy: str, when: str, setup: Setup) -> list[str]:
+def _finished(outbox: Outbox, strategy: str, when: str, setup: Setup) -> list[str]:
     """Wait for nothing to be pending (held rows wait for the operator and are not pending); wal: a takeover of a
     frozen streamer at the end waits out its producer's message timeout first (silences.wal_fence_s)."""
     left = wal_backlog(outbox) if strategy == WAL else lambda: pending(outbox.admin_dsn, outbox.table, strategy)
     what = "bytes of WAL not confirmed, and released holds" if strategy == WAL else "rows still pending"
-    within = SETTLE_S + (wal_fence_s(setup) if strategy == WAL else 0.0)
+    within = FINISH_S + (wal_fence_s(setup) if strategy == WAL else 0.0)
     try:
         wait_until(f"the relays to finish {when}", lambda: left() == 0, within, 0.5)
     except AssertionError:
@@ -174,7 +174,7 @@ def _settle(outbox: Outbox, strategy: str, when: str, setup: Setup) -> list[str]
 
 
 def _holds(outbox: Outbox) -> list[str]:
-    """No hold without its open dead letter, no held row without its hold, no released hold left once settled."""
+    """No hold without its open dead letter, no held row without its hold, no released hold left at the end."""
     t = outbox.table
     with admin(outbox) as conn:
         holds = conn.execute(
@@ -218,7 +218,7 @@ def _last_operator_step(ctx: Context, good: set[str | None], rounds: int = 20) -
             ctx.cli("dead-letters", "retry", *retry)
         if discard:
             ctx.cli("dead-letters", "discard", *discard, "--reason", "harness: end of run")
-        if problems := _settle(
+        if problems := _finished(
             ctx.outbox, ctx.relaying.strategy, "after the last dead letters were retried or discarded", ctx.setup
         ):
             return problems

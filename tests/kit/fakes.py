@@ -79,9 +79,9 @@ class FoldingStrategy(FakeStrategy):
 
     folds_ack: ClassVar[bool] = True
 
-    def claim_settling(self, limit: int, previous: Claim, outcome: PublishOutcome) -> tuple[AckResult, Claim | None]:
+    def ack_and_claim(self, limit: int, previous: Claim, outcome: PublishOutcome) -> tuple[AckResult, Claim | None]:
         self.log.append(("fold", ids(previous.records)))
-        return super().claim_settling(limit, previous, outcome)
+        return super().ack_and_claim(limit, previous, outcome)
 
 
 class FakeSessions:

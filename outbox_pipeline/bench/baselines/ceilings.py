@@ -1,13 +1,5 @@
-"""Engine room (benchmarks): the two ceilings every relay result is read against, and the count-back.
-
-- produce-only: the same records, read from the table before the clock starts, handed to the same
-  publisher (same producer settings, same produce loop) by the same number of processes: what the broker
-  and librdkafka take here, with PostgreSQL out of the way.
-- read-only: the same relay with Kafka replaced by a publisher that confirms every batch at once: the
-  strategy's claims and acks alone, what PostgreSQL and our Python give, with Kafka out of the way.
-
-A relay at 90 % of the lower ceiling has nothing left to win on its own side.
-"""
+"""The two ceilings every relay result is read against (produce-only, read-only), and the count-back of what Kafka got.
+See docs/performance.md#the-machine-and-how-to-read-the-figures."""
 
 from __future__ import annotations
 
@@ -80,7 +72,7 @@ _SEQ = re.compile(rb'"seq":\s*(\d+)')
 def count_back(bootstrap: str, topics: list[str], expected: int, max_s: float = 300.0) -> tuple[int, int]:
     """(distinct messages, records) that arrived in ``topics``, told apart by the payload's ``seq``.
 
-    For tables without a message_id (the talk's): every loaded ``seq`` 0..expected-1 must be there. Called
+    For tables without a message_id (the seed's): every loaded ``seq`` 0..expected-1 must be there. Called
     after the drain, when nothing is produced any more: it reads each partition up to its high watermark
     (an idle gap while the machine is busy must not end the count early), for at most ``max_s``.
     """

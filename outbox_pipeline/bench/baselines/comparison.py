@@ -1,6 +1,5 @@
-"""Engine room (benchmarks): a comparison, every line once per round for several rounds (runner.py runs one line
-once), so a round shares the machine's conditions; medians and same-run ratios.
-"""
+"""A comparison: every line once per round for several rounds, so a round shares the machine's conditions; medians and
+same-run ratios. See docs/performance.md#the-machine-and-how-to-read-the-figures."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ class Comparison:
 
 
 # The lines of a comparison, by name.
-HEADLINE = "talk v1"  # the talk's variant 1 on the talk's own table: what a user would write first
+HEADLINE = "talk v1"  # seed variant 1 on the seed's own table: what a user would write first
 OURS = "ours"
 PRODUCE_ONLY = "produce-only"
 READ_ONLY = "read-only"
@@ -48,8 +47,8 @@ BESIDE_WAL = "partitioned"  # the table strategy a wal drain is shown beside
 
 
 def bench_lines(spec: RunSpec, *, baseline: bool, naive_strategy: str | None = None) -> dict[str, RunSpec]:
-    """Ours and both ceilings; with ``baseline`` first the talk's variant 1 and the strategy's own naive form on
-    the talk's table (the headline) and on ours (the second line), and for the ordered strategies the
+    """Ours and both ceilings; with ``baseline`` first seed variant 1 and the strategy's own naive form on
+    the seed's table (the headline) and on ours (the second line), and for the ordered strategies the
     hand-written tuned variant (what our machinery and headers cost). ``wal`` has no naive form: see ``wal_lines``."""
     if spec.strategy == WAL:
         return wal_lines(spec, baseline=baseline)
@@ -72,7 +71,7 @@ def wal_lines(spec: RunSpec, *, baseline: bool) -> dict[str, RunSpec]:
     """A wal backlog drained by one relay (one streams a slot) beside ``partitioned``'s relay draining the same load
     (``spec.workers``), and the ceilings: produce-only from a partitioned outbox's rows (a wal outbox has none to
     read beforehand), read-only the wal relay with Kafka confirming at once (the slot's stream and decoding alone);
-    ``baseline``: the talk's variant 1 first, the headline."""
+    ``baseline``: seed variant 1 first, the headline."""
     wal = replace(spec, workers=WAL_WORKERS)
     lines = {HEADLINE: replace(spec, kind="talk", strategy="locking")} if baseline else {}
     lines[OURS] = wal

@@ -1,11 +1,5 @@
-"""Engine room (benchmarks): the talk's variants 3 and 4 as a user would tune them by hand, on the talk's table.
-
-The issue's "throwaway prototype": lease a partition (the talk's offsets table), read a batch (5,000) past its
-position, produce them with our producer settings, read the next batch while Kafka confirms, flush, move the
-position. Only the columns Kafka needs, no headers (the talk's table has no message_id), no delivery
-callback, no registry, holds, retries or dead letters. It is the line that says what our machinery and our
-headers cost on this machine; a relay that drops rows on a failed send is not one to run.
-"""
+"""The seed's variants 3 and 4 as a user would tune them by hand on the seed's table: what our machinery and headers
+cost on this machine. See docs/performance.md#the-baselines-the-seeds-variants-and-a-hand-written-relay."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Engine room (benchmarks): the talk's relay variants, literally, as the baseline to beat.
-
-They run on the talk's own table (talk_table.py, the headline) and on ours (a second line).
-
-Each is what the seed shows, with nothing of ours: `SELECT *` (payloads decoded by the driver),
-batch 100, one `produce` per row then `flush()` per batch, acks by an `IN (...)` list of ids. The only
-deviation is a correctness fix in variant 3's condition (see strategies/partitioned.py), which costs
-nothing. They exist to be measured against in the same run, never to be used.
-"""
+"""The seed's relay variants, literally, as the baseline to beat, on the seed's own table and on ours. See
+docs/performance.md#the-baselines-the-seeds-variants-and-a-hand-written-relay."""
 
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ from psycopg.rows import DictRow, dict_row
 from ...config import OutboxTable
 
 NAIVE_BATCH = 100
-# The talk's lock key for variant 1.1.
+# The seed's lock key for variant 1.1.
 ADVISORY_KEY = (-1613257171, -31457281)
 
 
@@ -45,7 +38,7 @@ def _send(producer: Producer, rows: list[Row]) -> None:
             str(row["topic"]),
             json.dumps(row["payload"]).encode(),
             str(row["key"]).encode() if row["key"] is not None else None,
-            # The talk's table has no message_id; ours does, and verify finds messages by it.
+            # The seed's table has no message_id; ours does, and verify finds messages by it.
             headers={"message_id": str(row["message_id"])} if "message_id" in row else None,
         )
     producer.flush()
@@ -195,22 +188,22 @@ NAIVE_VARIANTS: dict[str, NaiveVariant] = {
 }
 
 
-# Indexes the talk's schema has for a variant and ours does not need: without them the variant would be
-# slower than the talk's (variant 2 orders by available_after: a sort of the whole table per batch).
+# Indexes the seed's schema has for a variant and ours does not need: without them the variant would be
+# slower than the seed's (variant 2 orders by available_after: a sort of the whole table per batch).
 NAIVE_INDEXES: dict[str, str] = {
     "lease": "CREATE INDEX ix_outbox_messages_available_after ON {m} USING btree (available_after)",
 }
 
 
 def prepare_naive_schema(conn: psycopg.Connection[Any], table: OutboxTable, strategy: str) -> None:
-    """The talk's indexes for ``strategy``'s variant, created after the load as a DBA would."""
+    """The seed's indexes for ``strategy``'s variant, created after the load as a DBA would."""
     if strategy in NAIVE_INDEXES:
         conn.execute(sql.SQL(NAIVE_INDEXES[strategy]).format(m=table.messages))
         conn.execute(sql.SQL("ANALYZE {}").format(table.messages))
 
 
 def run_naive(strategy: str, dsn: str, table: OutboxTable, bootstrap: str, worker: str) -> NaiveResult:
-    """Drain with the talk's variant for ``strategy`` until a pass finds nothing."""
+    """Drain with the seed variant for ``strategy`` until a pass finds nothing."""
     variant = NAIVE_VARIANTS[strategy]
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all"})
     published = 0

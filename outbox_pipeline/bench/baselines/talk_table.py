@@ -1,12 +1,5 @@
-"""Engine room (benchmarks): the talk's own outbox table, the baseline a user would write themselves.
-
-The seed's DDL per variant, nothing of ours added: an identity primary key, no other index unless the
-variant's slide shows one, not partitioned, no triggers. The naive variants (naive.py) run on it as the
-headline baseline; on our table (partitioned by day, six indexes) they are a second, slower line.
-
-Seed fixes, each needed for the DDL to run at all: ``timestampz`` is not a PostgreSQL type
-(``timestamptz`` is), and ``AS IDENTITY()`` with an empty option list is a syntax error (``AS IDENTITY``).
-"""
+"""The seed's own outbox table (`talk` in the bench's line names), the baseline a user would write themselves. See
+docs/performance.md#the-baselines-the-seeds-variants-and-a-hand-written-relay."""
 
 from __future__ import annotations
 
@@ -53,7 +46,7 @@ CREATE UNIQUE INDEX ix_outbox_offsets_topic_partition ON {o} USING btree (topic,
 
 
 def create_talk_table(conn: psycopg.Connection, table: OutboxTable, strategy: str) -> None:
-    """The schema ``table.schema`` with the talk's ``outbox_messages`` (and ``outbox_offsets``) for ``strategy``."""
+    """The schema ``table.schema`` with the seed's ``outbox_messages`` (and ``outbox_offsets``) for ``strategy``."""
     columns = _BASE_COLUMNS + (f",\n    {_EXTRA_COLUMNS[strategy]}" if strategy in _EXTRA_COLUMNS else "")
     conn.execute(sql.SQL("CREATE SCHEMA {}").format(table.schema_ident))
     conn.execute(
@@ -74,7 +67,7 @@ def index_talk_table(conn: psycopg.Connection, table: OutboxTable, strategy: str
 
 
 def add_talk_offsets(conn: psycopg.Connection, table: OutboxTable, topics: list[str], partitions: int) -> None:
-    """The talk's offsets start with a row per partition at position zero."""
+    """The seed's offsets start with a row per partition at position zero."""
     conn.execute(
         sql.SQL(
             "INSERT INTO {} (topic, partition, last_processed_id, last_processed_transaction_id)"

@@ -1,11 +1,5 @@
-"""Engine room (benchmarks): what a latency bench reads around its measured window, besides latency.
-
-- CPU seconds per process group from /proc: the relay's processes, PostgreSQL (and, within it, the relay's own
-  sessions), the broker, the observer, and the whole machine. Servers the bench did not start are found by their
-  port when they run on this machine (a PostgreSQL backend's parent; the broker's listening socket).
-- The relay's statements: it logs in as a role of its own (``RELAY_ROLE``), so pg_stat_statements' counts for
-  that role are its statements alone (top-level only: what it sent, not what functions ran inside).
-"""
+"""What a latency bench reads around its measured window besides latency: CPU per process group, and the relay's own
+statements. See docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Engine room (benchmarks): commit -> Kafka latency under steady traffic (`outbox bench --latency RATE,...`).
-
-Throughput numbers hide what a consumer waits for. Writers, the relay and an observer run as processes of their
-own (none shares a GIL with another or with the bench): writer processes commit on a fixed schedule and stamp each
-message right after its COMMIT (bench/traffic.py); the relay under test is `outbox relay` (bench/relays.py) or
-`dagster dev` driving it (`--dagster`, bench/orchestrated.py), logged in as a role of its own so its statements can
-be counted; the observer stamps each message when ``poll()`` returns it (bench/observer.py). Scenarios
-(bench/scenarios.py): a curve over rates and transaction sizes, the hot-key scenario, and (``--hold-open``) each
-curve point again with a transaction held open on the database; each strategy's relay also idles for a while, with
-and without the observer, so what the relay and the observer cost at rest is known. A ``wal`` outbox is made by
-``init-db --strategy wal``, written with ``write_to="wal"`` and dropped with its slot.
-``--runs N`` repeats it all in interleaved rounds; the report gives medians (bench/latency_report.py) and a JSON
-file keeps every number.
-"""
+"""Commit-to-Kafka latency under steady traffic (`outbox bench --latency RATE,...`), because throughput hides what a
+consumer waits for. See docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

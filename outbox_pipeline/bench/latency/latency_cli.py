@@ -1,14 +1,5 @@
-"""Engine room (benchmarks): `outbox bench --latency RATE,... / --hot-key RATE,...`: its flags and its run.
-
-    outbox bench --latency 200,2000,5000,10000 --rows-per-transaction 10,100 --hot-key 0,2000,4000 --runs 3
-    outbox bench --hot-key 0,2000,4000 --strategies all
-    outbox bench --latency 2000 --dagster
-    outbox bench --latency 2000 --no-observer --idle-seconds 0
-    outbox bench --latency 2000 --strategies partitioned,wal --seconds 80 --hold-open 60
-
-`--strategy`, `--workers` (default 1 here), `--rows-per-transaction`, `--seconds` and `--runs` are shared with the
-other benches (bench/command.py).
-"""
+"""`outbox bench --latency RATE,... / --hot-key RATE,...`: its flags and its run. See
+docs/performance.md#how-to-run-each-bench."""
 
 from __future__ import annotations
 

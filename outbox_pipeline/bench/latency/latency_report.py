@@ -1,9 +1,5 @@
-"""Engine room (benchmarks): the latency bench's tables, medians over its interleaved rounds.
-
-The machine's speed swings up to 2x between minutes, so one round is an anecdote: each cell is the median of the
-rounds (a median of per-round percentiles, not a percentile of the pooled latencies). Every number of every round
-is in the JSON file.
-"""
+"""The latency bench's tables: each cell the median over interleaved rounds, because the machine's speed swings. See
+docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Engine room (benchmarks): the latency bench's observer, a process of its own (`python -m
-outbox_pipeline.bench.latency.observer`).
-
-One consumer, assigned (not subscribed: no group protocol) to every partition of the scenario's topic, polls one
-message at a time and stamps ``time.time()`` as soon as ``poll()`` returns it: nothing batches arrivals. The fetch
-wait is the observer's trade: the local broker (Tansu) holds an empty fetch for up to ``fetch.wait.max.ms`` but
-notices new data only every so often within it, so a longer wait costs the broker less CPU and adds more delay. The
-observer measures that delay itself: a few probe messages a second go to a topic of their own, and the time from
-their produce acknowledgement to their ``poll()`` is reported beside the relay's figures.
-
-Protocol with the bench: one argument (the plan, JSON); it prints ``ready`` once it has the topics' metadata; on
-stdin, ``expect N`` makes it print ``arrived N`` as soon as N distinct messages arrived, and ``stop`` (or EOF)
-makes it write ``message_id, arrival time`` per message to its file, after a header, and exit.
-"""
+"""The latency bench's observer process: one consumer stamping each message as `poll()` returns it, and measuring its
+own fetch delay. See docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

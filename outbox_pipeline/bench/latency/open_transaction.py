@@ -1,11 +1,5 @@
-"""Engine room (benchmarks): a transaction held open on the outbox's database during a latency scenario
-(`outbox bench --latency RATE --hold-open SECONDS`), as a forgotten psql session or a slow batch job holds one.
-
-It writes one row to a table that is not the outbox's (so it has a transaction id, as any writing transaction has)
-and neither commits nor rolls back until told to. The ordered table strategies cannot publish past it: `partitioned`
-reads only rows below the xid horizon, and that horizon stays at the open transaction, so every message committed
-meanwhile waits for it to end. The wal strategy's slot streams each transaction as it commits: the others go on.
-"""
+"""A transaction held open on the outbox's database during a latency scenario (`--hold-open SECONDS`), as a forgotten
+psql session holds one. See docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

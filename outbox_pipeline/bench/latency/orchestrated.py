@@ -1,11 +1,5 @@
-"""Engine room (benchmarks): the relay as Dagster drives it, for `outbox bench --dagster --latency RATE ...`.
-
-`dagster dev` (the project's workspace.yaml, the local stack's dagster.yaml) runs against the benchmark's
-servers and schema; its lag sensor launches the long-lived `relay_stream` run, and the measurement starts
-once that run's worker is registered (start-up is not steady state). CPU is counted per process group of
-the stack (webserver, daemon, code server, runs), runs through its GraphQL API. Dagster is a child process
-here, never imported.
-"""
+"""The relay as Dagster drives it, for `outbox bench --dagster --latency RATE ...`, with Dagster as a child process,
+never imported. See docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

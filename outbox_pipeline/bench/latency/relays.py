@@ -1,13 +1,5 @@
-"""Engine room (benchmarks): the relay a latency bench measures, started as deployed, in processes of its own.
-
-`outbox relay` (``CliRelay``) runs in its own process group with LISTEN/NOTIFY wake-ups and ``--metrics-port``
-(its published and batch counters); `dagster dev` driving it is bench/orchestrated.py. Both log in with the DSN
-they are given: the bench gives them a role of their own, so PostgreSQL can count the relay's statements apart
-from the writers'. `outbox relay --strategy wal` streams the slot and registers no worker: it is started once a
-walsender holds the slot; it feeds no relay counters to its metrics (relay/wal/relay.py takes no instruments), so it
-runs without ``--metrics-port`` and the bench counts its messages as committed (or, without an observer, waits for
-the slot to confirm them).
-"""
+"""The relay a latency bench measures, started as deployed in processes of its own, logged in as its own role so its
+statements can be counted. See docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Engine room (benchmarks): the latency bench's scenarios, as traffic, and the values one measured run yields.
-
-- ``curve``: ``rate`` msg/s in transactions of ``rows`` to one topic of 8 partitions, 1,000 keys hashed over them
-  (key class ``all``);
-- ``hot-key``: one topic of ``quiet_keys + 1`` partitions; a quiet key in each of the first ones (10 msg/s in
-  single-row transactions each, key class ``quiet``) and a hot key in the last (``rate`` msg/s in 10-row
-  transactions, key class ``hot``; 0 is the quiet-only baseline). Every message names its partition, and each key
-  is one whose hash picks the same Kafka partition, so a key class is one outbox partition and one Kafka partition;
-- ``held-open``: the curve's traffic, and a transaction held open on the same database for ``hold_open_s`` from the
-  warm-up's end (open_transaction.py): what every other transaction's latency becomes meanwhile, against the curve
-  run of the same rate without it.
-"""
+"""The latency bench's scenarios (curve, hot-key, held-open) as traffic, and the values one measured run yields. See
+docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Engine room (benchmarks): one measured run of a latency scenario, or of the idle relay, on a running relay.
-
-Order of a run: a fresh topic; the observer (if any) assigned to it; the writers connected; then all writers start
-together at ``t0``. The window for CPU, batches and statements is ``[t0 + warm-up, t0 + seconds]``, read at those
-two instants (the traffic is steady in between, so work started before it and finished after it even out); the
-latencies are those of every message committed after the warm-up, measured once everything committed arrived. A
-``held-open`` scenario opens its transaction at the warm-up's end and ends it ``hold_open_s`` later.
-"""
+"""One measured run of a latency scenario, or of the idle relay, on a running relay: its order and its window. See
+docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Engine room (benchmarks): a latency bench's writer, a process of its own (`python -m
-outbox_pipeline.bench.latency.traffic`).
-
-Writers share no interpreter (and no GIL) with the relay, the observer or the bench. Each one commits its streams'
-transactions on a fixed schedule (a late transaction does not shift the ones after it), stamps every message with
-``time.time()`` right after its COMMIT returns, and at the end writes ``message_id, commit time, key class`` to a
-file, after a header that says how well it kept the schedule. Protocol with the bench: one argument (the plan, JSON;
-the DSN comes from $OUTBOX_PG_DSN so no password shows in ``ps``); it prints ``ready`` once connected, reads
-``go <epoch>`` from stdin and starts its schedule then; once its file is written it prints ``done`` and keeps its
-database session until the next line (or EOF) on stdin.
-"""
+"""A latency bench's writer process: commits on a fixed schedule and stamps each message right after its COMMIT. See
+docs/performance.md#how-the-latency-bench-measures."""
 
 from __future__ import annotations
 

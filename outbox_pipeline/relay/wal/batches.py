@@ -1,5 +1,5 @@
-"""Engine room (relay, wal): what the wal relay holds between the stream and Kafka: the batch, with the commits
-between its messages (what may be confirmed once Kafka has them; position.py confirms them)."""
+"""What the wal relay holds between the stream and Kafka: the batch and the commits between its messages, so it confirms
+to the slot only whole transactions Kafka has. See docs/wal.md#the-relay."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ class Batch:
     records: list[OutboxRecord]
     commits: list[tuple[int, int]]  # (records before this commit's end, the commit's end LSN)
 
-    def confirmable(self, settled: int) -> int | None:
-        """The end LSN of the last commit whose records (the first ``settled``) are all settled."""
+    def confirmable(self, done: int) -> int | None:
+        """The end LSN of the last commit whose records (the first ``done``) are delivered, dead-lettered or held."""
         lsn = None
         for count, end in self.commits:
-            if count > settled:
+            if count > done:
                 break
             lsn = end
         return lsn
@@ -38,7 +38,7 @@ class Batch:
             self.commits = [(before[count], end) for count, end in self.commits]
         return taken
 
-    def drop(self, settled: int) -> None:
-        """Forget the first ``settled`` records and the commits they complete."""
-        self.records = self.records[settled:]
-        self.commits = [(count - settled, end) for count, end in self.commits if count > settled]
+    def drop(self, done: int) -> None:
+        """Forget the first ``done`` records and the commits they complete."""
+        self.records = self.records[done:]
+        self.commits = [(count - done, end) for count, end in self.commits if count > done]

@@ -1,6 +1,5 @@
-"""Engine room (relay, wal): what the failures of a batch Kafka settled mean for the stream: which messages are dead
-letters now, which wait behind their held key, and from where the stream is published again (docs/wal.md, The
-relay). Plain values and decisions, no session: the relay does the writing."""
+"""What the failures of a batch mean for the wal stream: which messages are dead letters now, which wait behind their
+held key, and from where the stream is published again; decisions only, the relay writes. See docs/wal.md#the-relay."""
 
 from __future__ import annotations
 
@@ -24,31 +23,31 @@ def is_dead_letter(failure: DeliveryFailure) -> bool:
 
 
 @dataclass(frozen=True)
-class Settlement:
-    settled: int  # the records from the first that are done: delivered, dead-lettered or held
+class Progress:
+    done: int  # the records from the first that are done: delivered, dead-lettered or held
     withheld: list[OutboxRecord]  # not sent, an earlier message of their key refused: held now (quarantine)
     again: bool  # the rest is published again, after a back-off (Kafka was down)
-    acked: int  # delivered among the settled
+    acked: int  # delivered among the done
 
 
-def settle(
+def progress_of(
     records: Sequence[OutboxRecord],
     outcome: PublishOutcome,
     dead: Sequence[DeliveryFailure],
     held: Callable[[OutboxRecord], bool],
-) -> Settlement:
-    """The batch's settlement once its ``dead`` letters are written (their keys held: ``held`` says so): what the
+) -> Progress:
+    """How far the batch got once its ``dead`` letters are written (their keys held: ``held`` says so): what the
     producer did not send behind a refused message of its key is held, not a transport failure (under skip, sent
     again); what failed for the transport is published again from its place."""
     dead_ids = {f.record.id for f in dead}
     withheld = [f.record for f in outcome.failed if f.kind == "transport" and held(f.record)]
     withheld_ids = {r.id for r in withheld}
     again = {f.record.id for f in outcome.failed if f.record.id not in dead_ids | withheld_ids}
-    settled = next((i for i, r in enumerate(records) if r.id in again), len(records))
+    done_count = next((i for i, r in enumerate(records) if r.id in again), len(records))
     failed = {f.record.id for f in outcome.failed}
-    done = records[:settled]  # the rest stays in the batch, where withhold() takes the held
-    return Settlement(
-        settled,
+    done = records[:done_count]  # the rest stays in the batch, where withhold() takes the held
+    return Progress(
+        done_count,
         [r for r in done if r.id in withheld_ids],
         bool(again),
         sum(1 for r in done if r.id not in failed),

@@ -1,24 +1,5 @@
-"""Engine room (relay, wal): dead letters and key-scoped quarantine for the wal relay, in the tables the table
-strategies use (``outbox_dead_letters``, ``outbox_holds``, ``outbox_held``), so ``outbox dead-letters`` lists,
-retries and discards them the same way.
-
-A message Kafka will never take is dead-lettered whole. With quarantine (``OUTBOX_ON_POISON``, the default) its key is
-held: the key's later messages are written to ``outbox_held`` (each whole, as emitted, in ``payload_bytes``: published
-byte for byte as if never held) as the stream brings them, before the slot is confirmed past them (a relay that dies in
-between writes them again: the id is the message's LSN), and every other key keeps flowing. An operator's retry (the
-dead letter at the head of the held messages) or discard releases the hold; the streaming relay then publishes the held
-messages in their order, deletes them and the hold, and the key flows again, in commit order: a wal message keeps its
-transaction's commit position (the stream's Begin: ``final_lsn``) where a row keeps its transaction id, and its id is
-its own position, so held messages are read in (transaction_id, id) order as ``partitioned`` reads its rows (a retried
-dead letter, committed before what was held behind it, goes first). A held message Kafka refuses then (the retried dead
-letter itself, still too large; or one of the key's later messages) becomes the hold's dead letter again, as for the
-table strategies (strategies/quarantine.py): what went before it is done, what comes after it stays held. With ``skip``
-the key goes on without the dead letter.
-
-A message this database cannot hold as a row (a writer that did not check its encoding) never stops the relay: held,
-only its type and headers columns are left out; dead-lettered, its JSON payload is kept as bytes, or, when its topic,
-key, type or headers cannot be stored, the whole message as emitted under the topic ``(unstorable)``, its key not held.
-"""
+"""Dead letters and key-scoped quarantine for the wal relay, in the table strategies' tables, so `outbox dead-letters`
+lists, retries and discards them the same way. See docs/wal.md#dead-letters-and-held-keys."""
 
 from __future__ import annotations
 

@@ -1,26 +1,5 @@
-"""Engine room (relay, wal): one streamer per slot, and a waiting relay that takes over within seconds.
-
-PostgreSQL lets one walsender stream a slot at a time, and a second START_REPLICATION fails at once; relays must not
-take turns by failing. The streamer holds a session advisory lock on an ordinary connection; the others wait for it.
-
-- A relay that dies (kill -9, a crashed pod) closes its sockets: its lock goes with its session at once, and its
-  walsender ends when it reads the closed socket. The next relay takes the lock, and terminates that walsender
-  if it is still there (it holds the lock, so the walsender's relay is gone).
-- A relay that is frozen (SIGSTOP, a paused VM) keeps its sessions open and stops answering. The streamer says it
-  is alive every few seconds, Kafka down or not (wal/relay.py), with a statement on the lock's session
-  (``heartbeat``). The waiting relay sees that session's ``pg_stat_activity.state_change`` (the server's clock, not
-  the relay's: a status update's reply time is the client's own) grow older than ``takeover_after_s``, with or
-  without a walsender left on the slot (``wal_sender_timeout`` may have ended it), and terminates the frozen relay's
-  sessions. PostgreSQL shows a session's activity to its own role and ``pg_read_all_stats``; a relay that cannot see
-  it (another role) never takes over a frozen streamer, and says so once.
-- A frozen relay's Kafka producer still holds what it had queued, and librdkafka's threads send it the moment the
-  process thaws, before any of the relay's own code runs. So the relay that ended a frozen one's sessions waits
-  ``fence_s`` (the producer's ``message.timeout.ms`` plus a margin) before it streams: by then every message the
-  frozen producer queued has timed out, and librdkafka drops timed-out messages before it sends (its timeout scan runs
-  first after a thaw). The thawed relay itself produces nothing once it may have been taken over (wal/relay.py).
-
-Terminating another session needs the same role or ``pg_signal_backend`` (docs/operations.md, Your PostgreSQL).
-"""
+"""One streamer per slot, and a waiting relay that takes over within seconds when the streamer dies or freezes, without
+two producers publishing at once. See docs/wal.md#one-streamer-and-taking-over."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Engine room: the wal strategy's wire format: the frames of PostgreSQL's streaming replication protocol and the
-pgoutput messages (protocol version 1) inside them, decoded; the standby status update the relay answers with.
-
-Pure functions, no I/O. The relay decodes every frame of a backlog with this (150k messages/s is the target), so the
-per-message path is a few precompiled ``Struct`` reads at fixed offsets and one copy of the frame out of libpq's
-buffer; the values are named tuples (a frozen dataclass's constructor was a third of a message's decoding) built
-without checks beyond the frame's own length, and a message's prefix stays bytes (the relay compares, never reads it).
-
-Formats: PostgreSQL's docs, protocol-replication (XLogData, Primary keepalive message, Standby status update) and
-protocol-logicalrep-message-formats (Begin, Commit, Message), as written by src/backend/replication/logical/proto.c.
-"""
+"""The wal strategy's wire format decoded without I/O: replication protocol frames and the pgoutput messages inside
+them, built for a backlog's speed. See docs/wal.md#the-wire-format."""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
-"""Engine room (relay, wal): the positions the relay confirms to the slot, and what it records of them in the outbox.
-
-Why a record in the database (store/wal/position.py) and not only the relay's memory: after a crash of PostgreSQL the
-slot is back at the position it last saved, and a relay that trusted only the slot published again what it had
-confirmed since; a relay that trusted its own memory skipped, after a storage snapshot was restored, every new commit
-below the position it remembered (the restore reuses the positions written after the snapshot; 312 of 600 lost in
-tests/faults/test_wal_faults.py). The row is in the database's own history: a crash keeps it, a restore takes it back
-to the snapshot's moment. A stream starts from it (or the slot's position, if later).
-
-Each record also sets a bound, a little past the WAL written at that moment, and the slot is never confirmed past
-the bound of the last record committed: a slot found past it was not moved by a relay. It was dropped and created
-again (or advanced by hand), and what committed between the two positions was never streamed: the relay reports it.
-The bound's margin is two seconds of the pace since the last record, reached by doubling from nothing (a burst
-does not widen it at once), so that steady traffic does not wait for a record; a gap shorter than that margin (and,
-idle, than store/wal/position.py's ``RECORD_WAL_BYTES``) cannot be told from the relay's own progress.
-
-The cost: one small write a second at most while positions move (``RECORD_INTERVAL_S``), none while nothing is
-written; when the relay catches up faster than the margin allows, a record every ``GATED_RECORD_S`` meanwhile. A
-crash of PostgreSQL publishes again at most what Kafka took in the second before it (and what was in flight); a
-crash of the relay what it did before (the slot's position, confirmed every ``CONFIRM_INTERVAL_S``).
-"""
+"""The positions the wal relay confirms to the slot and records in the outbox, so that neither a crash of PostgreSQL nor
+a restored snapshot makes it skip or silently lose messages. See docs/wal.md#recorded-positions."""
 
 from __future__ import annotations
 

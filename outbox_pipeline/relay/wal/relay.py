@@ -1,19 +1,5 @@
-"""Engine room (relay, wal): the wal strategy's relay: the slot's messages to Kafka in commit order.
-
-The slot streams each committed transaction whole, in commit order (PostgreSQL decodes the WAL at commit): the
-relay publishes what arrives, in the order it arrives, and confirms a transaction's end to the slot only once Kafka
-has confirmed every message up to it, never past the bound it last recorded in the outbox (position.py). A crash
-resumes from the slot's position, or the recorded one if later: what was published after it comes again (duplicates
-bounded by what was in flight; after a crash of PostgreSQL, the second before it too), nothing is skipped.
-
-Kafka's failures, as the table strategies treat them (relay/kafka_errors.py):
-- the transport (a broker down): nothing after the first such message is confirmed; those messages are published
-  again, in order, after a back-off. Meanwhile the relay keeps answering its walsender (``wal_sender_timeout`` does
-  not end the stream) and saying it is alive on its lock's session (a waiting relay does not take it for frozen,
-  leader.py);
-- a message Kafka will never take (too large, an invalid topic): dead-lettered whole, and with quarantine its key
-  held until an operator retries or discards it, every other key flowing (holds.py); the stream goes on.
-"""
+"""The wal strategy's relay: the slot's messages to Kafka in commit order, confirmed to the slot only once Kafka has
+them. See docs/wal.md#the-relay."""
 
 from __future__ import annotations
 
@@ -37,7 +23,7 @@ from ..publisher import KafkaPublisher, PendingBatch
 from ..relay_settings import Backoff, Pacer, RelaySettings
 from ..stats import NullInstruments, RelayInstruments, RelayStats, database_error
 from .batches import Batch
-from .failures import is_dead_letter, malformed, settle
+from .failures import is_dead_letter, malformed, progress_of
 from .holds import WalHolds, dead_letters_not_confirmed
 from .leader import FENCE_MARGIN_S, LeaderSettings, SlotLeader
 from .pgoutput import Begin, Commit, Keepalive, Message
@@ -205,7 +191,7 @@ class WalRelay:
             self._take(s, events)
             if events and self._gathering(s, sending):
                 continue  # more is waiting: gather it (while Kafka works on what is out)
-            if s.in_flight is not None and not self._settle_in_flight(s):
+            if s.in_flight is not None and not self._finish_in_flight(s):
                 continue  # Kafka is down: backed off, the rest is published again
             if s.batch.records:
                 self._send(s)
@@ -250,15 +236,15 @@ class WalRelay:
         unsent = len(s.batch.records) - sending
         return unsent < self.settings.wal_batch_max and (s.in_flight is None or not self.publisher.settled())
 
-    def _settle_in_flight(self, s: _Streaming) -> bool:
+    def _finish_in_flight(self, s: _Streaming) -> bool:
         """The batch in Kafka settled: the slot confirmed up to what Kafka took; False when the transport failed
         (after a back-off: what it did not take is published again)."""
         assert s.in_flight is not None
-        settled, down = self._settle(s.in_flight, s.stream, s.leader)
+        done, down = self._finish(s.in_flight, s.stream, s.leader)
         s.in_flight = None
-        if (lsn := s.batch.confirmable(settled)) is not None:
+        if (lsn := s.batch.confirmable(done)) is not None:
             s.confirms.confirm(lsn)
-        s.batch.drop(settled)
+        s.batch.drop(done)
         if self.holds.keys:  # a key held now: its messages not yet published wait in outbox_held
             self.holds.keep(s.leader.connection, s.batch.withhold(self.holds.holds))
         if down:
@@ -294,13 +280,13 @@ class WalRelay:
     def _last_batch(self, s: _Streaming) -> None:
         """Stopping: confirm what Kafka took."""
         if s.in_flight is not None:
-            settled, _ = self._settle(s.in_flight, s.stream, s.leader)
-            if (lsn := s.batch.confirmable(settled)) is not None:
+            done, _ = self._finish(s.in_flight, s.stream, s.leader)
+            if (lsn := s.batch.confirmable(done)) is not None:
                 s.confirms.confirm(lsn)
         s.confirms.flush(final=True)
 
-    def _settle(self, pending: PendingBatch, stream: ReplicationStream, leader: SlotLeader) -> tuple[int, bool]:
-        """Wait for the batch; how many of its records from the first are settled (delivered or dead-lettered),
+    def _finish(self, pending: PendingBatch, stream: ReplicationStream, leader: SlotLeader) -> tuple[int, bool]:
+        """Wait for the batch; how many of its records from the first are done (delivered, dead-lettered or held),
         and whether the transport failed (the rest is published again). A broker that is down keeps the batch
         unsettled for up to message.timeout.ms: meanwhile the streamer goes on saying it is alive, to its walsender
         and on its session, or a waiting relay would take it for frozen (leader.py)."""
@@ -314,10 +300,10 @@ class WalRelay:
             return len(records), False
         if dead:
             self.holds.dead_letter(leader.connection, dead)
-        done = settle(records, outcome, dead, self.holds.holds)
-        self.stats.acked += done.acked
-        self.holds.keep(leader.connection, done.withheld)
-        return done.settled, done.again
+        progress = progress_of(records, outcome, dead, self.holds.holds)
+        self.stats.acked += progress.acked
+        self.holds.keep(leader.connection, progress.withheld)
+        return progress.done, progress.again
 
     def _count(self, pending: PendingBatch, outcome: PublishOutcome, dead: int) -> None:
         """A settled batch in the relay's counts, its observer and its instruments."""
@@ -336,7 +322,7 @@ class WalRelay:
         )
 
     def _wait_settled(self, stream: ReplicationStream, leader: SlotLeader) -> None:
-        """Until the producer holds nothing unsettled, the streamer saying it is alive meanwhile (``_settle``)."""
+        """Until the producer holds nothing unsettled, the streamer saying it is alive meanwhile (``_finish``)."""
         if not self.publisher.settled():
             slice_s = min(1.0, self._alive_every_s / 2)
             self.publisher.producer.flush(slice_s)  # the usual case: settled in milliseconds
@@ -354,7 +340,7 @@ class WalRelay:
         """Publish the messages held behind keys an operator released, in order, and let those keys flow again (with
         no batch in Kafka: a released key's later messages are still held, and go after these). From the first one
         Kafka did not take, the key stays held: behind it as its new dead letter if Kafka refused it (holds.py),
-        to be tried again if Kafka was down (meanwhile the streamer says it is alive, as in ``_settle``)."""
+        to be tried again if Kafka was down (meanwhile the streamer says it is alive, as in ``_finish``)."""
         now = time.monotonic()
         if not self.holds.keys or now < self._releases_due:
             return

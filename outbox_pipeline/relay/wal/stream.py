@@ -1,21 +1,5 @@
-"""Engine room: the wal strategy's replication stream: one streaming replication connection to one logical slot.
-
-Why the streaming protocol and not ``pg_logical_slot_get_binary_changes()``: each call of the SQL functions decodes
-again from the slot's restart point, so a backlog costs the server once per call; a stream decodes it once. Why
-psycopg 3 at the libpq level (a connection with ``replication="database"``, then ``get_copy_data``/``put_copy_data``):
-it is the driver the relay already uses, maintained, and its binary build hands each frame over as a memoryview of
-libpq's own buffer; psycopg2's replication cursor would be a second driver for one loop.
-
-The slot keeps its confirmed position across connections, and across restarts only as PostgreSQL last wrote it
-down: it holds the position in memory and saves it now and then (when the slot's restart point moves, at a clean
-shutdown from 17 on), so a crash sends the slot back, and a relay that streamed from it would publish again what it
-had confirmed since. A stream therefore starts after the last position confirmed to it (``confirm``), or at
-``Resume``, the position its relay recorded in the database (relay/wal/position.py), when that is later and the
-server is the same one on the same timeline (IDENTIFY_SYSTEM), its WAL past that point: PostgreSQL skips the
-transactions that committed before a stream's start. Whatever was read but not confirmed is sent again (at least
-once). Another server (a promoted standby, a restored backup) has other WAL under the same positions: the slot's own
-position then.
-"""
+"""One streaming replication connection to one logical slot, started where the recorded or confirmed position says, so a
+backlog is decoded once. See docs/wal.md#the-replication-stream."""
 
 from __future__ import annotations
 

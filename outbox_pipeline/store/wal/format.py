@@ -1,20 +1,5 @@
-"""Engine room (store): the bytes of one wal outbox message, as writers emit them and the relay reads them.
-
-A logical decoding message carries a prefix and bytes; the bytes are this layout (big-endian), written by the Python
-writer (``encode``), by SQL (``objects.py``: ``<schema>.wal_content``, the same layout built with ``int4send`` and
-friends) and read by the relay (``decode``). A fixed header first, so the relay slices instead of parsing JSON:
-
-    version  u8      1
-    flags    u8      bit 0: the payload is bytes (else JSON text)
-    created  i64     microseconds since 2000-01-01 UTC, the binary timestamptz ('infinity': the int64 bounds)
-    part     i32     the virtual partition the writer gave, -1 for none (the relay routes by key)
-    topic    u16     length of the topic (at most 249 bytes)
-    key      i32     length of the key, -1 for NULL
-    type     i32     length of the type, -1 for NULL
-    headers  i32     length of the headers' JSON text ("{}" for none)
-    id       36 B    the message_id, as uuid text
-    then topic, key, type, headers, and the payload to the end, each UTF-8 but the bytes payload.
-"""
+"""The bytes of one wal outbox message, as writers emit them and the relay reads them: a fixed header first, so the
+relay slices instead of parsing. See docs/wal.md#the-messages-bytes."""
 
 from __future__ import annotations
 

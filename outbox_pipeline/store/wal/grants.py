@@ -1,12 +1,5 @@
-"""Engine room (store): who may emit under a wal outbox's prefix.
-
-``pg_logical_emit_message`` is executable by PUBLIC as PostgreSQL ships it, so any login in the database could
-emit a message under ``outbox:<schema>`` that the relay publishes (a forged one, or a malformed one that holds a
-real key). A function of pg_catalog is the database's, and only its owner (the bootstrap superuser) may revoke it:
-init-db does so when its role can, and otherwise names the statements a superuser runs; ``status`` shows the
-outbox as exposed until then. Writers emit through the outbox's functions (objects.py), ``SECURITY DEFINER`` of the
-role that ran init-db and executable only by the roles granted them (docs/wal.md, Writers).
-"""
+"""Who may emit under a wal outbox's prefix, because `pg_logical_emit_message` is PUBLIC as PostgreSQL ships it. See
+docs/wal.md#who-may-emit."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""Engine room (store): what makes an outbox a wal outbox: the SQL that emits, the publication and the slot.
-
-Every writer form ends in one transactional ``pg_logical_emit_message`` per message, under the outbox's prefix, so
-the slot decodes them all in one commit order:
-
-- the Python writer builds the bytes itself (format.py) and calls ``<schema>.outbox_emit_one(bytea)`` or
-  ``<schema>.outbox_emit_many(bytea[])``, which exist only on a wal outbox: a writer set to emit
-  (``OUTBOX_WRITE_TO=wal``) at another outbox fails instead of emitting messages no relay reads;
-- ``<schema>.enqueue(...)`` keeps its signature and checks, and emits instead of inserting;
-- a plain ``INSERT INTO outbox_messages`` (Java, Go, psql) meets a BEFORE INSERT trigger that runs the same checks,
-  emits, and returns NULL: no row, no index entry. The INSERT reports 0 rows: an ORM that counts them (a JPA
-  entity) must call ``enqueue`` instead.
-
-Those three and the trigger's function run as the role that ran init-db (``SECURITY DEFINER``, ``search_path``
-fixed), and only the roles granted them may call them: pg_logical_emit_message itself is closed to PUBLIC (grants.py).
-
-The slot is created once, outside any transaction that wrote (PostgreSQL's rule), and only once every transaction
-running at that moment has ended: a transaction left open holds ``init-db`` up, which waits a bounded time and
-names it.
-"""
+"""What makes an outbox a wal outbox: the SQL that emits (one transactional message per message, in one commit order),
+the publication and the slot. See docs/wal.md#the-writer-forms."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
-"""Engine room (store): the position a wal outbox's relay recorded in the database, one row (``outbox_wal_position``).
-
-PostgreSQL saves a slot's confirmed position only now and then, so a crash sends the slot back; a storage snapshot
-restored (same system identifier and timeline, crash recovery) sends it back too, and also writes new commits at
-the positions the undone ones had. The two look alike from the stream; only the database's own data tells them
-apart. The relay records here the position Kafka has every message before, at most once a second while positions
-move (relay/wal/position.py), with a bound a little past the WAL written then, and never confirms the slot past the
-bound of the row committed. So:
-
-- a crash keeps the row (committed, flushed): the relay resumes from it, not from the slot's older saved position;
-- a restore brings the row back to the snapshot's moment, before every position written since: nothing new is
-  skipped (what Kafka had after it comes again);
-- a slot whose confirmed position is past the row's bound was not moved by a relay: it was dropped and created
-  again (or advanced by hand), and what committed between the row's position and the slot's was never streamed: the
-  relay records that gap here, and ``outbox status`` reports it until an operator clears it.
-
-The row is trusted on the server and timeline that wrote it (IDENTIFY_SYSTEM): a promoted standby or another cluster
-that got the row by logical replication or a dump has other WAL under the same positions.
-"""
+"""The position a wal outbox's relay recorded in the database (`outbox_wal_position`), the one record that tells a crash
+from a restored snapshot. See docs/wal.md#recorded-positions."""
 
 from __future__ import annotations
 

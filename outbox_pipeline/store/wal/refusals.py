@@ -1,5 +1,5 @@
-"""Engine room (store): what a wal outbox refuses, so that nothing is written where no relay reads it: a row in its
-message table (written with triggers off), and a write while its slot is missing or lost (docs/wal.md, Writers)."""
+"""What a wal outbox refuses, so that nothing is written where no relay reads it: a row in its message table, and a
+write while its slot is missing or lost. See docs/wal.md#writers."""
 
 from __future__ import annotations
 

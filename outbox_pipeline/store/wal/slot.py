@@ -1,10 +1,5 @@
-"""Engine room (store): the state of a wal outbox's replication slot, and what an operator does when it is gone.
-
-The slot is the wal outbox's operational risk: it keeps every WAL segment from its restart point on, whether the
-relay runs or not, and a server with ``max_slot_wal_keep_size`` set invalidates a slot that falls that far behind
-(``wal_status = 'lost'``): the messages it had not confirmed are gone from the WAL. Status, lag, the metrics and the
-Dagster sensor read ``slot_state``; the relay refuses a missing or lost slot with the procedure.
-"""
+"""The state of a wal outbox's replication slot, and what an operator does when it is gone: the slot is the wal outbox's
+operational risk. See docs/operations.md#the-wal-strategy-the-slot."""
 
 from __future__ import annotations
 

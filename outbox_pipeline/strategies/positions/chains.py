@@ -1,21 +1,5 @@
-"""Engine room: the partitions a position worker (positions.py) has batches in flight for, its *chains*, and which of
-them it reads ahead.
-
-A chain is a leased partition and how far this worker has read it: the next batch is read past the batches in flight
-(pipelining), and the partition keeps its lease from batch to batch while it has work. Kept for as long as it has
-work, a lease shut the other partitions out: a claim leases at most ``MAX_PARTITIONS_PER_CLAIM`` (32) partitions,
-and 32 partitions read ahead left no room, so the rest of a backlog waited for them to run dry (64 partitions,
-one worker: 7 had not moved when half the backlog was relayed). Chains therefore take turns: every claim leases at
-least one waiting partition (it reads one partition more than the cap when the chains fill it), and while partitions
-wait, a chain that has been read ``TURN_BATCHES`` batches in a row is not read ahead again: its lease ends with its
-batch in flight and it waits its turn (the waiting partition that waited longest is leased first). With Kafka
-transactions (a transaction per partition of a batch, one transactional producer each) a claim takes at most
-``TRANSACTION_PARTITIONS`` partitions the same way.
-
-A batch read ahead waited for the one before it to be confirmed, which a slow broker can make longer than the lease
-(issue 40, case 14): before it goes to Kafka, the leases it holds that are older than a tenth of ``lease_s`` are
-renewed, and a partition whose lease another worker took meanwhile is given back, never published over its owner.
-"""
+"""The partitions a position worker has batches in flight for (its chains), which of them it reads ahead, and the turns
+that keep a backlog's other partitions from waiting. See docs/strategies.md#reading-ahead-in-turns."""
 
 from __future__ import annotations
 

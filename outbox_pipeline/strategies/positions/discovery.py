@@ -1,19 +1,5 @@
-"""Engine room: how a position worker (positions.py) learns of partitions that have rows but no offsets row yet.
-
-A partition is nobody's to lease until it has an offsets row: every pair is looked at every DISCOVERY_INTERVAL_S, the
-rows written since the last look every RECENT_DISCOVERY_S while claims find work (a new topic's first rows must not
-wait for a busy partition to run dry), and whenever a claim finds nothing (every wake-up whose rows were already
-published ends so: a full look each time cost more than the rest of the cycle).
-
-"Written since the last look" is by id, and ids are drawn before commit: a transaction that drew its id before
-others and committed after them (a new partition's first row) was behind the highest id the last look saw, and
-waited for the full look (issue 40, case 22). A recent look therefore reads from a *floor*: the highest id below
-which every row that will ever commit was visible to a look that read it. Each look remembers the highest id it saw
-and its snapshot's xmax (every id up to it was drawn by a transaction below that xmax); once a later look's xmin has
-passed that xmax, that look saw all of them, and the floor rises to it. Under short transactions that is the look
-before the last: a recent look reads about two intervals of rows. A transaction open for more than ``LOOK_BACK``
-ids no longer holds the floor back: its rows are found by the full look.
-"""
+"""How a position worker learns of partitions that have rows but no offsets row yet, quickly for new topics and without
+missing a transaction that committed late. See docs/strategies.md#finding-new-partitions."""
 
 from __future__ import annotations
 

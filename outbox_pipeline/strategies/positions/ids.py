@@ -1,5 +1,5 @@
-"""Engine room: the Kafka transactional ids of a position worker (positions.py) publishing each batch in a Kafka
-transaction: one id per virtual partition, so a second worker on the same partition fences the first."""
+"""The Kafka transactional ids of a position worker: one per virtual partition, so a second worker on the same partition
+fences the first. See docs/strategies.md#kafka-transactions."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Engine room: the offsets table of the position strategies (partitioned, serialized).
-
-One row per (topic, virtual partition): its stored position, and the lease that makes one worker its reader.
-Each function is one statement: discover partitions that have rows but no offsets row, the partitions a worker could
-lease (the claim that leases and reads them is positions/reads.py), advance a batch's positions by compare-and-set,
-release leases, and copy undeliverable rows to the dead letters. The reading and acking logic around them is
-positions.py.
-"""
+"""The offsets table of the position strategies: one row per (topic, virtual partition) with its position and lease, and
+the single statements that discover, lease, advance and release them. See
+docs/strategies.md#the-position-strategies-claims-acks-and-failures."""
 
 from __future__ import annotations
 
@@ -130,7 +125,7 @@ def discover_recent(conn: psycopg.Connection, table: OutboxTable, floor: int) ->
     return Discovered(created, seen_id, int(row[3]), int(row[4]), complete=rows < RECENT_ROWS)
 
 
-# The talk's "longest unchecked partition first", restricted to partitions that have work (one
+# The seed's "longest unchecked partition first", restricted to partitions that have work (one
 # index probe per partition), so an empty partition costs no lease round trips and "nothing
 # claimed" really means "nothing to publish". The probe is a LIMIT 1 subquery ordered like the read: with 10M
 # relayed rows behind the positions the planner answered EXISTS (which drops ORDER BY and LIMIT inside it) with a

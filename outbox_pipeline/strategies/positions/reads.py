@@ -1,15 +1,5 @@
-"""Engine room: the one statement a position claim is (partitioned, serialized): lease the partitions that wait, and
-read them together with the partitions this worker has batches in flight for.
-
-A batch spans partitions. Under steady traffic a transaction's rows land in many partitions (keys spread), and a
-claim per partition cost a lease, a read and an ack for each of them: at 2,000 msg/s in 10-row transactions over 8
-partitions, 926 statements per 1,000 messages. One claim now leases every free partition with work (up to
-``max_new``: home partitions first, the one that waited longest first, as the single lease did), reads each of those
-and each partition read ahead, its fair share of the batch (``limit`` split evenly), and one ack moves every position
-(offsets.advance_many). A partition that never runs dry cannot keep the others waiting: every claim serves all of
-them. ``partitioned``'s snapshot rule and every other read condition are the strategy's own (``work``). Which
-partitions a claim reads past and how many it leases: positions/chains.py.
-"""
+"""The one statement a position claim is: lease the partitions that wait and read them together with those read ahead,
+so one claim and one ack serve a batch that spans partitions. See docs/strategies.md#one-claim-for-many-partitions."""
 
 from __future__ import annotations
 
@@ -35,7 +25,7 @@ _PAYLOAD = OutboxRecord._fields.index("payload")
 _PARTITION = attrgetter("topic", "partition")
 
 _CLAIM = """
-    WITH {settled}
+    WITH {acked}
     leased AS (
         UPDATE {offsets} target
         SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(worker)s, updated_at = now()
@@ -54,7 +44,7 @@ _CLAIM = """
         UNION ALL
         SELECT a.topic, a.partition, a.xid, a.id, 0, false, false, false, false
         FROM jsonb_to_recordset(%(ahead)s::jsonb) AS a(topic text, partition int, xid xid8, id bigint)
-        {settled_reading}
+        {acked_reading}
     )
     -- Record rows are RECORD_COLUMNS alone, made records in one pass. What the claim knows of each partition comes
     -- last, one JSON document in the payload column of a row with no id: a partition's eight columns on every record
@@ -84,8 +74,8 @@ _CLAIM = """
 # work keeps its lease (read on from its new position, as if leased now), the others are released. Its partitions
 # are not leased again by the same statement (a statement must not update a row twice): the leases kept cover
 # them. ``o`` in the probe is the position the partition moves to (``work`` reads ``o``'s position).
-_SETTLED = """
-    settled AS (
+_ACKED = """
+    acked AS (
         UPDATE {offsets} target
         SET last_processed_transaction_id = v.to_xid, last_processed_id = v.to_id, attempts = 0,
             last_error = NULL, read_by = {strategy},
@@ -93,7 +83,7 @@ _SETTLED = """
             available_after = CASE WHEN v.home AND more.id IS NOT NULL
                                    THEN now() + make_interval(secs => %(lease)s) ELSE now() END,
             updated_at = now()
-        FROM jsonb_to_recordset(%(settle)s::jsonb) AS v(
+        FROM jsonb_to_recordset(%(acks)s::jsonb) AS v(
             topic text, partition int, from_xid xid8, from_id bigint, to_xid xid8, to_id bigint, home bool)
         LEFT JOIN LATERAL (
             SELECT m.id
@@ -110,14 +100,14 @@ _SETTLED = """
                   EXISTS ({released_target}) AS released
     ),
 """
-_SETTLED_READING = """
+_ACKED_READING = """
         UNION ALL
         SELECT topic, partition, last_processed_transaction_id, last_processed_id, 0, has_holds, released, true, true
-        FROM settled WHERE kept
+        FROM acked WHERE kept
 """
-_NOT_SETTLED = """
+_NOT_ACKED = """
     AND (o.topic, o.partition) NOT IN (
-        SELECT s.topic, s.partition FROM jsonb_to_recordset(%(settle)s::jsonb) AS s(topic text, partition int))
+        SELECT s.topic, s.partition FROM jsonb_to_recordset(%(acks)s::jsonb) AS s(topic text, partition int))
 """
 # Never lease a partition this worker has a batch in flight for: should that lease have run out, leasing it again
 # would read it from its stored position, behind the batch in flight, beside the read past that batch (its rows
@@ -155,9 +145,9 @@ def positional(query: bytes) -> Positional:
     return Positional(re.sub(rb"%%|%\((\w+)\)s", number, query), tuple(names))
 
 
-def claim_sql(config: StrategyConfig, *, work: str, order: str, settling: str | None = None) -> Positional:
-    """The claim statement for the strategy's condition and read order; ``settling``: the strategy's name, for the
-    variant that also acks the previous batch (_SETTLED). Compose once per strategy instance (as bytes: psycopg would
+def claim_sql(config: StrategyConfig, *, work: str, order: str, acking: str | None = None) -> Positional:
+    """The claim statement for the strategy's condition and read order; ``acking``: the strategy's name, for the
+    variant that also acks the previous batch (_ACKED). Compose once per strategy instance (as bytes: psycopg would
     render a composed statement again at every execution)."""
     table = config.table
     parts = {
@@ -168,15 +158,15 @@ def claim_sql(config: StrategyConfig, *, work: str, order: str, settling: str | 
         "work": sql.SQL(work),
         "order": sql.SQL(order),
     }
-    exclude = sql.SQL(_NOT_IN_FLIGHT + (_NOT_SETTLED if settling else ""))
+    exclude = sql.SQL(_NOT_IN_FLIGHT + (_NOT_ACKED if acking else ""))
     return positional(
         sql.SQL(_CLAIM)
         .format(
-            settled=sql.SQL(_SETTLED).format(strategy=sql.Literal(settling), **parts) if settling else sql.SQL(""),
-            settled_reading=sql.SQL(_SETTLED_READING if settling else ""),
+            acked=sql.SQL(_ACKED).format(strategy=sql.Literal(acking), **parts) if acking else sql.SQL(""),
+            acked_reading=sql.SQL(_ACKED_READING if acking else ""),
             owned=sql.SQL(
-                "(SELECT coalesce(json_agg(json_build_array(s.topic, s.partition)), '[]') FROM settled s)"
-                if settling
+                "(SELECT coalesce(json_agg(json_build_array(s.topic, s.partition)), '[]') FROM acked s)"
+                if acking
                 else "NULL::json"
             ),
             candidates=candidates(config, work=work, order=order, exclude=exclude),
@@ -188,8 +178,8 @@ def claim_sql(config: StrategyConfig, *, work: str, order: str, settling: str | 
     )
 
 
-class Settle(NamedTuple):
-    """One partition of the batch a claim acks (``settle``): from its lease's position to its last row, and
+class FoldedAck(NamedTuple):
+    """One partition of the batch a claim acks (``acks``): from its lease's position to its last row, and
     whether it is at home (only then may it keep its lease)."""
 
     lease: PartitionLease
@@ -217,7 +207,7 @@ class Reads:
     partitions: list[PartitionRead]
     share: int  # the rows each partition could give: a partition that gave that many may have more
     max_new: int  # how many partitions it could lease: leasing that many, it may have left others waiting
-    # A claim that acked the previous batch (settle): the partitions whose position it moved (still this worker's).
+    # A claim that acked the previous batch (``acks``): the partitions whose position it moved (still this worker's).
     owned: frozenset[tuple[str, int]] = frozenset()
     at: float = 0.0  # time.monotonic() before the statement: its leases run from no earlier than this
     horizon: int = 0  # its snapshot's xmin: every transaction below it had ended (partitioned.py reads no further)
@@ -237,12 +227,12 @@ def read_partitions(
     max_new: int,
     limit: int,
     dealt: Mapping[str, object],
-    settle: Sequence[Settle] = (),
+    acks: Sequence[FoldedAck] = (),
     in_flight: Collection[tuple[str, int]] = (),
 ) -> Reads:
     """Lease up to ``max_new`` waiting partitions and read them with the ``ahead`` ones (positions to read past);
     ``cursor``: base.stamped_cursor(raw=True). ``in_flight``: every partition with a batch in flight (those read
-    ahead among them), never leased again here. With ``settle`` (``query`` composed with ``settling``), first move
+    ahead among them), never leased again here. With ``acks`` (``query`` composed with ``acking``), first move
     each of those positions (the previous batch's ack). The positions go as one JSON document: dumping four arrays
     of them cost more CPU than the rest of the claim."""
     positions = json.dumps([{"topic": a.topic, "partition": a.partition, "xid": a.xid, "id": a.last_id} for a in ahead])
@@ -254,8 +244,8 @@ def read_partitions(
         "ahead": positions,
         "in_flight": busy,
     }
-    if settle:
-        params["settle"] = json.dumps(
+    if acks:
+        params["acks"] = json.dumps(
             [
                 {
                     "topic": s.lease.topic,
@@ -266,7 +256,7 @@ def read_partitions(
                     "to_id": s.to_id,
                     "home": s.home,
                 }
-                for s in settle
+                for s in acks
             ]
         )
     at = time.monotonic()

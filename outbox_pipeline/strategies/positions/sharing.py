@@ -1,22 +1,5 @@
-"""Engine room: which partitions a position worker serves first (its *home*), so work spreads evenly.
-
-Leases stay per batch (a free partition is taken, read, published, acked and released), which keeps failover, bulk
-drains and rewinds simple; reading ahead keeps a lease past its batch at home only. What spreads the partitions is a
-preference: the live unscoped relay workers, sorted by id, deal the offsets rows, sorted, round-robin, so partition
-*i* is home to worker *i mod n*. Homes differ in size by at most one, every worker computes the same deal from the
-same registry (``outbox_workers``), and a partition held elsewhere goes back with its batch in flight: the deal is
-looked at again every ``DEAL_INTERVAL_S``. A worker takes another's partition only once its oldest pending row has
-waited ``STEAL_AFTER_S`` (its home worker is busy, hung, or dead and not yet reaped), so no partition waits long for
-its owner, and a backlog (every row old) is served by whoever is free, as before.
-
-A worker whose heartbeat is older than ``lease_s`` is out of the deal, even while its session (and so its liveness
-lock) lives: a frozen (SIGSTOP) or hung worker stops heartbeating, and its home is dealt to the live workers, who
-serve it as their own however busy they are (a worker busy at home never steals). Its leases expire meanwhile, and an
-expired lease is anyone's (offsets.candidates). It is dealt its home again at its next heartbeat.
-
-A worker that is not in the registry (a scoped run, or a strategy used without a relay loop) has no home:
-every partition is equally its own.
-"""
+"""Which partitions a position worker serves first (its home), dealt round-robin over the live workers so work spreads
+evenly. See docs/strategies.md#home-partitions-and-the-deal."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""Engine room: what the ordered, read-only strategies (partitioned, serialized) share.
-
-They never touch message rows. A claim leases the virtual partitions that wait (their ``outbox_offsets`` rows, the
-talk's ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``) and reads each past its stored position, in order,
-together with the home partitions (sharing.py) whose previous batch is still in Kafka (read past that batch:
-pipelining), in one statement (positions/reads.py). A batch therefore spans partitions: each gets a fair share of it,
-so a partition that never runs dry cannot keep the others waiting. The ack advances every position of the batch with
-a compare-and-set on (owner, old position), in one statement, in the same transaction as any dead letters; under
-steady traffic (the relay paced, nothing read ahead, Kafka took the whole batch) it goes in the next claim's statement
-instead (``claim_settling``), one statement per batch. A worker
-that lost a partition's lease (it was frozen past expiry and another worker took over) advances nothing there and
-dead-letters nothing: that partition's rows count as published-but-ack-failed and the new owner publishes them
-again.
-
-Failures keep each partition's order: its position stops before the first row Kafka did not confirm, and the
-partition backs off (``attempts``, ``last_error``, ``available_after`` on the offsets row); the batch's other
-partitions move on. Rows after the failure that Kafka did confirm are published again on the retry (at-least-once:
-duplicates bounded by one batch). A row that can never be delivered (too large, invalid topic) or that ran out of
-attempts is copied to the dead-letter table and the position passes it; with ``on_poison="quarantine"`` (the
-default) its key's later rows are held until an operator retries or discards it (quarantine.py), with "skip" they
-are published without it. With Kafka transactions each partition's rows of a batch are one Kafka transaction (its
-transactional id is the partition's), and a claim takes fewer partitions (positions/chains.py).
-"""
+"""What the position strategies (partitioned, serialized) share: lease partitions, read past each stored position,
+advance each position by compare-and-set only over confirmed rows. See
+docs/strategies.md#the-position-strategies-claims-acks-and-failures."""
 
 from __future__ import annotations
 
@@ -38,12 +18,12 @@ from ...model import AckResult, Claim, OutboxRecord, PublishOutcome
 from ..base import Strategy, StrategyConfig, stamped_cursor
 from ..quarantine import NO_HOLDS, Quarantine
 from . import offsets
+from .advance import advance_all, count_by_partition
 from .chains import MAX_PARTITIONS_PER_CLAIM, Chain, Chains
 from .discovery import Discovery
 from .ids import TransactionalIds
 from .offsets import Move, PartitionLease
-from .reads import PartitionRead, Reads, Settle, claim_sql, read_partitions
-from .settle import count_by_partition, settle_all
+from .reads import FoldedAck, PartitionRead, Reads, claim_sql, read_partitions
 from .sharing import Dealer, Home
 
 Key = tuple[str, int]
@@ -75,7 +55,7 @@ class PositionStrategy(Strategy):
         self._quarantine = Quarantine(conn, config, self.read_order)
         # Composed once: composing costs on every claim, and the same text keeps the statement prepared.
         self._claim_sql = claim_sql(config, work=self.work_condition, order=self.read_order)
-        self._settling_sql = claim_sql(config, work=self.work_condition, order=self.read_order, settling=self.name)
+        self._ack_and_claim_sql = claim_sql(config, work=self.work_condition, order=self.read_order, acking=self.name)
         self._cursor = stamped_cursor(conn, raw=True)  # kept: making one copies the connection's adapters
         self._horizon = 0  # the last claim statement's snapshot xmin (Reads.horizon)
         self._reclaim_own_leases()
@@ -104,18 +84,18 @@ class PositionStrategy(Strategy):
             claim = self._claim(limit)
         return claim
 
-    def claim_settling(self, limit: int, previous: Claim, outcome: PublishOutcome) -> tuple[AckResult, Claim | None]:
+    def ack_and_claim(self, limit: int, previous: Claim, outcome: PublishOutcome) -> tuple[AckResult, Claim | None]:
         """One statement: the previous batch's ack and the next claim, when that ack is only position moves (Kafka
         took the whole batch, nothing withheld or released) and nothing else is in flight (the relay's paced cycle)."""
-        settle = self._settling(previous, outcome)
-        if settle is None:
-            return super().claim_settling(limit, previous, outcome)
+        acks = self._folded_acks(previous, outcome)
+        if acks is None:
+            return super().ack_and_claim(limit, previous, outcome)
         for key in previous.state:
             del self._chains[key]  # its ack ends them; a kept lease starts a new chain at the new position
         self._discovery.when_due()
-        reads = self._read(limit, settle)
+        reads = self._read(limit, acks)
         lost = 0
-        if len(reads.owned) < len(settle):
+        if len(reads.owned) < len(acks):
             lost = sum(n for key, n in count_by_partition(previous.records).items() if key not in reads.owned)
         result = AckResult(acked=len(previous.records) - lost, lost_ownership=lost)
         claim = self._claim_from(reads, limit)
@@ -123,7 +103,7 @@ class PositionStrategy(Strategy):
             claim = self._claim(limit)
         return result, claim
 
-    def _settling(self, previous: Claim, outcome: PublishOutcome) -> list[Settle] | None:
+    def _folded_acks(self, previous: Claim, outcome: PublishOutcome) -> list[FoldedAck] | None:
         """The previous batch's position moves, when its ack may go in the next claim's statement; None otherwise."""
         state: dict[Key, PartitionLease] = previous.state
         if (
@@ -139,35 +119,35 @@ class PositionStrategy(Strategy):
         ):
             return None
         home = self._dealer.home
-        moves: list[Settle] = []
+        moves: list[FoldedAck] = []
         for key, lease in state.items():
             chain = self._chains.get(key)
             if chain is None or chain.in_flight != 1 or chain.broken or chain.draining:
                 return None
             # Nothing was read past this batch: where the chain's reading stopped is the batch's last row there.
-            moves.append(Settle(lease, chain.read_xid, chain.read_id, home.holds(*key)))
+            moves.append(FoldedAck(lease, chain.read_xid, chain.read_id, home.holds(*key)))
         return moves
 
     def _claim(self, limit: int, *, again: bool = True) -> Claim | None:
         return self._claim_from(self._read(limit), limit, again=again)
 
-    def _read(self, limit: int, settle: Sequence[Settle] = ()) -> Reads:
+    def _read(self, limit: int, acks: Sequence[FoldedAck] = ()) -> Reads:
         home = self._dealer.current()
         # Read ahead at home only, and in turns (positions/chains.py): reading ahead keeps a lease as long as the
         # partition has work, so the first worker of a backlog kept every partition and the others idled.
-        cap = self._chains.cap - len(settle)
+        cap = self._chains.cap - len(acks)
         ahead = self._chains.ahead(home, cap)
         # At least one: a claim that could lease nothing would never learn that partitions wait.
         max_new = max(1, cap - len(ahead))
         reads = read_partitions(
             self._cursor,
             self.config,
-            self._settling_sql if settle else self._claim_sql,
+            self._ack_and_claim_sql if acks else self._claim_sql,
             ahead=ahead,
             max_new=max_new,
             limit=limit,
             dealt={**home.params(), "steal": self._may_steal},
-            settle=settle,
+            acks=acks,
             in_flight=self._chains.keys(),
         )
         self._horizon = reads.horizon
@@ -309,10 +289,10 @@ class PositionStrategy(Strategy):
         if claim.release:
             return self._ack_release(claim, outcome)
         state: dict[Key, PartitionLease] = claim.state
-        settled = settle_all(claim, outcome, self.order_key, self.config.max_attempts, self._quarantine.enabled)
+        advances = advance_all(claim, outcome, self.order_key, self.config.max_attempts, self._quarantine.enabled)
         moves: list[Move] = []
         for key, lease in state.items():
-            done = settled[key]
+            done = advances[key]
             chain = self._chains.get(key)
             if chain is not None:
                 chain.in_flight -= 1
@@ -321,8 +301,8 @@ class PositionStrategy(Strategy):
             keep = chain is not None and chain.in_flight > 0 and not chain.broken
             error = done.stopped_at.error if done.stopped_at else None
             moves.append(Move(lease, done.advanced, done.attempts, error, keep))
-        dead = [f for key in state for f in settled[key].dead or ()]
-        to_hold = [r for key in state for r in settled[key].to_hold or ()]
+        dead = [f for key in state for f in advances[key].dead or ()]
+        to_hold = [r for key in state for r in advances[key].to_hold or ()]
         acked_at = time.monotonic()  # a kept lease runs lease_s from the ack on
         if not dead and not to_hold:
             # The common case: the compare-and-sets alone, one statement in its own transaction.
@@ -349,7 +329,7 @@ class PositionStrategy(Strategy):
                     del self._chains[key]
                 elif not chain.broken:
                     chain.renewed_at = acked_at
-            done = settled[key]
+            done = advances[key]
             if key in owned:
                 acked, retried = acked + done.acked, retried + done.retried
                 dead_lettered += len(done.dead or ())

@@ -35,7 +35,7 @@ def _bench_schemas(dsn: str) -> list[str]:
     return [r[0] for r in rows]
 
 
-# The position strategies' naive forms (the talk's variants 3 and 4) have a table and code path of their own.
+# The position strategies' naive forms (seed variants 3 and 4) have a table and code path of their own.
 # The same lines for the other order at night (make test-nightly).
 @pytest.mark.parametrize("strategy", ["partitioned", pytest.param("serialized", marks=pytest.mark.nightly)])
 def test_bench_baseline_runs_the_talks_table_a_hand_written_relay_ours_and_both_ceilings_counting_every_message(

@@ -52,16 +52,16 @@ def test_an_ack_in_the_next_claim_moves_the_position_and_the_claim_reads_on_from
         first = worker.claim(10)
         assert first is not None and [r.id for r in first.records] == ids[:10]
 
-        result, second = worker.claim_settling(10, first, _all_delivered(first))
+        result, second = worker.ack_and_claim(10, first, _all_delivered(first))
         assert (result.acked, result.lost_ownership) == (10, 0)
         assert _offsets(db, table) == (ids[9], "w")  # moved, and the lease kept: more rows wait
         assert second is not None and [r.id for r in second.records] == ids[10:20]
 
-        result, third = worker.claim_settling(10, second, _all_delivered(second))
+        result, third = worker.ack_and_claim(10, second, _all_delivered(second))
         assert result.acked == 10
         assert third is not None and [r.id for r in third.records] == ids[20:]
 
-        result, fourth = worker.claim_settling(10, third, _all_delivered(third))
+        result, fourth = worker.ack_and_claim(10, third, _all_delivered(third))
         assert result.acked == 5 and fourth is None
     assert _offsets(db, table) == (ids[-1], None)  # nothing more: released
 
@@ -79,7 +79,7 @@ def test_a_worker_that_lost_its_partition_before_its_next_claim_acks_nothing_and
         assert slow_claim is not None
         wait_until("the slow worker's lease expired", lambda: fast.claim(10) is not None, 30)
 
-        result, after = slow.claim_settling(10, slow_claim, _all_delivered(slow_claim))
+        result, after = slow.ack_and_claim(10, slow_claim, _all_delivered(slow_claim))
 
         assert (result.acked, result.lost_ownership) == (0, 10)
         assert after is None  # the partition is the fast worker's: nothing of it read past the lost batch
@@ -96,12 +96,12 @@ class _CountingFolds:
         counter = self
 
         class Counting(base):  # type: ignore[valid-type,misc]
-            def _settling(self, previous: Claim, outcome: PublishOutcome) -> object:
-                settle = super()._settling(previous, outcome)
-                if settle is not None:
+            def _folded_acks(self, previous: Claim, outcome: PublishOutcome) -> object:
+                acks = super()._folded_acks(previous, outcome)
+                if acks is not None:
                     with counter.lock:
                         counter.folded += 1
-                return settle
+                return acks
 
         self.factory: Callable[..., PositionStrategy] = Counting
 

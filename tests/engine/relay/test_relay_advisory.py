@@ -1,4 +1,4 @@
-"""Strategy `advisory` (talk variant 1.1): one active worker under a session advisory lock, id order."""
+"""Strategy `advisory` (seed variant 1.1): one active worker under a session advisory lock, id order."""
 
 from __future__ import annotations
 

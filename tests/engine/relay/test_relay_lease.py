@@ -1,4 +1,4 @@
-"""Strategy `lease` (talk variant 2): two short transactions, rows leased in outbox_leases (owner, expiry)."""
+"""Strategy `lease` (seed variant 2): two short transactions, rows leased in outbox_leases (owner, expiry)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Strategy `locking` (talk variant 1): every committed row delivered, rows deleted or marked sent."""
+"""Strategy `locking` (seed variant 1): every committed row delivered, rows deleted or marked sent."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ordered, read-only strategies `partitioned` (talk 3) and `serialized` (talk 4)."""
+"""Ordered, read-only strategies `partitioned` (seed variant 3) and `serialized` (seed variant 4)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_seed_003_a_long_transaction_committing_late_is_not_skipped(
         b = enqueue(db, topic, {"tx": "B"}, key="k", table=table)  # commits at once
         assert a.id < b.id
 
-        # The naive reader of the talk's first attempt: `id > last_processed_id`.
+        # The naive reader of the seed's first attempt: `id > last_processed_id`.
         naive_last_id = 0
         naive_seen: list[int] = []
 
@@ -210,7 +210,7 @@ def _enqueue_committed(dsn: str, topic: str, table: OutboxTable) -> int:
 def test_a_transaction_spanning_two_batches_is_delivered_whole(
     db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    """The talk's `transaction_id > last AND (...)` would drop the second half of this transaction."""
+    """Seed variant 3's `transaction_id > last AND (...)` would drop the second half of this transaction."""
     topic = new_topic()
     set_topic_partitions(db, table, topic, 1)
     with db.transaction():

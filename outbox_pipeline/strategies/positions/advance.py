@@ -1,9 +1,5 @@
-"""Engine room: how a batch's outcome settles each partition of a position claim (positions.py).
-
-Pure bookkeeping, no SQL: per partition, in publishing order, how far its position moves (only over rows Kafka
-confirmed, were held, or are dead-lettered), what is dead-lettered or held, and where it stops at a failure. The
-ack then writes all of it in one statement (offsets.advance_many).
-"""
+"""How far a batch's outcome advances each partition of a position claim, and what it dead-letters or holds: bookkeeping
+without SQL, written by one ack statement. See docs/strategies.md#one-claim-for-many-partitions."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ OrderKey = Callable[[OutboxRecord], tuple[int, int]]
 
 
 @dataclass
-class Settled:
+class Advance:
     """One partition's share of a batch's outcome."""
 
     advanced: OutboxRecord | None = None
@@ -30,23 +26,23 @@ class Settled:
     retried: int = 0
 
 
-def settle_all(
+def advance_all(
     claim: Claim, outcome: PublishOutcome, order_key: OrderKey, max_attempts: int, quarantine: bool
-) -> dict[Key, Settled]:
-    """Every partition of the claim settled; ``quarantine``: a dead letter holds its key's later rows."""
+) -> dict[Key, Advance]:
+    """How far each partition of the claim advances; ``quarantine``: a dead letter holds its key's later rows."""
     state: dict[Key, PartitionLease] = claim.state
     if not claim.withheld and not outcome.failed and len(outcome.delivered) == len(claim.records):
         # The common case: Kafka took the whole batch. Each partition's rows are in the position's order, so each
         # position moves to its last row without sorting or walking them (13 % of the relay's CPU once).
         if len(state) == 1:  # a bulk drain's batches: one partition
             (only,) = state
-            return {only: Settled(claim.records[-1] if claim.records else None, len(claim.records))}
+            return {only: Advance(claim.records[-1] if claim.records else None, len(claim.records))}
         last: dict[Key, OutboxRecord] = {}
         counts: dict[Key, int] = {}
         for record in claim.records:
             key = (record.topic, record.partition)
             last[key], counts[key] = record, counts.get(key, 0) + 1
-        return {key: Settled(last.get(key), counts.get(key, 0)) for key in state}
+        return {key: Advance(last.get(key), counts.get(key, 0)) for key in state}
     delivered = {r.id for r in outcome.delivered}
     failures = {f.record.id: f for f in outcome.failed}
     withheld = {r.id for r in claim.withheld}
@@ -54,12 +50,12 @@ def settle_all(
     for record in (*claim.records, *claim.withheld):
         rows[(record.topic, record.partition)].append(record)
     return {
-        key: _settle(lease, sorted(rows[key], key=order_key), withheld, delivered, failures, max_attempts, quarantine)
+        key: _advance(lease, sorted(rows[key], key=order_key), withheld, delivered, failures, max_attempts, quarantine)
         for key, lease in state.items()
     }
 
 
-def _settle(
+def _advance(
     lease: PartitionLease,
     records: Sequence[OutboxRecord],
     withheld: Collection[int],
@@ -67,9 +63,9 @@ def _settle(
     failures: dict[int, DeliveryFailure],
     max_attempts: int,
     quarantine: bool,
-) -> Settled:
+) -> Advance:
     """One partition, in order: how far its position moves, what is dead-lettered or held, where it stops."""
-    done = Settled(attempts=lease.attempts, dead=[], to_hold=[])
+    done = Advance(attempts=lease.attempts, dead=[], to_hold=[])
     assert done.dead is not None and done.to_hold is not None
     held_now: set[tuple[str, bytes | None]] = set()  # keys dead-lettered in this batch
     for record in records:
