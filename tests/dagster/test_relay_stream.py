@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -55,7 +56,7 @@ def _failed_deliveries(instance: dg.DagsterInstance, keys: list[str]) -> int:
 
 def test_one_run_relays_every_partition_and_records_a_materialization_per_partition_per_interval(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     written = write_rows(200, partitions=4)
@@ -81,7 +82,7 @@ def _pending(db: psycopg.Connection, table: OutboxTable) -> int:
 
 def test_with_the_broker_down_a_run_backs_off_records_the_failures_per_partition_and_delivers_once_it_is_back(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     broker: LocalBroker,
 ) -> None:
@@ -146,7 +147,7 @@ def _start_run(dagster_home: Path, dsn: str, table: OutboxTable, bootstrap: str,
 
 def test_a_killed_run_is_replaced_and_its_rerun_from_failure_resumes_with_nothing_lost(
     dagster_home: Path,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -229,7 +230,7 @@ class _Pushgateway(BaseHTTPRequestHandler):
 
 def test_a_run_pushes_its_relay_metrics_to_the_pushgateway_and_deletes_them_when_it_ends(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     received: list[tuple[str, str, str]] = []
