@@ -2,10 +2,10 @@
 retry dead letters. Each changes the real outbox the way the engine operation it calls promises."""
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import dagster as dg
 import psycopg
@@ -177,7 +177,8 @@ class _Launchpad:
             dg.DagsterRun(
                 job_name=job_name,
                 run_id=str(uuid.uuid4()),
-                tags={**job.run_tags, **partition.tags},
+                # The snapshot's field is declared Mapping[str, object]; Dagster builds it from string tags only.
+                tags={**job.run_tags, **cast(Mapping[str, str], partition.tags)},
                 status=dg.DagsterRunStatus.STARTED if running else dg.DagsterRunStatus.NOT_STARTED,
                 remote_job_origin=job.get_remote_origin(),
                 job_code_origin=job.get_python_origin(),

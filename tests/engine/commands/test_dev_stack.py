@@ -60,7 +60,8 @@ def _graphql(port: int, query: str) -> dict[str, object]:
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=5) as response:
-        return json.loads(response.read())
+        answer: dict[str, object] = json.loads(response.read())
+    return answer
 
 
 class DevRun:
