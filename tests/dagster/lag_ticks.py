@@ -38,7 +38,7 @@ def requested(result: dg.SensorResult | dg.SkipReason) -> list[dg.RunRequest]:
 def skip_message(result: dg.SensorResult | dg.SkipReason) -> str:
     if isinstance(result, dg.SkipReason):
         return result.skip_message or ""
-    return result.skip_reason.skip_message if result.skip_reason else ""
+    return (result.skip_reason.skip_message or "") if result.skip_reason else ""
 
 
 @contextmanager

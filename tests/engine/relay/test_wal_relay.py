@@ -490,7 +490,12 @@ def test_a_relay_with_max_seconds_stops_in_time_while_another_streams_the_slot(
         wait_until("the first relay streams", streaming.registered.is_set, 10.0)
         drain = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, max_seconds=1.0)
         done = threading.Event()
-        threading.Thread(target=lambda: (drain.run(), done.set()), daemon=True).start()
+
+        def drain_then_done() -> None:
+            drain.run()
+            done.set()
+
+        threading.Thread(target=drain_then_done, daemon=True).start()
 
         wait_until("the drain gives up at its --max-seconds", done.is_set, 15.0)
         assert drain.stats.published == 0
