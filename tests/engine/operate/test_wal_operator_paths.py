@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import shlex
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -217,10 +217,10 @@ def test_retry_all_retries_the_others_and_says_why_a_malformed_dead_letter_canno
     db: psycopg.Connection,
     wal_outbox: OutboxTable,
     kafka: KafkaProbe,
-    new_topic: object,
+    new_topic: Callable[..., str],
 ) -> None:
     """On main `retry --all` retried nothing (the malformed copy failed the topic check) and printed a traceback."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     with db.transaction():
         enqueue(db, topic, {"pad": "x" * 5000}, key="b", table=wal_outbox)
         db.execute("SELECT pg_logical_emit_message(true, %s, 'not ours'::bytea)", (names_of(wal_outbox).prefix,))
