@@ -30,6 +30,7 @@ from outbox_pipeline.orchestration.relay_stream import (
 )
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.store.schema import set_topic_partitions
+from resources import KafkaResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids, order_by_key
 from tests.kit.writer import Writer
@@ -72,11 +73,12 @@ def test_one_run_relays_every_partition_and_records_a_materialization_per_partit
     written = write_rows(200, partitions=4)
     config = {"ops": {"relay_outbox_stream": {"config": {"window_s": 4.0, "report_interval_s": 1.0}}}}
     kafka = dagster_resources["kafka"]
+    assert isinstance(kafka, KafkaResource)
 
     result = relay_stream_job.execute_in_process(run_config=config, instance=instance, resources=dagster_resources)
 
     assert result.success
-    arrived = message_ids(KafkaProbe(kafka.bootstrap_servers).consume(written.topic, idle_s=2.0))  # type: ignore[attr-defined]
+    arrived = message_ids(KafkaProbe(kafka.bootstrap_servers).consume(written.topic, idle_s=2.0))
     assert sorted(arrived) == sorted(m for ids in written.by_key.values() for m in ids)
     for key, ids in written.by_key.items():
         history = _materializations(instance, key)
@@ -123,7 +125,9 @@ def test_with_the_broker_down_a_run_backs_off_records_the_failures_per_partition
         broker.thaw()
 
     assert result.success  # an outage is not the run's failure: it backs off and goes on (no alert per run)
-    kafka = KafkaProbe(dagster_resources["kafka"].bootstrap_servers)  # type: ignore[attr-defined]
+    resource = dagster_resources["kafka"]
+    assert isinstance(resource, KafkaResource)
+    kafka = KafkaProbe(resource.bootstrap_servers)
     arrived = message_ids(kafka.consume(written.topic, idle_s=2.0))
     assert set(arrived) == {m for ids in written.by_key.values() for m in ids}
     # The partition whose batch the outage caught shows it in its own history: failed deliveries and the error.
