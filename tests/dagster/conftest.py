@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -46,7 +47,7 @@ def recorded_strategy(request: pytest.FixtureRequest) -> str | None:
 
 
 @pytest.fixture
-def dagster_resources(dsn: str, table: OutboxTable, kafka: KafkaProbe) -> dict[str, dg.ConfigurableResource]:
+def dagster_resources(dsn: str, table: OutboxTable, kafka: KafkaProbe) -> dict[str, dg.ConfigurableResource[Any]]:
     return {
         "postgres": PostgresResource(dsn=dsn, schema_name=table.schema),
         "kafka": KafkaResource(bootstrap_servers=kafka.bootstrap_servers, properties=FAST_FAILING_KAFKA),

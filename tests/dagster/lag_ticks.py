@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -15,7 +16,7 @@ from outbox_pipeline.strategies.positions import UNSCOPED_KIND
 
 
 def tick(
-    sensor: dg.SensorDefinition, instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource]
+    sensor: dg.SensorDefinition, instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource[Any]]
 ) -> dg.SensorResult | dg.SkipReason:
     with dg.build_sensor_context(instance=instance, resources=resources) as context:
         result = sensor(context)
@@ -37,7 +38,7 @@ def requested(result: dg.SensorResult | dg.SkipReason) -> list[dg.RunRequest]:
 def skip_message(result: dg.SensorResult | dg.SkipReason) -> str:
     if isinstance(result, dg.SkipReason):
         return result.skip_message or ""
-    return result.skip_reason.skip_message if result.skip_reason else ""
+    return (result.skip_reason.skip_message or "") if result.skip_reason else ""
 
 
 @contextmanager

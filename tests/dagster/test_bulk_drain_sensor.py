@@ -2,6 +2,7 @@
 does not (a run in flight, after one failed, after one that could take nothing)."""
 
 from collections.abc import Callable
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -25,7 +26,7 @@ def _drain_settings(strategy: str = "partitioned") -> OrchestrationSettings:
 
 
 def _drain_run(
-    instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource], status: dg.DagsterRunStatus
+    instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource[Any]], status: dg.DagsterRunStatus
 ) -> dg.DagsterRun:
     """A bulk drain run in the instance's history (its status set, nothing executed)."""
     defs = dg.Definitions(assets=[bulk_drain], jobs=[bulk_drain_job], resources={**resources, "spark": SparkResource()})
@@ -36,7 +37,7 @@ def _drain_run(
 def test_a_backlog_above_the_bulk_threshold_asks_for_a_bulk_drain_in_the_relays_order_and_a_relay_run(
     strategy: str,
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     """The drain must read in the order the relay's positions are in: a partitioned drain over serialized positions
@@ -60,7 +61,7 @@ def test_a_backlog_above_the_bulk_threshold_asks_for_a_bulk_drain_in_the_relays_
 def test_no_bulk_drain_is_asked_for_an_outbox_a_row_strategy_relays(
     strategy: str,
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(120)
@@ -75,7 +76,7 @@ def test_no_bulk_drain_is_asked_for_an_outbox_a_row_strategy_relays(
 
 def test_while_a_bulk_drain_runs_the_relay_still_gets_its_runs(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(120)
@@ -89,7 +90,7 @@ def test_while_a_bulk_drain_runs_the_relay_still_gets_its_runs(
 
 def test_after_a_bulk_drain_failed_the_sensor_asks_for_no_other_within_the_cooldown_and_keeps_the_relay_going(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     """A drain that stopped at a message Kafka refuses would stop there again on every tick, republishing what it
@@ -116,13 +117,15 @@ def _no_lag_trigger(**settings: float) -> OrchestrationSettings:
     return _drain_settings().model_copy(update={"trigger_pending": 10_000, "trigger_age_s": 3600.0, **settings})
 
 
-def _drain_job(resources: dict[str, dg.ConfigurableResource]) -> dg.JobDefinition:
+def _drain_job(resources: dict[str, dg.ConfigurableResource[Any]]) -> dg.JobDefinition:
     defs = dg.Definitions(assets=[bulk_drain], jobs=[bulk_drain_job], resources={**resources, "spark": SparkResource()})
     return defs.resolve_job_def(bulk_drain_job.name)
 
 
 def _launch_drains(
-    instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource], result: dg.SensorResult | dg.SkipReason
+    instance: dg.DagsterInstance,
+    resources: dict[str, dg.ConfigurableResource[Any]],
+    result: dg.SensorResult | dg.SkipReason,
 ) -> None:
     """Run the bulk drains a tick requested, as the daemon launches them: its run config and tags, in the instance."""
     for request in requested(result):
@@ -151,7 +154,7 @@ def _free_every_partition(db: psycopg.Connection, table: OutboxTable) -> None:
 
 def test_no_bulk_drain_is_requested_while_relay_workers_hold_every_partition_of_the_backlog(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,
@@ -174,7 +177,7 @@ def test_no_bulk_drain_is_requested_while_relay_workers_hold_every_partition_of_
 
 def test_after_a_bulk_drain_that_could_take_no_partition_the_sensor_asks_for_no_other_within_the_cooldown(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,
@@ -201,7 +204,7 @@ def test_after_a_bulk_drain_that_could_take_no_partition_the_sensor_asks_for_no_
 
 def test_after_a_bulk_drain_was_canceled_the_sensor_requests_none_until_an_operator_launches_one(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -76,7 +77,7 @@ def test_the_orchestration_settings_are_a_resource_showing_each_variable_and_wha
 
 def test_a_setting_overridden_for_one_run_is_what_that_run_uses(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(11, partitions=1)

@@ -8,6 +8,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -70,7 +71,7 @@ def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
 def _tick(
     sensor: dg.SensorDefinition,
     instance: dg.DagsterInstance,
-    resources: dict[str, dg.ConfigurableResource],
+    resources: dict[str, dg.ConfigurableResource[Any]],
     cursor: str | None,
 ) -> dg.SensorResult:
     with dg.build_sensor_context(instance=instance, resources=resources, cursor=cursor) as context:
@@ -86,7 +87,7 @@ def _evaluation(result: dg.SensorResult) -> dg.AssetCheckEvaluation:
 
 def test_the_lag_check_passes_below_warns_above_the_warn_and_errors_above_the_error_threshold(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     sensor = build_lag_slo_sensor(OrchestrationSettings.with_thresholds(THRESHOLDS))
@@ -107,7 +108,7 @@ def test_the_lag_check_passes_below_warns_above_the_warn_and_errors_above_the_er
 
 def test_the_lag_check_run_from_the_ui_judges_by_the_thresholds_of_the_orchestration_resource(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     orchestration = OrchestrationSettings(lag_warn_pending=5, lag_error_pending=10)
@@ -125,7 +126,7 @@ def test_the_lag_check_run_from_the_ui_judges_by_the_thresholds_of_the_orchestra
 
 def test_the_lag_check_counts_rows_held_behind_a_dead_letter_and_names_the_key(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -151,7 +152,7 @@ def test_the_lag_check_counts_rows_held_behind_a_dead_letter_and_names_the_key(
 
 def test_a_lag_incident_alerts_the_webhook_once_and_its_recovery_once(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     receiver: Receiver,
     db: psycopg.Connection,
     table: OutboxTable,
@@ -178,7 +179,7 @@ def test_a_lag_incident_alerts_the_webhook_once_and_its_recovery_once(
 
 def test_a_transaction_left_open_holds_the_horizon_and_the_alert_fires_once_naming_it(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     receiver: Receiver,
     db: psycopg.Connection,
     table: OutboxTable,
@@ -213,7 +214,9 @@ def test_an_unreachable_webhook_is_reported_not_raised(monkeypatch: pytest.Monke
     assert AlertResource(timeout_s=2).send(alert) is False
 
 
-def _failed_relay_run(instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource]) -> dg.DagsterRun:
+def _failed_relay_run(
+    instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource[Any]]
+) -> dg.DagsterRun:
     """A relay run that fails for good: its Kafka configuration is invalid, which no retry can fix."""
     broken = {
         **resources,
@@ -244,7 +247,7 @@ def _run_failure_tick(instance: dg.DagsterInstance, run: dg.DagsterRun) -> None:
 
 
 def test_a_relay_run_that_failed_for_good_alerts_naming_its_partition(
-    instance: dg.DagsterInstance, dagster_resources: dict[str, dg.ConfigurableResource], receiver: Receiver
+    instance: dg.DagsterInstance, dagster_resources: dict[str, dg.ConfigurableResource[Any]], receiver: Receiver
 ) -> None:
     run = _failed_relay_run(instance, dagster_resources)
 
@@ -260,7 +263,7 @@ def test_a_relay_run_that_failed_for_good_alerts_naming_its_partition(
 
 
 def test_a_failed_relay_run_the_instance_will_retry_does_not_alert(
-    instance: dg.DagsterInstance, dagster_resources: dict[str, dg.ConfigurableResource], receiver: Receiver
+    instance: dg.DagsterInstance, dagster_resources: dict[str, dg.ConfigurableResource[Any]], receiver: Receiver
 ) -> None:
     run = _failed_relay_run(instance, dagster_resources)
     instance.add_run_tags(run.run_id, {"dagster/will_retry": "true"})
@@ -275,7 +278,7 @@ def test_dead_letters_alert_the_webhook_once_per_incident_and_once_when_all_are_
     table: OutboxTable,
     kafka: KafkaProbe,
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     receiver: Receiver,
     new_topic: Callable[..., str],
 ) -> None:

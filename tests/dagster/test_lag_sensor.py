@@ -2,6 +2,7 @@
 registers, and when it asks for a long-lived `relay_stream` run (one live owner covers every partition)."""
 
 from collections.abc import Callable
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -39,7 +40,7 @@ def _stream_run(
 
 def test_an_uncovered_outbox_gets_one_relay_stream_run_and_its_partitions_registered(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     written = write_rows(200)
@@ -56,7 +57,7 @@ def test_an_uncovered_outbox_gets_one_relay_stream_run_and_its_partitions_regist
 
 def test_a_live_external_relay_worker_covers_the_outbox_so_no_run_is_requested(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,
@@ -74,7 +75,7 @@ def test_a_live_external_relay_worker_covers_the_outbox_so_no_run_is_requested(
 
 def test_a_run_still_starting_covers_the_outbox_so_no_second_run_is_queued(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(200)
@@ -88,7 +89,7 @@ def test_a_run_still_starting_covers_the_outbox_so_no_second_run_is_queued(
 
 def test_a_run_whose_registered_worker_died_covers_nothing_and_gets_a_successor(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(40)
@@ -103,7 +104,7 @@ def test_a_run_whose_registered_worker_died_covers_nothing_and_gets_a_successor(
 
 def test_a_killed_run_the_instance_is_about_to_retry_gets_no_second_run_from_the_sensor(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     write_rows(40)
@@ -117,7 +118,7 @@ def test_a_killed_run_the_instance_is_about_to_retry_gets_no_second_run_from_the
 
 def test_a_run_near_the_end_of_its_window_gets_its_successor_before_it_ends(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,
@@ -140,7 +141,7 @@ def test_a_run_near_the_end_of_its_window_gets_its_successor_before_it_ends(
 
 def test_lagging_partitions_get_one_more_run_up_to_the_maximum(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,
@@ -165,7 +166,7 @@ def test_lagging_partitions_get_one_more_run_up_to_the_maximum(
 
 def test_partitions_a_bulk_drain_has_leased_get_no_more_relay_runs(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,
@@ -188,7 +189,7 @@ def test_partitions_a_bulk_drain_has_leased_get_no_more_relay_runs(
 
 def test_rows_held_behind_a_dead_letter_get_no_more_relay_runs(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -214,7 +215,7 @@ def test_rows_held_behind_a_dead_letter_get_no_more_relay_runs(
 
 def test_a_run_that_registered_moments_ago_gets_time_to_work_through_the_lag_before_another_is_added(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,
@@ -246,7 +247,7 @@ def _up_for(db: psycopg.Connection, table: OutboxTable, seconds: float) -> None:
 
 def test_an_idle_outbox_is_a_skip_with_a_reason(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -266,7 +267,7 @@ def test_an_idle_outbox_is_a_skip_with_a_reason(
 
 def test_an_outbox_the_relay_would_refuse_gets_no_run_but_a_skip_naming_the_command(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     db: psycopg.Connection,
     table: OutboxTable,
@@ -286,7 +287,7 @@ def test_an_outbox_the_relay_would_refuse_gets_no_run_but_a_skip_naming_the_comm
 def test_a_re_executed_run_not_registered_yet_counts_as_starting_though_it_inherited_its_parents_tag(
     parent_wrote: str,
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     """Issue 40, case 18: a retry or re-execution inherits its parent's tags; with ``registered: true`` among them it

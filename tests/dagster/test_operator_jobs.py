@@ -2,9 +2,10 @@
 retry dead letters. Each changes the real outbox the way the engine operation it calls promises."""
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib import resources
 from pathlib import Path
+from typing import Any, cast
 
 import dagster as dg
 import psycopg
@@ -34,7 +35,7 @@ from .conftest import Written
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _job(name: str, resources: dict[str, dg.ConfigurableResource]) -> dg.JobDefinition:
+def _job(name: str, resources: dict[str, dg.ConfigurableResource[Any]]) -> dg.JobDefinition:
     return dg.Definitions(jobs=OPERATOR_JOBS, resources=resources).resolve_job_def(name)
 
 
@@ -45,7 +46,7 @@ def _pending(db: psycopg.Connection, table: OutboxTable, key: str) -> int:
 
 def test_replaying_a_partition_from_its_start_makes_all_of_it_pending_again(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -68,7 +69,7 @@ def test_replaying_a_partition_from_its_start_makes_all_of_it_pending_again(
 
 def test_releasing_a_stuck_lease_frees_the_partition_at_once(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -92,7 +93,7 @@ def test_releasing_a_stuck_lease_frees_the_partition_at_once(
 
 def test_retrying_dead_letters_puts_them_back_in_the_outbox(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -113,7 +114,7 @@ def test_retrying_dead_letters_puts_them_back_in_the_outbox(
 
 def test_discarding_a_dead_letter_from_the_launchpad_records_why_and_releases_the_rows_held_behind_it(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -140,7 +141,7 @@ def test_discarding_a_dead_letter_from_the_launchpad_records_why_and_releases_th
 
 def test_building_a_strategys_indexes_from_the_launchpad_makes_its_relay_start_and_drops_the_rest_when_asked(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
 ) -> None:
@@ -176,7 +177,8 @@ class _Launchpad:
             dg.DagsterRun(
                 job_name=job_name,
                 run_id=str(uuid.uuid4()),
-                tags={**job.run_tags, **partition.tags},
+                # The snapshot's field is declared Mapping[str, object]; Dagster builds it from string tags only.
+                tags={**job.run_tags, **cast(Mapping[str, str], partition.tags)},
                 status=dg.DagsterRunStatus.STARTED if running else dg.DagsterRunStatus.NOT_STARTED,
                 remote_job_origin=job.get_remote_origin(),
                 job_code_origin=job.get_python_origin(),

@@ -8,9 +8,10 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -29,6 +30,7 @@ from outbox_pipeline.orchestration.relay_stream import (
 )
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.store.schema import set_topic_partitions
+from resources import KafkaResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids, order_by_key
 from tests.kit.writer import Writer
@@ -45,32 +47,43 @@ def _materializations(instance: dg.DagsterInstance, key: str) -> list[dg.EventLo
     return list(records.records)
 
 
+def _metadata(record: dg.EventLogRecord) -> Mapping[str, dg.MetadataValue]:
+    """The metadata of a fetched materialization (fetch_materializations returns materializations only)."""
+    materialization = record.asset_materialization
+    assert materialization is not None
+    return materialization.metadata
+
+
+def _count(metadata: Mapping[str, dg.MetadataValue], name: str) -> int:
+    """A count the run recorded with ``dg.MetadataValue.int``."""
+    value = metadata[name].value
+    assert isinstance(value, int), (name, value)
+    return value
+
+
 def _failed_deliveries(instance: dg.DagsterInstance, keys: list[str]) -> int:
-    return sum(
-        r.asset_materialization.metadata["failed_deliveries"].value  # type: ignore[union-attr,misc]
-        for key in keys
-        for r in _materializations(instance, key)
-    )
+    return sum(_count(_metadata(r), "failed_deliveries") for key in keys for r in _materializations(instance, key))
 
 
 def test_one_run_relays_every_partition_and_records_a_materialization_per_partition_per_interval(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     written = write_rows(200, partitions=4)
     config = {"ops": {"relay_outbox_stream": {"config": {"window_s": 4.0, "report_interval_s": 1.0}}}}
     kafka = dagster_resources["kafka"]
+    assert isinstance(kafka, KafkaResource)
 
     result = relay_stream_job.execute_in_process(run_config=config, instance=instance, resources=dagster_resources)
 
     assert result.success
-    arrived = message_ids(KafkaProbe(kafka.bootstrap_servers).consume(written.topic, idle_s=2.0))  # type: ignore[attr-defined]
+    arrived = message_ids(KafkaProbe(kafka.bootstrap_servers).consume(written.topic, idle_s=2.0))
     assert sorted(arrived) == sorted(m for ids in written.by_key.values() for m in ids)
     for key, ids in written.by_key.items():
         history = _materializations(instance, key)
         assert len(history) >= 3, f"{key}: {len(history)} materializations in a 4 s window reported every 1 s"
-        published = sum(r.asset_materialization.metadata["rows_published"].value for r in history)  # type: ignore[union-attr]
+        published = sum(_count(_metadata(r), "rows_published") for r in history)
         assert published == len(ids)
         assert all(r.run_id == result.run_id for r in history)
 
@@ -81,7 +94,7 @@ def _pending(db: psycopg.Connection, table: OutboxTable) -> int:
 
 def test_with_the_broker_down_a_run_backs_off_records_the_failures_per_partition_and_delivers_once_it_is_back(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
     broker: LocalBroker,
 ) -> None:
@@ -112,15 +125,14 @@ def test_with_the_broker_down_a_run_backs_off_records_the_failures_per_partition
         broker.thaw()
 
     assert result.success  # an outage is not the run's failure: it backs off and goes on (no alert per run)
-    kafka = KafkaProbe(dagster_resources["kafka"].bootstrap_servers)  # type: ignore[attr-defined]
+    resource = dagster_resources["kafka"]
+    assert isinstance(resource, KafkaResource)
+    kafka = KafkaProbe(resource.bootstrap_servers)
     arrived = message_ids(kafka.consume(written.topic, idle_s=2.0))
     assert set(arrived) == {m for ids in written.by_key.values() for m in ids}
     # The partition whose batch the outage caught shows it in its own history: failed deliveries and the error.
-    history = {
-        key: [r.asset_materialization.metadata for r in _materializations(instance, key)]  # type: ignore[union-attr]
-        for key in written.keys
-    }
-    hit = [key for key, entries in history.items() if sum(m["failed_deliveries"].value for m in entries) > 0]
+    history = {key: [_metadata(r) for r in _materializations(instance, key)] for key in written.keys}
+    hit = [key for key, entries in history.items() if sum(_count(m, "failed_deliveries") for m in entries) > 0]
     assert hit, "the outage is in no partition's history"
     assert all(any(m["last_error"].value != "-" for m in history[key]) for key in hit)
 
@@ -146,7 +158,7 @@ def _start_run(dagster_home: Path, dsn: str, table: OutboxTable, bootstrap: str,
 
 def test_a_killed_run_is_replaced_and_its_rerun_from_failure_resumes_with_nothing_lost(
     dagster_home: Path,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     table: OutboxTable,
     kafka: KafkaProbe,
@@ -170,7 +182,9 @@ def test_a_killed_run_is_replaced_and_its_rerun_from_failure_resumes_with_nothin
             assert stream_worker_id(killed) in [w.worker_id for w in live_workers(db, table, 60)]
             first.send_signal(signal.SIGKILL)
             first.wait()
-            instance.report_run_failed(instance.get_run_by_id(killed.run_id))  # what the code server does
+            killed_now = instance.get_run_by_id(killed.run_id)
+            assert killed_now is not None
+            instance.report_run_failed(killed_now)  # what the code server does
 
             # Its worker is gone at once: the sensor asks for a run, though the killed one was registered.
             sensor = build_outbox_lag_sensor(relay_stream_job, settings=OrchestrationSettings())
@@ -229,7 +243,7 @@ class _Pushgateway(BaseHTTPRequestHandler):
 
 def test_a_run_pushes_its_relay_metrics_to_the_pushgateway_and_deletes_them_when_it_ends(
     instance: dg.DagsterInstance,
-    dagster_resources: dict[str, dg.ConfigurableResource],
+    dagster_resources: dict[str, dg.ConfigurableResource[Any]],
     write_rows: Callable[..., Written],
 ) -> None:
     received: list[tuple[str, str, str]] = []

@@ -4,6 +4,7 @@ reports it, and the lag objective's sensor judges the WAL the slot retains and a
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -24,7 +25,7 @@ from .lag_ticks import requested, skip_message, tick
 
 
 @pytest.fixture
-def wal_resources(dsn: str, wal_outbox: OutboxTable, kafka: KafkaProbe) -> dict[str, dg.ConfigurableResource]:
+def wal_resources(dsn: str, wal_outbox: OutboxTable, kafka: KafkaProbe) -> dict[str, dg.ConfigurableResource[Any]]:
     return {
         "postgres": PostgresResource(dsn=dsn, schema_name=wal_outbox.schema),
         "kafka": KafkaResource(bootstrap_servers=kafka.bootstrap_servers),
@@ -34,7 +35,7 @@ def wal_resources(dsn: str, wal_outbox: OutboxTable, kafka: KafkaProbe) -> dict[
 
 
 def _lag_check(
-    settings: OrchestrationSettings, instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource]
+    settings: OrchestrationSettings, instance: dg.DagsterInstance, resources: dict[str, dg.ConfigurableResource[Any]]
 ) -> dg.AssetCheckEvaluation:
     with dg.build_sensor_context(instance=instance, resources=resources) as context:
         result = build_lag_slo_sensor(settings)(context)
@@ -44,7 +45,7 @@ def _lag_check(
 
 
 def test_the_lag_sensor_requests_one_relay_stream_run_for_a_wal_outbox_nobody_streams(
-    instance: dg.DagsterInstance, wal_resources: dict[str, dg.ConfigurableResource]
+    instance: dg.DagsterInstance, wal_resources: dict[str, dg.ConfigurableResource[Any]]
 ) -> None:
     [request] = requested(tick(build_outbox_lag_sensor(relay_stream_job), instance, wal_resources))
 
@@ -55,7 +56,7 @@ def test_the_lag_sensor_requests_one_relay_stream_run_for_a_wal_outbox_nobody_st
 def test_the_lag_sensor_requests_no_run_while_another_relay_streams_the_slot_and_reports_it(
     dsn: str,
     instance: dg.DagsterInstance,
-    wal_resources: dict[str, dg.ConfigurableResource],
+    wal_resources: dict[str, dg.ConfigurableResource[Any]],
     wal_outbox: OutboxTable,
     kafka: KafkaProbe,
 ) -> None:
@@ -76,20 +77,21 @@ def test_the_lag_sensor_requests_no_run_while_another_relay_streams_the_slot_and
 
 
 def test_the_lag_check_of_a_wal_outbox_warns_when_its_slot_retains_more_wal_than_the_threshold(
-    instance: dg.DagsterInstance, wal_resources: dict[str, dg.ConfigurableResource]
+    instance: dg.DagsterInstance, wal_resources: dict[str, dg.ConfigurableResource[Any]]
 ) -> None:
     settings = OrchestrationSettings.with_thresholds(LagThresholds(warn_retained_bytes=1))
 
     evaluation = _lag_check(settings, instance, wal_resources)
 
     assert (evaluation.passed, evaluation.severity) == (False, dg.AssetCheckSeverity.WARN)
-    assert evaluation.metadata["retained_wal_bytes"].value > 1  # type: ignore[operator]
+    retained = evaluation.metadata["retained_wal_bytes"].value
+    assert isinstance(retained, int) and retained > 1
     assert "bytes of WAL > warn 1" in (evaluation.description or "")
 
 
 def test_the_lag_check_of_a_wal_outbox_without_its_slot_errs_with_the_procedure(
     instance: dg.DagsterInstance,
-    wal_resources: dict[str, dg.ConfigurableResource],
+    wal_resources: dict[str, dg.ConfigurableResource[Any]],
     db: psycopg.Connection,
     wal_outbox: OutboxTable,
 ) -> None:

@@ -40,7 +40,8 @@ class StandaloneCluster:
 
     def state(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"{self.web_url}/json", timeout=5) as response:
-            return json.loads(response.read())
+            state: dict[str, Any] = json.loads(response.read())
+        return state
 
 
 def _spark_class(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -53,14 +54,15 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
-def _graphql(port: int, query: str) -> dict[str, object]:
+def _graphql(port: int, query: str) -> dict[str, Any]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/graphql",
         data=json.dumps({"query": query}).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=5) as response:
-        return json.loads(response.read())
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
 
 
 class DevRun:
@@ -179,7 +181,7 @@ def test_dev_restarted_reuses_its_data(dev_home: Path) -> None:
 
 def _run_statuses(port: int) -> list[str]:
     data = _graphql(port, "{ runsOrError { ... on Runs { results { status } } } }")["data"]
-    return [str(run["status"]) for run in data["runsOrError"]["results"]]  # type: ignore[index]
+    return [str(run["status"]) for run in data["runsOrError"]["results"]]
 
 
 def test_ctrl_c_cancels_the_relay_run_so_the_next_start_shows_no_failed_run(dev_home: Path) -> None:

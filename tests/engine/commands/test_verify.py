@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline import Enqueued, Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.store.schema import set_topic_partitions
@@ -26,7 +26,9 @@ from tests.kit.relay import drain, make_wal_relay
 IDLE_S = 1.0
 
 
-def _write(db: psycopg.Connection, table: OutboxTable, topic: str, count: int, keys: int = 10, **kw: object) -> list:
+def _write(
+    db: psycopg.Connection, table: OutboxTable, topic: str, count: int, keys: int = 10, **kw: object
+) -> list[Enqueued]:
     return enqueue_many(db, [Message(topic, {"n": i}, key=f"key-{i % keys}") for i in range(count)], table=table, **kw)  # type: ignore[arg-type]
 
 

@@ -198,4 +198,4 @@ def test_a_wal_relay_streaming_or_waiting_to_stream_stays_healthy_and_counts_wha
             t.join(30)
 
     assert health == ((True, "ok"), (True, "ok"))
-    assert streaming.published._value.get() + waiting.published._value.get() == 5  # type: ignore[attr-defined]
+    assert streaming.published._value.get() + waiting.published._value.get() == 5

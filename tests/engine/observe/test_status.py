@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -17,7 +18,9 @@ from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, make_relay
 
 
-def _status(db: psycopg.Connection, table: OutboxTable, strategy: str, capsys: pytest.CaptureFixture[str]) -> dict:
+def _status(
+    db: psycopg.Connection, table: OutboxTable, strategy: str, capsys: pytest.CaptureFixture[str]
+) -> dict[str, Any]:
     assert main(["status", "--strategy", strategy, "--dsn", db.info.dsn, "--schema", table.schema, "--json"]) == 0
     return {f"{s['topic']}:{s['partition']}": s for s in json.loads(capsys.readouterr().out)}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+from collections.abc import Callable
 
 import psycopg
 from prometheus_client.core import Metric
@@ -58,9 +59,9 @@ def test_a_fresh_wal_outbox_has_its_slot_reserved_unstreamed_and_nothing_unpubli
 
 
 def test_retained_wal_grows_while_no_relay_runs_and_falls_back_once_a_relay_confirms(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     before = retained(db, wal_outbox)
     with db.transaction():
         enqueue_many(db, [Message(topic, {"pad": "x" * 2000}, key=f"k{i % 8}") for i in range(1000)], table=wal_outbox)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import threading
 import uuid
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -67,9 +68,9 @@ def test_a_row_written_with_triggers_off_for_replication_is_refused_not_stored(
 
 
 def test_a_plain_insert_still_goes_through_the_trigger_into_the_stream(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     _insert(db, wal_outbox, topic, 1)
 
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
@@ -81,10 +82,10 @@ def test_rows_an_older_wal_outbox_stored_are_reported_by_init_db_and_status_and_
     db: psycopg.Connection,
     wal_outbox: OutboxTable,
     kafka: KafkaProbe,
-    new_topic: object,
+    new_topic: Callable[..., str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     # An outbox made before its table refused rows, written by a replica-role session: rows no relay reads.
     db.execute(
         sql.SQL("ALTER TABLE {} DROP CONSTRAINT IF EXISTS {}").format(wal_outbox.messages, sql.Identifier(REFUSAL))
@@ -165,11 +166,11 @@ def test_held_messages_are_counted_per_key_with_their_age_in_status_and_the_obje
     db: psycopg.Connection,
     wal_outbox: OutboxTable,
     kafka: KafkaProbe,
-    new_topic: object,
+    new_topic: Callable[..., str],
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     with db.transaction():
         for payload in ({"pad": "x" * 5000}, {"n": 2}, {"n": 3}):
             enqueue(db, topic, payload, key="b", table=wal_outbox)
@@ -210,13 +211,13 @@ def test_a_relay_whose_role_lacks_replication_says_so_and_stops_and_status_is_no
 
 
 def test_the_spill_files_of_a_large_transaction_being_decoded_count_as_what_the_slot_keeps_on_disk(
-    db: psycopg.Connection, connect: object, wal_outbox: OutboxTable
+    db: psycopg.Connection, connect: Callable[[], psycopg.Connection], wal_outbox: OutboxTable
 ) -> None:
     """A transaction larger than logical_decoding_work_mem is spilled to pg_replslot/<slot>/ while it is decoded:
     disk the slot takes beside the WAL it retains (issue 50: not counted in retained bytes)."""
     names = names_of(wal_outbox)
     stream_dsn = make_conninfo(db.info.dsn, options="-c logical_decoding_work_mem=64kB")
-    writer = connect()  # type: ignore[operator]
+    writer = connect()
     with ReplicationStream.open(stream_dsn, names.slot, names.publication) as stream, writer.transaction():
         enqueue_many(writer, [Message("t", {"pad": "x" * 1000}, key=f"k{n}") for n in range(500)], table=wal_outbox)
         writer.execute("SELECT pg_switch_wal()")  # flushed: the walsender decodes what the open transaction wrote

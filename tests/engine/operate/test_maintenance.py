@@ -14,13 +14,12 @@ from psycopg import sql
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.operate.maintenance import (
     ARCHIVE_COLUMNS,
-    DEFAULT_PARTITION,
     default_rows_by_day,
     expired,
     fingerprint,
     move_default_rows,
 )
-from outbox_pipeline.store.schema import ensure_partitions, init_db, partition_name
+from outbox_pipeline.store.schema import DEFAULT_PARTITION, ensure_partitions, init_db, partition_name
 
 LATE_DAY = dt.date(2020, 2, 3)  # no partition that far back: rows for it land in DEFAULT
 LATE_START = dt.datetime.combine(LATE_DAY, dt.time(), dt.UTC)
@@ -147,6 +146,7 @@ def test_rows_in_default_for_a_day_entering_the_create_ahead_window_get_their_pa
         ).format(table.messages),
         (late,),
     ).fetchone()
+    assert inserted is not None
     assert default_rows_by_day(db, table) == {late_day: 1}
 
     init_db(db, table, today=today + dt.timedelta(days=1))  # late_day is now in the window

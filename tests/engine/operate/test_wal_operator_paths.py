@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import shlex
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -59,7 +59,7 @@ def _run_sql_advice(dsn: str, text: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for part in statement.split(";"):
             if part.strip():
-                conn.execute(part)  # type: ignore[call-overload]
+                conn.execute(part)
 
 
 def _cli(capsys: pytest.CaptureFixture[str], dsn: str, *argv: str) -> tuple[int, str]:
@@ -196,7 +196,7 @@ def test_a_prepared_transaction_holding_init_db_up_is_named_and_the_rerun_after_
             assert gid in said and f"owner {user[0] if user else '?'}" in said and conn.info.dbname in said
             assert "COMMIT PREPARED" in said and "ROLLBACK PREPARED" in said
             [rollback] = _quoted(said, "ROLLBACK PREPARED")
-            conn.execute(rollback)  # type: ignore[call-overload]  # the operator's choice of the two
+            conn.execute(rollback)  # the operator's choice of the two
             init_db(conn, table, strategies=["wal"])  # and the rerun the message asks for
             assert slot_state(conn, table).exists
         finally:
@@ -217,16 +217,16 @@ def test_retry_all_retries_the_others_and_says_why_a_malformed_dead_letter_canno
     db: psycopg.Connection,
     wal_outbox: OutboxTable,
     kafka: KafkaProbe,
-    new_topic: object,
+    new_topic: Callable[..., str],
 ) -> None:
     """On main `retry --all` retried nothing (the malformed copy failed the topic check) and printed a traceback."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     with db.transaction():
         enqueue(db, topic, {"pad": "x" * 5000}, key="b", table=wal_outbox)
         db.execute("SELECT pg_logical_emit_message(true, %s, 'not ours'::bytea)", (names_of(wal_outbox).prefix,))
     make_wal_relay(dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
     letters = sql.SQL("SELECT topic, id FROM {}").format(wal_outbox.dead_letters)
-    by_topic = dict(db.execute(letters).fetchall())
+    by_topic: dict[str, int] = dict(db.execute(letters).fetchall())
     assert sorted(by_topic) == sorted([topic, "(malformed)"])
     malformed = by_topic["(malformed)"]
 

@@ -103,7 +103,7 @@ class _CountingFolds:
                         counter.folded += 1
                 return acks
 
-        self.factory: Callable[..., PositionStrategy] = Counting
+        self.factory: type[PositionStrategy] = Counting
 
 
 @pytest.mark.parametrize("strategy", ORDERED_POSITIONS)

@@ -13,6 +13,7 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.errors import ConfigurationError
+from outbox_pipeline.relay.loop import Relay
 from outbox_pipeline.relay.publisher import KafkaPublisher
 from outbox_pipeline.strategies.advisory import ADVISORY_LOCK_CLASS, AdvisoryStrategy
 from outbox_pipeline.strategies.base import StrategyConfig
@@ -94,6 +95,11 @@ def test_standby_claims_nothing_while_the_holder_lives_and_takes_over_after_clos
     assert row_count(db, table) == 0
 
 
+def _has_waited(relay: Relay) -> Callable[[], bool]:
+    """Whether ``relay`` has waited for rows yet (a condition bound to this relay, not to a loop variable)."""
+    return lambda: relay.stats.idle_waits > 0
+
+
 def test_a_standby_relay_is_not_woken_by_each_commit_the_holder_publishes(
     db: psycopg.Connection, table: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
@@ -122,7 +128,7 @@ def test_a_standby_relay_is_not_woken_by_each_commit_the_holder_publishes(
     try:
         for name, relay in relays.items():  # the holder's first claim takes the lock, then it waits for rows
             threads[name].start()
-            wait_until(f"the {name} to wait", lambda relay=relay: relay.stats.idle_waits > 0, 30)
+            wait_until(f"the {name} to wait", _has_waited(relay), 30)
         written = [enqueue(db, topic, {"n": i}, key=f"k{i % 5}", table=table) for i in range(50)]  # 50 commits
         records = kafka.consume(topic, expect=50)
     finally:

@@ -3,6 +3,7 @@ What arrived in Kafka and what remains in PostgreSQL are compared with what was 
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -295,8 +296,8 @@ def test_a_relay_whose_session_ends_while_it_stops_returns_and_the_unconfirmed_b
     )
     start, published = relay.publisher.start, []
 
-    def start_then_lose_the_session(records: Sequence[OutboxRecord]) -> PendingBatch:
-        pending = start(records)
+    def start_then_lose_the_session(records: Sequence[OutboxRecord], until: float = math.inf) -> PendingBatch:
+        pending = start(records, until)
         published.append(len(records))
         # Asked to stop with this batch in Kafka, and the relay's sessions end before it can confirm it.
         stop.set()

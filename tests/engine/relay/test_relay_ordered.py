@@ -82,9 +82,11 @@ def test_per_key_kafka_order_is_commit_order_with_4_writers_and_2_relays(
             for i in range(per_writer):
                 key = keys[(seed * 7 + i * 3) % len(keys)]
                 with conn.transaction():
-                    version = conn.execute(
+                    updated = conn.execute(
                         "UPDATE public.accounts SET version = version + 1 WHERE id = %s RETURNING version", (key,)
-                    ).fetchone()[0]
+                    ).fetchone()
+                    assert updated is not None
+                    version = updated[0]
                     enqueue(
                         conn, topic, {"version": version}, key=key, serialized=strategy == "serialized", table=table
                     )
@@ -295,7 +297,8 @@ def test_a_poison_row_aborts_its_kafka_transaction_and_the_rest_goes_out_in_a_ne
     assert stats.dead_lettered == 1 and stats.published == 5
     position = db.execute(sql.SQL("SELECT last_processed_id, attempts FROM {}").format(table.offsets)).fetchone()
     assert position is not None and position[1] == 0
-    assert position[0] == db.execute(sql.SQL("SELECT max(id) FROM {}").format(table.messages)).fetchone()[0]
+    newest = db.execute(sql.SQL("SELECT max(id) FROM {}").format(table.messages)).fetchone()
+    assert newest is not None and position[0] == newest[0]
 
 
 def test_canary_the_local_broker_hides_aborted_transactions_from_read_committed_consumers_unless_tansu(
@@ -337,7 +340,7 @@ def test_a_batch_read_ahead_is_not_published_when_the_batch_before_it_lost_the_l
         claims = 0
 
         def claim(self, limit: int, avoid: Collection[int] = ()) -> Claim | None:
-            claim = super().claim(limit, avoid)
+            claim: Claim | None = super().claim(limit, avoid)
             StolenAfterReadAhead.claims += 1
             if StolenAfterReadAhead.claims == 2:  # N+1 read: now another worker takes the partition
                 db.execute(

@@ -27,7 +27,7 @@ def test_a_scoped_relay_publishes_only_its_partition_and_leaves_the_others_pendi
     messages = [Message(topic, {"n": i}, key=f"k{i}") for i in range(400)]
     enqueue_many(db, messages, serialized=strategy == "serialized", table=table)
     query = sql.SQL("SELECT message_id::text, partition FROM {}").format(table.messages)
-    partition_of = dict(db.execute(query).fetchall())
+    partition_of: dict[str, int] = dict(db.execute(query).fetchall())
     per_partition = Counter(partition_of.values())
     assert len(per_partition) == 4  # 400 keys spread over every partition
 

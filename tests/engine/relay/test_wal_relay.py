@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -40,9 +41,9 @@ def by_key(records: list[Record]) -> dict[bytes | None, list[bytes | None]]:
 
 
 def test_every_writer_form_arrives_in_kafka_in_the_order_it_committed(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal", partitions=3)  # type: ignore[operator]
+    topic = new_topic("wal", partitions=3)
     with db.transaction():
         enqueue(db, topic, {"n": 1}, key="k", table=wal_outbox)
         db.execute(sql.SQL("SELECT {}(%s, '{{\"n\": 2}}', 'k')").format(wal_outbox.ident("enqueue")), (topic,))
@@ -62,10 +63,14 @@ def test_every_writer_form_arrives_in_kafka_in_the_order_it_committed(
 
 
 def test_a_transaction_that_commits_later_is_published_later_whatever_it_wrote_first(
-    db: psycopg.Connection, connect: object, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection,
+    connect: Callable[[], psycopg.Connection],
+    wal_outbox: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
-    early = connect()  # type: ignore[operator]
+    topic = new_topic("wal")
+    early = connect()
     with early.transaction():
         enqueue(early, topic, {"n": "written first, committed last"}, key="k", table=wal_outbox)
         with db.transaction():
@@ -80,9 +85,9 @@ def test_a_transaction_that_commits_later_is_published_later_whatever_it_wrote_f
 
 
 def test_a_rolled_back_transaction_publishes_nothing(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     with db.transaction(force_rollback=True):
         enqueue(db, topic, {"n": 0}, key="k", table=wal_outbox)
     with db.transaction():
@@ -94,9 +99,9 @@ def test_a_rolled_back_transaction_publishes_nothing(
 
 
 def test_a_restarted_relay_resumes_after_what_it_confirmed(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     with db.transaction():
         enqueue_many(db, [Message(topic, {"n": n}, key=f"k{n % 4}") for n in range(100)], table=wal_outbox)
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers).run()
@@ -110,9 +115,9 @@ def test_a_restarted_relay_resumes_after_what_it_confirmed(
 
 
 def test_the_slot_is_confirmed_only_up_to_what_kafka_confirmed(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     with db.transaction():
         enqueue(db, topic, {"n": 1}, key="k", table=wal_outbox)
     unreachable = make_wal_relay(
@@ -131,9 +136,9 @@ def test_the_slot_is_confirmed_only_up_to_what_kafka_confirmed(
 
 
 def test_a_message_kafka_refuses_is_dead_lettered_and_the_rest_of_the_stream_goes_on(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     with db.transaction():
         enqueue(db, topic, {"n": 1}, key="a", table=wal_outbox)
         enqueue(db, topic, {"pad": "x" * 5000}, key="b", table=wal_outbox)
@@ -148,9 +153,9 @@ def test_a_message_kafka_refuses_is_dead_lettered_and_the_rest_of_the_stream_goe
 
 
 def test_a_waiting_relay_takes_over_when_the_streaming_one_stops(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     first_stop, second_stop = threading.Event(), threading.Event()
     first = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, stop=first_stop, until_idle=False)
     second = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, stop=second_stop, until_idle=False)
@@ -271,9 +276,9 @@ POISON = {"pad": "x" * 5000}
 
 
 def test_a_poison_message_holds_only_its_key_until_an_operator_retries_it(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     _write(db, wal_outbox, topic, ("a", {"n": 1}), ("b", POISON), ("b", {"n": 2}))
     _write(db, wal_outbox, topic, ("a", {"n": 3}), ("b", {"n": 4}))
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
@@ -290,9 +295,9 @@ def test_a_poison_message_holds_only_its_key_until_an_operator_retries_it(
 
 
 def test_discarding_the_dead_letter_publishes_what_its_key_held_without_it(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     _write(db, wal_outbox, topic, ("b", POISON), ("b", {"n": 2}))
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
     [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
@@ -305,11 +310,11 @@ def test_discarding_the_dead_letter_publishes_what_its_key_held_without_it(
 
 
 def test_a_held_message_is_published_byte_for_byte_as_its_writer_wrote_it(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     """Issue 50, case 12: before, a held JSON payload was stored as jsonb and published re-rendered (b'{"a": 1.0, "b":
     1}'), unlike the same writer's unheld message."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     payload = {"b": 1, "a": 1.0}
     _write(db, wal_outbox, topic, ("held", POISON), ("held", payload), ("free", payload))
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
@@ -323,11 +328,11 @@ def test_a_held_message_is_published_byte_for_byte_as_its_writer_wrote_it(
 
 
 def test_a_held_message_refused_at_its_release_and_retried_goes_out_as_its_writer_wrote_it(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     """A held message kept whole becomes the key's dead letter whole when Kafka refuses it at the release; retried, it
     is published from those bytes again."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     larger = {"b": 1, "a": 1.0, "pad": "y" * 9000}
     _write(db, wal_outbox, topic, ("k", POISON), ("k", larger), ("k", {"n": 3}))
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
@@ -346,9 +351,9 @@ def test_a_held_message_refused_at_its_release_and_retried_goes_out_as_its_write
 
 
 def test_with_skip_a_poison_message_leaves_a_hole_and_its_key_flows_on(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     _write(db, wal_outbox, topic, ("b", {"n": 1}), ("b", POISON), ("b", {"n": 3}))
 
     relay = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL, on_poison="skip")
@@ -359,10 +364,14 @@ def test_with_skip_a_poison_message_leaves_a_hole_and_its_key_flows_on(
 
 
 def test_a_transaction_left_open_on_the_database_holds_back_nothing_committed_after_it(
-    db: psycopg.Connection, connect: object, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection,
+    connect: Callable[[], psycopg.Connection],
+    wal_outbox: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
-    lunch = connect()  # type: ignore[operator]
+    topic = new_topic("wal")
+    lunch = connect()
     lunch.execute("BEGIN")
     lunch.execute("SELECT pg_current_xact_id()")  # a psql BEGIN that wrote, left open over lunch
     lunch.execute("CREATE TEMP TABLE over_lunch (n int)")
@@ -451,11 +460,11 @@ def _seconds_since_start(db: psycopg.Connection, pid: int | None) -> float:
 
 
 def test_a_retried_dead_letter_kafka_still_refuses_is_dead_lettered_again_and_its_key_stays_held(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     """Found by the harness (seed 1, wal, 20 s): the streamer published the released key's held messages again and
     again, the retried dead letter at their head refused each time, and the key's later messages never went out."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     _write(db, wal_outbox, topic, ("b", POISON), ("b", {"n": 2}))
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()
     [(dead_letter,)] = db.execute(sql.SQL("SELECT id FROM {}").format(wal_outbox.dead_letters)).fetchall()
@@ -490,7 +499,12 @@ def test_a_relay_with_max_seconds_stops_in_time_while_another_streams_the_slot(
         wait_until("the first relay streams", streaming.registered.is_set, 10.0)
         drain = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, max_seconds=1.0)
         done = threading.Event()
-        threading.Thread(target=lambda: (drain.run(), done.set()), daemon=True).start()
+
+        def drain_then_done() -> None:
+            drain.run()
+            done.set()
+
+        threading.Thread(target=drain_then_done, daemon=True).start()
 
         wait_until("the drain gives up at its --max-seconds", done.is_set, 15.0)
         assert drain.stats.published == 0
@@ -501,14 +515,18 @@ def test_a_relay_with_max_seconds_stops_in_time_while_another_streams_the_slot(
 
 
 def test_a_held_keys_messages_are_published_in_commit_order_when_released(
-    db: psycopg.Connection, connect: object, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection,
+    connect: Callable[[], psycopg.Connection],
+    wal_outbox: OutboxTable,
+    kafka: KafkaProbe,
+    new_topic: Callable[..., str],
 ) -> None:
     """Held messages were released in the order they were written (their own LSNs), not the order their
     transactions committed: a transaction that wrote first and committed last went first."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     _write(db, wal_outbox, topic, ("b", POISON))
     make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, producer=SMALL).run()  # b is held now
-    early = connect()  # type: ignore[operator]
+    early = connect()
     with early.transaction():
         enqueue(early, topic, {"n": "written first, committed last"}, key="b", table=wal_outbox)
         _write(db, wal_outbox, topic, ("b", {"n": "written last, committed first"}))
@@ -525,9 +543,9 @@ def test_a_held_keys_messages_are_published_in_commit_order_when_released(
 
 
 def test_a_streaming_relay_waiting_for_a_broker_that_is_down_is_not_taken_for_frozen(
-    db: psycopg.Connection, wal_outbox: OutboxTable, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, new_topic: Callable[..., str]
 ) -> None:
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     stops = threading.Event(), threading.Event()
     # Kafka's answer takes longer than the takeover time: 9 s against 4 (the first publish to a topic also waits up
     # to 2 s reading its limits, topic_limits.py).
@@ -555,11 +573,11 @@ def test_a_streaming_relay_waiting_for_a_broker_that_is_down_is_not_taken_for_fr
 
 @pytest.mark.timing
 def test_a_streaming_relay_publishing_a_released_key_to_a_broker_that_is_down_is_not_taken_for_frozen(
-    db: psycopg.Connection, wal_outbox: OutboxTable, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, new_topic: Callable[..., str]
 ) -> None:
     """What a key held when an operator released it goes to Kafka while the streamer goes on saying it is alive
     (issue 50, case 12: with Kafka down, a waiting relay ended the live streamer, and the two took turns)."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     stops = threading.Event(), threading.Event()
     settings = RelaySettings(wal_leader_poll_s=0.2, wal_takeover_s=4.0, error_backoff_max_s=1.0)
     down = {"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 9000, **SMALL}
@@ -593,11 +611,11 @@ def _count(db: psycopg.Connection, schema: str, table: str) -> int:
 
 
 def test_a_relay_that_finds_the_slot_streamed_by_a_process_it_cannot_end_waits_and_streams_once_it_is_gone(
-    db: psycopg.Connection, dsn: str, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, dsn: str, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     """Another process streams the slot and this relay's role may not end it (a superuser's pg_recvlogical): the
     relay waits and tries again, as for any other streamer of the slot (issue 50, case 12: the worker ended)."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     role, as_role, table = _outbox_of_a_relay_role(db, dsn)
     names = names_of(table)
     holder = ReplicationStream.open(dsn, names.slot, names.publication)  # the superuser's
@@ -632,12 +650,12 @@ def _run_catching(relay: WalRelay, failure: list[BaseException]) -> None:
 
 
 def test_a_streamer_hands_kafka_nothing_once_it_may_have_been_taken_over(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     """A relay frozen between its last sign of life and handing a batch over may have been replaced when it thaws:
     from half the takeover time after its last heartbeat on, it hands Kafka nothing (what it handed over is purged)
     and tries again after a heartbeat (issue 50, case 6). Here the takeover time is shorter than any hand-over."""
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     _write(db, wal_outbox, topic, *[("k", {"n": n}) for n in range(1000)])
     settings = RelaySettings(wal_takeover_s=1e-6, max_seconds=3.0, error_backoff_base_s=0.1, error_backoff_max_s=0.2)
     publisher = KafkaPublisher({"bootstrap.servers": kafka.bootstrap_servers})

@@ -82,7 +82,9 @@ def test_enqueue_many_stores_exactly_what_it_is_given_or_nothing(
 ) -> None:
     table = property_table
     with psycopg.connect(pg_server.dsn) as conn:
-        before = conn.execute(sql.SQL("SELECT coalesce(max(id), 0) FROM {}").format(table.messages)).fetchone()[0]
+        newest = conn.execute(sql.SQL("SELECT coalesce(max(id), 0) FROM {}").format(table.messages)).fetchone()
+        assert newest is not None
+        before = newest[0]
         try:
             results = enqueue_many(conn, batch, table=table)
         except InvalidMessageError as exc:
@@ -91,7 +93,7 @@ def test_enqueue_many_stores_exactly_what_it_is_given_or_nothing(
             conn.execute("SELECT 1")  # the transaction is still usable
             conn.commit()
             after = conn.execute(sql.SQL("SELECT coalesce(max(id), 0) FROM {}").format(table.messages)).fetchone()
-            assert after[0] == before
+            assert after is not None and after[0] == before
             return
         event("stored")
         conn.commit()

@@ -180,9 +180,14 @@ def test_drop_others_gives_up_within_its_lock_timeout_while_a_transaction_holds_
     done = threading.Event()
     codes: list[int] = []
     argv = ["indexes", "--dsn", dsn, "--schema", table.schema, "--strategy", "serialized", "--drop-others"]
+
+    def drop_then_done() -> None:
+        codes.append(main(argv))
+        done.set()
+
     with psycopg.connect(dsn) as relay:
         relay.execute(sql.SQL("SELECT count(*) FROM {}").format(table.messages))  # a claim left open
-        dropping = threading.Thread(target=lambda: (codes.append(main(argv)), done.set()))
+        dropping = threading.Thread(target=drop_then_done)
         dropping.start()
         returned = done.wait(15)
         relay.rollback()

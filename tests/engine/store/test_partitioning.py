@@ -65,7 +65,7 @@ def test_the_sql_partition_for_equals_the_python_router_on_100000_random_keys(
     set_topic_partitions(db, table, "routing-7", 7)
     query = sql.SQL("SELECT k, {}('routing-7', k) FROM unnest(%s::text[]) AS k").format(table.ident("partition_for"))
 
-    routed = dict(db.execute(query, (keys,)).fetchall())
+    routed: dict[str, int] = dict(db.execute(query, (keys,)).fetchall())
 
     mismatched = [k for k in keys if routed[k] != partition_for(k, 7)]
     assert not mismatched, f"{len(mismatched)} keys routed differently, e.g. {mismatched[:3]}"

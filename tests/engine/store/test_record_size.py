@@ -94,7 +94,7 @@ WRITERS: dict[str, Callable[[psycopg.Connection, OutboxTable, Message], None]] =
     "python": _python_enqueue,
     "sql": _sql_enqueue,
 }
-REFUSALS = {"python": InvalidMessageError, "sql": psycopg.errors.ProgramLimitExceeded}
+REFUSALS: dict[str, type[Exception]] = {"python": InvalidMessageError, "sql": psycopg.errors.ProgramLimitExceeded}
 
 
 def _accepted(db: psycopg.Connection, table: OutboxTable, writer: str, m: Message) -> bool:

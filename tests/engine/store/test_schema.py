@@ -49,7 +49,7 @@ def test_init_db_twice_applies_nothing_the_second_time(db: psycopg.Connection, t
 def test_init_db_works_on_a_connection_whose_rows_are_dicts_and_leaves_it_so(dsn: str) -> None:
     table = OutboxTable(schema=f"dicts_{uuid.uuid4().hex[:8]}")
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        applied = init_db(conn, table, strategies=["partitioned"])
+        applied = init_db(conn, table, strategies=["partitioned"])  # type: ignore[arg-type]  # hinted for tuple rows
         assert conn.execute("SELECT 1 AS one").fetchone() == {"one": 1}
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert current_version(conn, table) == LATEST_VERSION

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import psycopg
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -43,7 +44,7 @@ class _Row(NamedTuple):
     headers: str
 
 
-def _extract(record: Record) -> object:
+def _extract(record: Record) -> Context:
     return TraceContextTextMapPropagator().extract({name: value.decode() for name, value in record.headers.items()})
 
 
@@ -62,6 +63,7 @@ def test_a_consumer_continues_the_writers_trace_across_the_outbox(
     records = kafka.consume(topic, expect=3)
     with tracer.start_as_current_span("process", context=_extract(records[0]), kind=SpanKind.CONSUMER) as consumer:
         pass
+    assert isinstance(consumer, ReadableSpan)  # the SDK's span, which knows its parent
     assert consumer.get_span_context().trace_id == writer.get_span_context().trace_id
     assert consumer.parent is not None and consumer.parent.span_id == writer.get_span_context().span_id
     [send] = _relay_spans(topic)

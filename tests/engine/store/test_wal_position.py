@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -45,7 +46,7 @@ def test_a_records_own_wal_fits_its_allowance(db: psycopg.Connection, wal_outbox
 
 @pytest.mark.timing
 def test_steady_traffic_costs_about_one_record_a_second(
-    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: object
+    db: psycopg.Connection, wal_outbox: OutboxTable, kafka: KafkaProbe, new_topic: Callable[..., str]
 ) -> None:
     """Not a write per batch: the records a streaming relay writes under steady traffic (a trigger of the test's
     counts them) are about one a second, plus the few a burst's start costs (relay/wal/position.py); and the relay
@@ -63,7 +64,7 @@ def test_steady_traffic_costs_about_one_record_a_second(
             wal_outbox.ident(position.TABLE), wal_outbox.ident("count_record")
         )
     )
-    topic = new_topic("wal")  # type: ignore[operator]
+    topic = new_topic("wal")
     stop = threading.Event()
     relay = make_wal_relay(db.info.dsn, wal_outbox, kafka.bootstrap_servers, stop=stop, until_idle=False)
     streaming = threading.Thread(target=relay.run)

@@ -37,11 +37,16 @@ def _change_count(conn: psycopg.Connection, table: OutboxTable, topic: str, part
     conn.execute(sql.SQL("UPDATE {} SET partitions = %s WHERE topic = %s").format(table.topics), (partitions, topic))
 
 
+def _waits_for_a_lock(db: psycopg.Connection, pid: int) -> bool:
+    row = db.execute("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted)", (pid,)).fetchone()
+    assert row is not None  # EXISTS answers one row
+    return bool(row[0])
+
+
 def _wait_until_it_waits_or_ends(db: psycopg.Connection, pid: int, ended: threading.Event) -> None:
     """Until the backend ``pid`` waits for a lock or its statement has ended (bounded)."""
     deadline = time.monotonic() + WAIT_S
-    waiting = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted)"
-    while not ended.is_set() and not db.execute(waiting, (pid,)).fetchone()[0]:
+    while not ended.is_set() and not _waits_for_a_lock(db, pid):
         assert time.monotonic() < deadline, f"backend {pid} neither waited for a lock nor ended"
         time.sleep(0.01)
 
