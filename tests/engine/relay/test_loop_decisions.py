@@ -81,8 +81,14 @@ def test_a_paced_relay_with_no_claim_coming_acks_alone_before_it_waits() -> None
 
 def test_a_broker_that_takes_nothing_backs_the_relay_off_doubling_with_jitter_until_it_takes_a_batch() -> None:
     log: Log = []
-    settings = {"error_backoff_base_s": 1.0, "error_backoff_max_s": 100.0}
-    relay, _ = fake_relay(log, FakeStrategy(log, 2), FakePublisher(log, down=4), until_empty=True, **settings)
+    relay, _ = fake_relay(
+        log,
+        FakeStrategy(log, 2),
+        FakePublisher(log, down=4),
+        until_empty=True,
+        error_backoff_base_s=1.0,
+        error_backoff_max_s=100.0,
+    )
 
     relay.run()
 
