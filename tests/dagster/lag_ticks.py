@@ -11,7 +11,7 @@ import dagster as dg
 import psycopg
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.relay.presence import present
+from outbox_pipeline.relay import present
 from outbox_pipeline.strategies.positions import UNSCOPED_KIND
 
 

@@ -25,10 +25,9 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.localstack import LocalBroker, LocalPostgres, free_port
-from outbox_pipeline.localstack.dev import wait_group_gone
+from outbox_pipeline.localstack import LocalBroker, LocalPostgres, free_port, wait_group_gone
 from outbox_pipeline.settings import TEST_ARTIFACTS
-from outbox_pipeline.store.schema import init_db, set_topic_partitions
+from outbox_pipeline.store import init_db, set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids
 

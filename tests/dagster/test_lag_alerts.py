@@ -17,8 +17,8 @@ import pytest
 from assets import outbox_backlog, outbox_lag_slo, relayed_outbox
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import free_port
-from outbox_pipeline.observe.lag_slo import LagThresholds
-from outbox_pipeline.operate.dead_letters import retry_dead_letters
+from outbox_pipeline.observe import LagThresholds
+from outbox_pipeline.operate import retry_dead_letters
 from outbox_pipeline.orchestration.alert_sensors import (
     build_dead_letter_sensor,
     build_lag_slo_sensor,

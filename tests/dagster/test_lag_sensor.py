@@ -10,13 +10,12 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.drain.engine import plan_drain
-from outbox_pipeline.drain.values import drain_owner
+from outbox_pipeline.drain import drain_owner, plan_drain
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
 from outbox_pipeline.orchestration.relay_stream import REGISTERED_TAG, relay_stream_job, stream_worker_id
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.store.enqueue import enqueue
+from outbox_pipeline.store import enqueue
 from tests.kit.kafka import KafkaProbe
 from tests.kit.quarantine import poisoned
 from tests.kit.relay import drain

@@ -21,12 +21,12 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.errors import SchemaError
-from outbox_pipeline.observe.lag import partition_lag
-from outbox_pipeline.operate.dead_letters import list_dead_letters
+from outbox_pipeline.observe import partition_lag
+from outbox_pipeline.operate import list_dead_letters
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, parse_partition_key
-from outbox_pipeline.runs.partition_run import lag_of
-from outbox_pipeline.store.indexes import require_indexes
+from outbox_pipeline.runs import lag_of
+from outbox_pipeline.store import require_indexes
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 

@@ -16,9 +16,8 @@ from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.orchestration.jobs import build_relay_partition_job
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME, partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.relay.presence import WorkerPresence
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.relay import WorkerPresence
+from outbox_pipeline.strategies import StrategyConfig, strategy_class
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids
 

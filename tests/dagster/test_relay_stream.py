@@ -19,8 +19,7 @@ import pytest
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import LocalBroker
-from outbox_pipeline.observe.lag import partition_lag
-from outbox_pipeline.observe.liveness import live_workers
+from outbox_pipeline.observe import live_workers, partition_lag
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.relay_stream import (
     RELAYED_OUTBOX,
@@ -29,7 +28,7 @@ from outbox_pipeline.orchestration.relay_stream import (
     stream_worker_id,
 )
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from resources import KafkaResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids, order_by_key

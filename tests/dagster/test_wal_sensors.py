@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.observe.lag_slo import LagThresholds
+from outbox_pipeline.observe import LagThresholds
 from outbox_pipeline.orchestration.alert_sensors import build_lag_slo_sensor
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.relay_stream import relay_stream_job

@@ -23,7 +23,7 @@ import pytest
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import LocalPostgres
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import dead_letters, pending, positions, unsent_ids, wait_until
 from tests.kit.workers import Event, WorkerProcess, steps_between

@@ -15,8 +15,8 @@ import psycopg
 import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.observe.lag import partition_lag
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.observe import partition_lag
+from outbox_pipeline.store import set_topic_partitions
 from outbox_pipeline.strategies.positions import DEAL_INTERVAL_S, STEAL_AFTER_S
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import pending, wait_until

@@ -24,8 +24,8 @@ import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.model import OutboxRecord
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.relay import KafkaPublisher
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import shows_only_committed
 from tests.kit.probes import dead_letters, pending, positions, wait_until
 from tests.kit.relay import message_ids, order_by_key

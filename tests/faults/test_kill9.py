@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import pending, wait_until
 from tests.kit.workers import Event, WorkerProcess

@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import OutboxTable, enqueue
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import dead_letters, pending, wait_until
 from tests.kit.workers import WorkerProcess

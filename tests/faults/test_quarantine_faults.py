@@ -12,9 +12,9 @@ import psycopg
 import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.observe.lag import held_keys
-from outbox_pipeline.operate.dead_letters import retry_dead_letters
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.observe import held_keys
+from outbox_pipeline.operate import retry_dead_letters
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import pending as pending_rows
 from tests.kit.probes import wait_until

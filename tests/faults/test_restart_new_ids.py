@@ -21,8 +21,8 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.cli import EXIT_NOT_EMPTY
-from outbox_pipeline.relay.presence import WorkerPresence
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.relay import WorkerPresence
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import pending, wait_until
 from tests.kit.writer import Writer

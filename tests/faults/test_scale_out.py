@@ -25,9 +25,8 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies.advisory import ADVISORY_LOCK_CLASS
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import ADVISORY_LOCK_CLASS, StrategyConfig
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import pending, wait_until
 from tests.kit.workers import WorkerProcess

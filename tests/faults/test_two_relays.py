@@ -14,7 +14,7 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import OutboxTable
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import pending, wait_until
 from tests.kit.relay import order_by_key

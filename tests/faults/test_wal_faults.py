@@ -25,7 +25,7 @@ from psycopg.conninfo import make_conninfo
 from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.relay.wal.pgoutput import format_lsn
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import slot_state
 from tests.kit.probes import wait_until

@@ -29,7 +29,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import Broker, LocalPostgres, free_port
-from outbox_pipeline.store.schema import init_db, set_topic_partitions
+from outbox_pipeline.store import init_db, set_topic_partitions
 from outbox_pipeline.store.wal import grants
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from tests.kit.servers import broker_under_test, server_under_test

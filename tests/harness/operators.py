@@ -21,8 +21,8 @@ from psycopg import sql
 
 from outbox_pipeline import server
 from outbox_pipeline.errors import SchemaError
-from outbox_pipeline.operate.maintenance import create_ahead, move_default_rows
-from outbox_pipeline.store.migrations import DEFAULT_DAYS_AHEAD
+from outbox_pipeline.operate import create_ahead, move_default_rows
+from outbox_pipeline.store import DEFAULT_DAYS_AHEAD
 
 from . import switching
 from .cluster import admin, open_dead_letters

@@ -30,7 +30,7 @@ from typing import TypeVar
 import psycopg
 from psycopg import sql
 
-from outbox_pipeline.store.partition_counts import BEHIND_POSITION
+from outbox_pipeline.store import BEHIND_POSITION
 
 from .cluster import admin, open_dead_letters, row_order, wait_for_server
 from .context import CliResult, Context, Switch

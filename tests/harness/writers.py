@@ -35,7 +35,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from outbox_pipeline import Message, enqueue, enqueue_many
-from outbox_pipeline.store.routing import SERIALIZED_LOCK_CLASS
+from outbox_pipeline.store import SERIALIZED_LOCK_CLASS
 
 from .cluster import MAX_MESSAGE_BYTES, Outbox
 from .schedule import Setup

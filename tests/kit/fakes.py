@@ -13,10 +13,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import ClassVar
 
 from outbox_pipeline.model import AckResult, Claim, DeliveryFailure, OutboxRecord, PublishOutcome
-from outbox_pipeline.relay.loop import Relay
-from outbox_pipeline.relay.publisher import PendingBatch
-from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.strategies.base import Strategy, StrategyConfig
+from outbox_pipeline.relay import PendingBatch, Relay, RelaySettings
+from outbox_pipeline.strategies import Strategy, StrategyConfig
 
 Log = list[tuple[str, object]]
 

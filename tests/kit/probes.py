@@ -11,7 +11,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.observe.lag import partition_lag
+from outbox_pipeline.observe import partition_lag
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 
 from .kafka import KafkaProbe
 from .relay import drain, order_by_key

@@ -13,13 +13,8 @@ from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.model import WAL
-from outbox_pipeline.relay.loop import OutcomeObserver, Relay
-from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.relay.stats import RelayStats
-from outbox_pipeline.relay.wal.relay import WalRelay
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay
-from outbox_pipeline.strategies.base import Strategy, StrategyConfig
-from outbox_pipeline.strategies.quarantine import OnPoison
+from outbox_pipeline.relay import OutcomeObserver, Relay, RelaySettings, RelayStats, WalRelay, WorkerSpec, build_relay
+from outbox_pipeline.strategies import OnPoison, Strategy, StrategyConfig
 
 from .kafka import Record
 

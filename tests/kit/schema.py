@@ -10,7 +10,7 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal.objects import drop_slot
 
 

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from outbox_pipeline.localstack import Broker, BrokerSpec, LocalPostgres, PostgresSpec, free_port, local_broker
-from outbox_pipeline.relay.publisher import KafkaPublisher
+from outbox_pipeline.relay import KafkaPublisher
 from outbox_pipeline.settings import HOME, TEST_BROKER, TEST_PG_BIN
 
 from .kafka import KafkaProbe

@@ -39,12 +39,9 @@ from confluent_kafka import Producer
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.model import WAL, AckResult, Claim, OutboxRecord, PublishOutcome
-from outbox_pipeline.relay.publisher import KafkaPublisher, PendingBatch
-from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.relay import KafkaPublisher, PendingBatch, RelaySettings, WorkerSpec, build_relay
 from outbox_pipeline.relay.transactional import TransactionalProducers, _Reports
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import Strategy, StrategyConfig
+from outbox_pipeline.strategies import Strategy, StrategyConfig, strategy_class
 
 
 class Events:

@@ -18,9 +18,9 @@ from psycopg import sql
 from assets.spark import outbox_partition_maintenance, spark_assets, spark_jobs, spark_schedules
 from assets.spark.datasource import archive_uri
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.operate.operations import rewind_partition
+from outbox_pipeline.operate import rewind_partition
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from outbox_pipeline.store.schema import ensure_partitions, partition_name
+from outbox_pipeline.store import ensure_partitions, partition_name
 from resources.kafka import KafkaResource
 from resources.postgres import PostgresResource
 from resources.spark import SparkResource

@@ -22,7 +22,7 @@ import pytest
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.localstack import free_port, wait_for_tcp
 from outbox_pipeline.localstack.demo import load
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import positions
 from tests.kit.relay import committed_message_ids, message_ids

@@ -16,9 +16,8 @@ from outbox_pipeline.bench.baselines.ceilings import ConfirmingPublisher
 from outbox_pipeline.bench.baselines.talk_table import create_talk_table, index_talk_table
 from outbox_pipeline.cli import main
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres
-from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.relay import RelaySettings, WorkerSpec, build_relay
+from outbox_pipeline.strategies import StrategyConfig
 from tests.kit.servers import server_under_test
 
 

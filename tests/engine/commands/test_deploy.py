@@ -14,7 +14,7 @@ import yaml
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.cli import build_parser
-from outbox_pipeline.observe.metrics import LagSampler, RelayMetrics
+from outbox_pipeline.observe import LagSampler, RelayMetrics
 
 DEPLOY = Path(__file__).resolve().parents[3] / "outbox_pipeline" / "deploy"
 ROOT = Path(__file__).resolve().parents[3]

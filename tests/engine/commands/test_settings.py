@@ -14,8 +14,7 @@ import pytest
 from outbox_pipeline import settings
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.errors import ConfigurationError
-from outbox_pipeline.observe.lag_slo import LagThresholds
-from outbox_pipeline.observe.liveness import liveness_from_env
+from outbox_pipeline.observe import LagThresholds, liveness_from_env
 
 ROOT = Path(__file__).resolve().parents[3]
 NAMES = {s.name for s in settings.CATALOGUE}

@@ -18,7 +18,7 @@ from psycopg import sql
 from outbox_pipeline import Enqueued, Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.errors import OutboxError
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from outbox_pipeline.verify import VerifyReport, verify
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, make_wal_relay

@@ -14,18 +14,24 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline.config import OutboxTable
-from outbox_pipeline.drain.engine import commit_drain, plan_drain, release_drain
-from outbox_pipeline.drain.ranges import OWNERSHIP_CHECK_S, fetch_range, publish_range
-from outbox_pipeline.drain.values import DrainError, LeaseLostError, RangeDelivery, RangeReport, drain_owner
+from outbox_pipeline.drain import (
+    OWNERSHIP_CHECK_S,
+    DrainError,
+    LeaseLostError,
+    RangeDelivery,
+    RangeReport,
+    commit_drain,
+    drain_owner,
+    fetch_range,
+    plan_drain,
+    publish_range,
+    release_drain,
+)
 from outbox_pipeline.localstack.demo import load
-from outbox_pipeline.observe.liveness import live_workers, reap
-from outbox_pipeline.operate.dead_letters import retry_dead_letters
-from outbox_pipeline.operate.operations import release_lease
-from outbox_pipeline.relay.presence import present
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.store.enqueue import enqueue
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.store.strategy_record import StrategyMismatch
+from outbox_pipeline.observe import live_workers, reap
+from outbox_pipeline.operate import release_lease, retry_dead_letters
+from outbox_pipeline.relay import KafkaPublisher, present
+from outbox_pipeline.store import StrategyMismatch, enqueue, set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import positions
 from tests.kit.quarantine import POISON, arrived_by_key, poisoned, write_keys

@@ -13,7 +13,7 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.localstack import LocalPostgres
-from outbox_pipeline.observe.horizon import find_horizon
+from outbox_pipeline.observe import find_horizon
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import LocalPostgres
-from outbox_pipeline.observe.liveness import live_workers, reap
-from outbox_pipeline.relay.presence import WorkerIdInUseError, WorkerPresence
-from outbox_pipeline.store.schema import init_db, set_topic_partitions
+from outbox_pipeline.observe import live_workers, reap
+from outbox_pipeline.relay import WorkerIdInUseError, WorkerPresence
+from outbox_pipeline.store import init_db, set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import lease_partition, wait_until
 from tests.kit.relay import drain, make_relay, message_ids

@@ -18,10 +18,9 @@ import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import free_port
-from outbox_pipeline.observe.metrics import LagSampler, MetricsServer, RelayMetrics
-from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.relay.workers import WorkerSpec, build_relay
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.observe import LagSampler, MetricsServer, RelayMetrics
+from outbox_pipeline.relay import RelaySettings, WorkerSpec, build_relay
+from outbox_pipeline.strategies import StrategyConfig
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
 

@@ -13,7 +13,7 @@ import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, make_relay
 

@@ -13,10 +13,9 @@ from prometheus_client.core import Metric
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import LocalPostgres
-from outbox_pipeline.observe.lag_slo import LagThresholds, evaluate_wal_lag
-from outbox_pipeline.observe.metrics import LagSampler
+from outbox_pipeline.observe import LagSampler, LagThresholds, evaluate_wal_lag
 from outbox_pipeline.observe.wal_lag import CAUGHT_UP, DECODED, wal_lag
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal.objects import names_of
 from tests.engine.observe.conftest import lose_the_slot
 from tests.kit.kafka import KafkaProbe

@@ -18,10 +18,10 @@ from psycopg.types.json import Jsonb
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.localstack import LocalPostgres
-from outbox_pipeline.observe.lag_slo import LagThresholds, evaluate_wal_lag
+from outbox_pipeline.observe import LagThresholds, evaluate_wal_lag
 from outbox_pipeline.observe.wal_lag import WalLag, wal_lag
 from outbox_pipeline.relay.wal.stream import ReplicationStream, ReplicationStreamError
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal.objects import names_of
 from outbox_pipeline.store.wal.slot import SlotState
 from tests.engine.observe.conftest import lose_the_slot

@@ -19,7 +19,7 @@ from outbox_pipeline.operate.maintenance import (
     fingerprint,
     move_default_rows,
 )
-from outbox_pipeline.store.schema import DEFAULT_PARTITION, ensure_partitions, init_db, partition_name
+from outbox_pipeline.store import DEFAULT_PARTITION, ensure_partitions, init_db, partition_name
 
 LATE_DAY = dt.date(2020, 2, 3)  # no partition that far back: rows for it land in DEFAULT
 LATE_START = dt.datetime.combine(LATE_DAY, dt.time(), dt.UTC)

@@ -13,11 +13,9 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxError, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
-from outbox_pipeline.observe.lag import partition_lag
-from outbox_pipeline.operate.dead_letters import list_dead_letters, retry_dead_letters
-from outbox_pipeline.operate.operations import release_lease, replay_sent, rewind_partition
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import AckMode, StrategyConfig
+from outbox_pipeline.observe import partition_lag
+from outbox_pipeline.operate import list_dead_letters, release_lease, replay_sent, retry_dead_letters, rewind_partition
+from outbox_pipeline.strategies import AckMode, StrategyConfig, strategy_class
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, make_relay, message_ids
 

@@ -13,10 +13,9 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.errors import OutboxError
-from outbox_pipeline.operate.dead_letters import discard_dead_letters
-from outbox_pipeline.operate.switch import switch_strategy
-from outbox_pipeline.relay.presence import present
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.operate import discard_dead_letters, switch_strategy
+from outbox_pipeline.relay import present
+from outbox_pipeline.store import set_topic_partitions
 from outbox_pipeline.strategies.positions import UNSCOPED_KIND
 from tests.kit.kafka import KafkaProbe
 from tests.kit.quarantine import POISON, arrived_by_key, poisoned

@@ -17,9 +17,8 @@ from psycopg import sql
 from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.cli import main
 from outbox_pipeline.errors import OutboxError, SchemaError
-from outbox_pipeline.operate.switch import switch_strategy
-from outbox_pipeline.store import strategy_record
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.operate import switch_strategy
+from outbox_pipeline.store import init_db, strategy_record
 from outbox_pipeline.store.wal import objects as wal_objects
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import slot_state

@@ -14,10 +14,8 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.model import Claim, PublishOutcome
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import StrategyConfig
-from outbox_pipeline.strategies.positions import PositionStrategy
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import PositionStrategy, StrategyConfig, strategy_class
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import wait_until
 from tests.kit.relay import make_relay, order_by_key

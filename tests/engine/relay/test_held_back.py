@@ -14,9 +14,8 @@ import psycopg
 from psycopg import pq, sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import StrategyConfig, strategy_class
 
 COMMITS = 20
 

@@ -20,9 +20,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.localstack import free_port
-from outbox_pipeline.observe.liveness import reap
-from outbox_pipeline.relay.presence import WorkerPresence
-from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.observe import reap
+from outbox_pipeline.relay import RelaySettings, WorkerPresence
 from tests.kit.probes import lease_partition, wait_until
 
 PGBOUNCER = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer" if Path("/usr/sbin/pgbouncer").exists() else None)

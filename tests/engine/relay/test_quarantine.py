@@ -12,10 +12,9 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.errors import OutboxError
-from outbox_pipeline.observe.lag import held_keys, partition_lag
-from outbox_pipeline.operate.dead_letters import discard_dead_letters, list_dead_letters, retry_dead_letters
-from outbox_pipeline.operate.operations import rewind_partition
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.observe import held_keys, partition_lag
+from outbox_pipeline.operate import discard_dead_letters, list_dead_letters, retry_dead_letters, rewind_partition
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.quarantine import POISON, SMALL_PRODUCER, arrived_by_key, poisoned, write_keys
 from tests.kit.relay import drain

@@ -12,10 +12,8 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.model import Claim, DeliveryFailure, PublishOutcome
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import StrategyConfig
-from outbox_pipeline.strategies.positions import PositionStrategy
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import PositionStrategy, StrategyConfig, strategy_class
 from tests.kit.probes import positions, wait_until
 
 ORDERED = ["partitioned", "serialized"]

@@ -13,10 +13,8 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.errors import ConfigurationError
-from outbox_pipeline.relay.loop import Relay
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.strategies.advisory import ADVISORY_LOCK_CLASS, AdvisoryStrategy
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.relay import KafkaPublisher, Relay
+from outbox_pipeline.strategies import ADVISORY_LOCK_CLASS, AdvisoryStrategy, StrategyConfig
 from tests.kit.kafka import KafkaProbe, Record
 from tests.kit.probes import wait_until
 from tests.kit.relay import drain, make_relay, message_ids, order_by_key, row_count, run_workers

@@ -18,8 +18,8 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.model import STRATEGY_NAMES, OutboxRecord
-from outbox_pipeline.relay.publisher import PendingBatch
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.relay import PendingBatch
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, make_relay, message_ids
 from tests.kit.workers import WorkerProcess

@@ -13,9 +13,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.strategies.base import StrategyConfig
-from outbox_pipeline.strategies.lease import LeaseStrategy
+from outbox_pipeline.relay import KafkaPublisher
+from outbox_pipeline.strategies import LeaseStrategy, StrategyConfig
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, message_ids, row_count, run_workers
 

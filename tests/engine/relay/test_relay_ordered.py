@@ -17,12 +17,9 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import Broker
 from outbox_pipeline.model import Claim, PublishOutcome
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.relay.workers import RelayWorker, WorkerSpec, build_relay
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.relay import KafkaPublisher, RelaySettings, RelayWorker, WorkerSpec, build_relay
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import StrategyConfig, strategy_class
 from tests.kit.kafka import KafkaProbe, shows_only_committed
 from tests.kit.relay import drain, make_relay, message_ids, order_by_key, run_workers
 

@@ -11,9 +11,9 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.model import STRATEGY_NAMES
-from outbox_pipeline.observe.lag import partition_lag
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.observe import partition_lag
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import StrategyConfig
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, message_ids
 

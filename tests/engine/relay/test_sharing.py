@@ -11,10 +11,9 @@ import pytest
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.model import PublishOutcome
-from outbox_pipeline.relay.presence import WorkerPresence
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.relay import WorkerPresence
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import StrategyConfig, strategy_class
 from outbox_pipeline.strategies.positions import STEAL_AFTER_S, PositionStrategy
 
 PARTITIONS = 8

@@ -18,7 +18,7 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.model import STRATEGY_NAMES
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from outbox_pipeline.strategies import strategy_class
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import make_relay, message_ids, order_by_key

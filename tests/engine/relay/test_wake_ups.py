@@ -9,7 +9,7 @@ import threading
 import psycopg
 
 from outbox_pipeline import OutboxTable, enqueue
-from outbox_pipeline.relay.wakeups import WakeUps
+from outbox_pipeline.relay import WakeUps
 from tests.kit.probes import wait_until
 
 

@@ -14,7 +14,7 @@ from psycopg import sql
 from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.model import PublishOutcome
-from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
+from outbox_pipeline.operate import discard_dead_letters, retry_dead_letters
 from outbox_pipeline.store.wal.format import UNSTORABLE_TOPIC, encode
 from outbox_pipeline.store.wal.objects import names_of
 from tests.kit.kafka import KafkaProbe

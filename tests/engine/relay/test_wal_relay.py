@@ -16,14 +16,12 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.operate.dead_letters import discard_dead_letters, retry_dead_letters
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.operate import discard_dead_letters, retry_dead_letters
+from outbox_pipeline.relay import KafkaPublisher, RelaySettings, WalRelay
 from outbox_pipeline.relay.wal.leader import LeaderSettings, SlotLeader
 from outbox_pipeline.relay.wal.pgoutput import pg_clock_us, standby_status
-from outbox_pipeline.relay.wal.relay import WalRelay
 from outbox_pipeline.relay.wal.stream import ReplicationStream
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal.format import decode
 from outbox_pipeline.store.wal.grants import emit_function
 from outbox_pipeline.store.wal.objects import drop_slot, names_of

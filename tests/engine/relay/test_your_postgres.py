@@ -19,15 +19,12 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many, server
 from outbox_pipeline.cli import main
-from outbox_pipeline.drain.engine import commit_drain, plan_drain
-from outbox_pipeline.drain.ranges import fetch_range, publish_range
-from outbox_pipeline.drain.values import RangeReport, drain_owner
+from outbox_pipeline.drain import RangeReport, commit_drain, drain_owner, fetch_range, plan_drain, publish_range
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres
-from outbox_pipeline.operate.maintenance import check_relayed, create_ahead, day_partitions, move_default_rows
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies import strategy_class
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.operate import check_relayed, create_ahead, day_partitions, move_default_rows
+from outbox_pipeline.relay import KafkaPublisher
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import StrategyConfig, strategy_class
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, message_ids
 from tests.kit.servers import server_under_test

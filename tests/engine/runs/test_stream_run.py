@@ -12,11 +12,10 @@ import psycopg
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.relay.relay_settings import RelaySettings
-from outbox_pipeline.runs.stream_run import StreamReport, StreamRun
-from outbox_pipeline.store.schema import set_topic_partitions
-from outbox_pipeline.strategies.base import StrategyConfig
+from outbox_pipeline.relay import KafkaPublisher, RelaySettings
+from outbox_pipeline.runs import StreamReport, StreamRun
+from outbox_pipeline.store import set_topic_partitions
+from outbox_pipeline.strategies import StrategyConfig
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids
 

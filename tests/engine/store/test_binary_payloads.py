@@ -12,16 +12,12 @@ import pytest
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.drain.engine import commit_drain, plan_drain
-from outbox_pipeline.drain.ranges import fetch_range, publish_range
-from outbox_pipeline.drain.values import drain_owner
+from outbox_pipeline.drain import commit_drain, drain_owner, fetch_range, plan_drain, publish_range
 from outbox_pipeline.errors import InvalidMessageError
 from outbox_pipeline.model import STRATEGY_NAMES
-from outbox_pipeline.operate.dead_letters import list_dead_letters, retry_dead_letters
-from outbox_pipeline.relay.publisher import KafkaPublisher
-from outbox_pipeline.store import schema
-from outbox_pipeline.store.migrations import LATEST_VERSION, MIGRATIONS
-from outbox_pipeline.store.schema import init_db, set_topic_partitions
+from outbox_pipeline.operate import list_dead_letters, retry_dead_letters
+from outbox_pipeline.relay import KafkaPublisher
+from outbox_pipeline.store import LATEST_VERSION, MIGRATIONS, init_db, schema, set_topic_partitions
 from outbox_pipeline.verify import verify
 from tests.kit.kafka import KafkaProbe
 from tests.kit.quarantine import SMALL_PRODUCER

@@ -14,8 +14,7 @@ from psycopg.rows import dict_row
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.partitioning import partition_for
-from outbox_pipeline.store.header_rules import decode_headers
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import decode_headers, set_topic_partitions
 
 
 def _rows(conn: psycopg.Connection, table: OutboxTable) -> list[tuple[Any, ...]]:

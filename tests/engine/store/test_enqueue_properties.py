@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue_many
-from outbox_pipeline.store.header_rules import decode_headers
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import decode_headers, init_db
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text()
 json_values = st.recursive(

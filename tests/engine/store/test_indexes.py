@@ -16,8 +16,8 @@ from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
 from outbox_pipeline.errors import SchemaError
 from outbox_pipeline.model import STRATEGY_NAMES
+from outbox_pipeline.store import ensure_partitions, init_db, set_topic_partitions
 from outbox_pipeline.store.indexes import INDEXES, indexes_for, states
-from outbox_pipeline.store.schema import ensure_partitions, init_db, set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, order_by_key
 

@@ -15,8 +15,8 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.localstack import LocalPostgres
-from outbox_pipeline.operate.dead_letters import discard_dead_letters
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.operate import discard_dead_letters
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal import format as wal_format
 from outbox_pipeline.store.wal.objects import drop_slot
 from tests.kit.kafka import KafkaProbe

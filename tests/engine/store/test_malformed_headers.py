@@ -14,7 +14,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
-from outbox_pipeline.store.header_rules import UnencodableHeaders, decode_headers
+from outbox_pipeline.store import UnencodableHeaders, decode_headers
 from tests.kit.kafka import KafkaProbe
 from tests.kit.probes import dead_letters
 from tests.kit.relay import drain, message_ids

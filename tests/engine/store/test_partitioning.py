@@ -11,7 +11,7 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.partitioning import murmur2, partition_for
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 
 # From Apache Kafka's UtilsTest.testMurmur2 (signed 32-bit results there).

@@ -12,7 +12,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.model import STRATEGY_NAMES
-from outbox_pipeline.store.schema import init_db, set_topic_partitions
+from outbox_pipeline.store import init_db, set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 

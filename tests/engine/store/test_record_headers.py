@@ -10,7 +10,7 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.model import STRATEGY_NAMES
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, row_count
 

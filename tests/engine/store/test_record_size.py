@@ -27,12 +27,17 @@ from psycopg.types.json import Jsonb
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.errors import InvalidMessageError
 from outbox_pipeline.localstack import LocalPostgres
-from outbox_pipeline.store.header_rules import RESERVED_HEADERS
+from outbox_pipeline.store import (
+    RESERVED_HEADERS,
+    WIDEST_ID,
+    CloudEvents,
+    RecordHeaders,
+    RecordLimit,
+    init_db,
+    record_bytes,
+)
 from outbox_pipeline.store.messages import validate
-from outbox_pipeline.store.record_headers import CloudEvents, RecordHeaders
-from outbox_pipeline.store.record_size import WIDEST_ID, RecordLimit, record_bytes
-from outbox_pipeline.store.schema import init_db
-from outbox_pipeline.strategies.base import RECORD_COLUMNS, fetch_records
+from outbox_pipeline.strategies import RECORD_COLUMNS, fetch_records
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 

@@ -16,10 +16,16 @@ from psycopg.rows import dict_row
 from outbox_pipeline.cli import main
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.errors import SchemaError
-from outbox_pipeline.store import schema
-from outbox_pipeline.store.migrations import LATEST_VERSION, MIGRATIONS
-from outbox_pipeline.store.schema import current_version, init_db, partition_name, require_current
-from outbox_pipeline.store.topic_names import TOPIC_CHECK_PATTERN
+from outbox_pipeline.store import (
+    LATEST_VERSION,
+    MIGRATIONS,
+    TOPIC_CHECK_PATTERN,
+    current_version,
+    init_db,
+    partition_name,
+    require_current,
+    schema,
+)
 
 
 def _write_rows_as_plain_sql(conn: psycopg.Connection, table: OutboxTable, count: int) -> None:

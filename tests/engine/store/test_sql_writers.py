@@ -15,7 +15,7 @@ from outbox_pipeline import OutboxTable, enqueue
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.localstack import LocalPostgres
 from outbox_pipeline.partitioning import partition_for
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, order_by_key
 

@@ -14,11 +14,8 @@ from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.cli import main
-from outbox_pipeline.drain.engine import plan_drain
-from outbox_pipeline.drain.values import drain_owner
-from outbox_pipeline.store import schema
-from outbox_pipeline.store.migrations import MIGRATIONS
-from outbox_pipeline.store.schema import init_db, set_topic_partitions
+from outbox_pipeline.drain import drain_owner, plan_drain
+from outbox_pipeline.store import MIGRATIONS, init_db, schema, set_topic_partitions
 from outbox_pipeline.store.strategy_record import BY_POSITIONS, StrategyMismatch, claim, recorded
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain, row_count

@@ -20,7 +20,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from psycopg import sql
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
-from outbox_pipeline.store.tracing import start_batch_span
+from outbox_pipeline.store import start_batch_span
 from tests.kit.kafka import KafkaProbe, Record
 from tests.kit.relay import drain
 from tests.kit.tracing import finished_spans

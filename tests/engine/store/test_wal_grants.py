@@ -18,7 +18,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from outbox_pipeline import Message, OutboxTable, enqueue, enqueue_many
 from outbox_pipeline.cli import main
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal import format as wal_format
 from outbox_pipeline.store.wal.objects import names_of
 from tests.engine.store.test_writer_isolation import WRITER_GRANTS

@@ -14,7 +14,7 @@ from psycopg import sql
 
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.errors import SchemaError
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal import position
 from outbox_pipeline.store.wal.objects import names_of
 from tests.kit.kafka import KafkaProbe

@@ -13,7 +13,7 @@ from psycopg import sql
 from outbox_pipeline import OutboxTable
 from outbox_pipeline.errors import SchemaError
 from outbox_pipeline.localstack import LocalPostgres
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal.objects import drop_slot, names_of
 from outbox_pipeline.store.wal.slot import slot_state
 

@@ -14,7 +14,7 @@ from outbox_pipeline import InvalidMessageError, Message, OutboxTable, enqueue, 
 from outbox_pipeline.errors import OutboxError, SchemaError
 from outbox_pipeline.relay.wal.pgoutput import Message as PgMessage
 from outbox_pipeline.relay.wal.pgoutput import decode_pgoutput
-from outbox_pipeline.store.schema import init_db
+from outbox_pipeline.store import init_db
 from outbox_pipeline.store.wal import objects as wal_objects
 from outbox_pipeline.store.wal.format import WalMessage, decode
 from outbox_pipeline.store.wal.objects import drop_slot, names_of

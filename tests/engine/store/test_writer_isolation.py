@@ -15,7 +15,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from outbox_pipeline import OutboxTable, enqueue
-from outbox_pipeline.store.schema import set_topic_partitions
+from outbox_pipeline.store import set_topic_partitions
 
 SNAPSHOT_ISOLATIONS = ["REPEATABLE READ", "SERIALIZABLE"]
 WAIT_S = 30.0
