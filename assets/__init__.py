@@ -1,7 +1,7 @@
 """Dagster room: assets over the outbox (backlog and lag check, per-partition relay; Spark drains, maintenance).
 
-Names resolve on first use (PEP 562): Spark executors import ``assets.spark.datasource`` and must not pay
-for importing Dagster and every asset with it.
+Names resolve on first use (PEP 562): Spark executors import ``outbox_pipeline.assets.spark.datasource`` and
+must not pay for importing Dagster and every asset with it.
 """
 
 import importlib
