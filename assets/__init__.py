@@ -1,5 +1,6 @@
 """Dagster assets over the outbox: the backlog and its checks, the per-partition relay; the PySpark assets are in
-spark/. Each module: docs/architecture.md#assets-and-resources."""
+spark/. Names resolve on first use (PEP 562): a Spark executor importing ``outbox_pipeline.assets.spark.datasource``
+does not import Dagster. Each module: docs/architecture.md#assets-and-resources."""
 
 import importlib
 from typing import Any

@@ -11,7 +11,7 @@ from outbox_pipeline.observe.status import markdown, partition_status
 from outbox_pipeline.observe.wal_lag import wal_lag
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from resources.postgres import PostgresResource
+from outbox_pipeline.resources.postgres import PostgresResource
 
 BACKLOG_KEY = dg.AssetKey("outbox_backlog")
 LAG_SLO_CHECK = "outbox_lag_slo"

@@ -9,10 +9,10 @@ from pydantic import Field
 from outbox_pipeline.orchestration.partitions import outbox_partitions, parse_partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.resources.kafka import KafkaResource
+from outbox_pipeline.resources.postgres import PostgresResource
 from outbox_pipeline.runs.partition_run import PartitionRunReport, end_backoff, relay_partition
 from outbox_pipeline.strategies.base import StrategyConfig
-from resources.kafka import KafkaResource
-from resources.postgres import PostgresResource
 
 
 class RelayRunConfig(dg.Config):

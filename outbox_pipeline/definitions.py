@@ -3,8 +3,8 @@ docs/dagster.md#orchestration-settings."""
 
 import dagster as dg
 
-from assets import outbox_backlog, outbox_dead_letters, outbox_lag_slo, relayed_outbox
-from assets.spark import bulk_drain_job, spark_assets, spark_jobs, spark_schedules
+from outbox_pipeline.assets import outbox_backlog, outbox_dead_letters, outbox_lag_slo, relayed_outbox
+from outbox_pipeline.assets.spark import bulk_drain_job, spark_assets, spark_jobs, spark_schedules
 from outbox_pipeline.orchestration.alert_sensors import (
     build_dead_letter_sensor,
     build_lag_slo_sensor,
@@ -15,8 +15,8 @@ from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.operator_jobs import OPERATOR_JOBS
 from outbox_pipeline.orchestration.relay_stream import relay_stream_job
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources import AlertResource, KafkaResource, PostgresResource, SparkResource
 from outbox_pipeline.settings import PG_DSN, SCHEMA
-from resources import AlertResource, KafkaResource, PostgresResource, SparkResource
 
 
 def build_resources(orchestration: OrchestrationSettings) -> dict[str, dg.ConfigurableResource]:

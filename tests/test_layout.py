@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import pkgutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import dagster as dg
 
 # Dagster rooms inside the package; every other module of it is engine (found by walking the package, so a new
-# module is checked without being listed).
-DAGSTER_ROOMS = ("outbox_pipeline.orchestration", "outbox_pipeline.definitions")
+# module is checked without being listed). assets/ and resources/ join it through outbox_pipeline/'s symbolic links.
+DAGSTER_ROOMS = (
+    "outbox_pipeline.orchestration",
+    "outbox_pipeline.definitions",
+    "outbox_pipeline.assets",
+    "outbox_pipeline.resources",
+)
 
 
 def _engine_modules() -> list[str]:
@@ -216,10 +223,11 @@ def test_each_layer_exports_the_names_its_all_declares() -> None:
     import outbox_pipeline
 
     packages = [info.name for info in pkgutil.walk_packages(outbox_pipeline.__path__, "outbox_pipeline.") if info.ispkg]
-    layers = [importlib.import_module(name) for name in ["outbox_pipeline", *packages, *TOP_ROOMS, "assets.spark"]]
+    layers = [importlib.import_module(name) for name in ["outbox_pipeline", *packages]]
     exported = {layer.__name__: layer.__all__ for layer in layers if hasattr(layer, "__all__")}
 
-    assert {"outbox_pipeline.store", "outbox_pipeline.relay", "outbox_pipeline.bench", "resources"} <= set(exported)
+    expected = {"outbox_pipeline.store", "outbox_pipeline.relay", "outbox_pipeline.bench", "outbox_pipeline.resources"}
+    assert expected <= set(exported)
     stale = {name: [n for n in names if not hasattr(sys.modules[name], n)] for name, names in exported.items()}
     assert {name: names for name, names in stale.items() if names} == {}
 
@@ -314,7 +322,7 @@ def test_dagster_definitions_load() -> None:
 
 def test_spark_executors_import_the_data_sources_without_dagster() -> None:
     code = (
-        "import sys, assets.spark.datasource, assets.spark.drain_job\n"
+        "import sys, outbox_pipeline.assets.spark.datasource, outbox_pipeline.assets.spark.drain_job\n"
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -322,8 +330,20 @@ def test_spark_executors_import_the_data_sources_without_dagster() -> None:
 
 
 def test_asset_package_exports_are_definitions_even_after_their_modules_were_imported() -> None:
-    import assets.spark.bulk_drain_asset  # noqa: F401 - a submodule import must not shadow the export
-    from assets.spark import bulk_drain, spark_assets
+    import outbox_pipeline.assets.spark.bulk_drain_asset  # noqa: F401 - a submodule import must not shadow the export
+    from outbox_pipeline.assets.spark import bulk_drain, spark_assets
 
     assert isinstance(bulk_drain, dg.AssetsDefinition)
     assert all(isinstance(a, dg.AssetsDefinition) for a in spark_assets)
+
+
+def test_the_dagster_rooms_install_inside_the_package_from_the_repositorys_top() -> None:
+    """Top-level ``assets`` and ``resources`` packages would collide with other distributions' (docs/architecture.md,
+    Packaging): the project installs ``outbox_pipeline`` alone, and its rooms are the repository's folders."""
+    root = Path(__file__).resolve().parents[1]
+
+    assert (metadata.distribution("outbox-pipeline").read_text("top_level.txt") or "").split() == ["outbox_pipeline"]
+    for room in ("assets", "resources"):
+        spec = importlib.util.find_spec(f"outbox_pipeline.{room}")
+        assert spec is not None and spec.origin is not None
+        assert Path(spec.origin).resolve() == root / room / "__init__.py"

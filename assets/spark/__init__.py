@@ -5,7 +5,7 @@ docs/spark.md."""
 import importlib
 from typing import Any
 
-# Names resolve on first use (PEP 562): executors import ``assets.spark.datasource`` alone, without
+# Names resolve on first use (PEP 562): executors import ``outbox_pipeline.assets.spark.datasource`` alone, without
 # Dagster and the assets. No submodule may share an exported name: an imported submodule becomes an
 # attribute of the package and would shadow the export (hence bulk_drain_asset.py).
 _EXPORTS = {

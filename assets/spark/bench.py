@@ -1,4 +1,4 @@
-"""The Spark bulk drain against the direct relay, interleaved in one invocation (`python -m assets.spark.bench`); the
+"""The Spark bulk drain against the direct relay, interleaved in one invocation (`python -m outbox_pipeline.assets.spark.bench`); the
 engine's bench cannot import Spark. See docs/performance.md#the-spark-bulk-drain-against-the-direct-relay."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from outbox_pipeline.bench.command import servers
 from outbox_pipeline.bench.runner import RunSpec, Servers, drop_table, prepare, run_once
 from outbox_pipeline.drain.engine import plan_drain
 from outbox_pipeline.drain.values import drain_owner
-from resources.spark import SparkResource
+from outbox_pipeline.resources.spark import SparkResource
 
 from .drain_job import run_drain
 
@@ -45,7 +45,9 @@ def spark_line(servers_: Servers, spec: RunSpec, spark: SparkResource, verify: b
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m assets.spark.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m outbox_pipeline.assets.spark.bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--partitions", type=int, default=1, help="virtual partitions per topic (Spark tasks / 2)")

@@ -22,9 +22,9 @@ from outbox_pipeline.observe.liveness import liveness_from_env
 from outbox_pipeline.orchestration.drain_requests import DRAINED_TAG
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.relay.presence import present
-from resources.kafka import KafkaResource
-from resources.postgres import PostgresResource
-from resources.spark import SparkResource
+from outbox_pipeline.resources.kafka import KafkaResource
+from outbox_pipeline.resources.postgres import PostgresResource
+from outbox_pipeline.resources.spark import SparkResource
 
 
 class BulkDrainConfig(dg.Config):

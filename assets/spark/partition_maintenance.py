@@ -20,10 +20,10 @@ from outbox_pipeline.operate.maintenance import (
     move_default_rows,
 )
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources.postgres import PostgresResource
+from outbox_pipeline.resources.spark import SparkResource
 from outbox_pipeline.settings import ARCHIVE_URI, HOME
 from outbox_pipeline.store.migrations import DEFAULT_DAYS_AHEAD
-from resources.postgres import PostgresResource
-from resources.spark import SparkResource
 
 DEFAULT_RETENTION_DAYS = 7
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import dagster as dg
 
-from assets.backlog import (
+from outbox_pipeline.assets.backlog import (
     BACKLOG_KEY,
     DEAD_LETTER_CHECK,
     LAG_SLO_CHECK,
@@ -21,8 +21,8 @@ from assets.backlog import (
 from outbox_pipeline.errors import OutboxError
 from outbox_pipeline.observe.lag import DeadLetterBacklog
 from outbox_pipeline.observe.lag_slo import LagVerdict, Severity
-from resources.alerts import Alert, AlertResource
-from resources.postgres import PostgresResource
+from outbox_pipeline.resources.alerts import Alert, AlertResource
+from outbox_pipeline.resources.postgres import PostgresResource
 
 from .partitions import partition_key
 from .runs import PARTITION_TAG, WILL_RETRY_TAG, Job

@@ -8,7 +8,7 @@ import dagster as dg
 if TYPE_CHECKING:  # the type define_asset_job returns; Dagster does not export its name, nothing imports it at run time
     from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from assets.relay import relayed_outbox
+from outbox_pipeline.assets.relay import relayed_outbox
 
 from .partitions import outbox_partitions
 

@@ -13,9 +13,9 @@ from outbox_pipeline.model import WAL
 from outbox_pipeline.observe.lag import PartitionLag, partition_lag
 from outbox_pipeline.observe.liveness import LiveWorker, live_workers
 from outbox_pipeline.observe.wal_lag import wal_lag
+from outbox_pipeline.resources.postgres import PostgresResource
 from outbox_pipeline.store.relayable import require_relayable
 from outbox_pipeline.strategies.positions import UNSCOPED_KIND
-from resources.postgres import PostgresResource
 
 from .drain_requests import bulk_drain_request
 from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, outbox_partitions, partition_key

@@ -16,10 +16,10 @@ from outbox_pipeline.operate.dead_letters import (
     retry_dead_letters,
 )
 from outbox_pipeline.operate.operations import release_lease, replay_sent, rewind_partition
+from outbox_pipeline.resources.postgres import PostgresResource
 from outbox_pipeline.store.indexes import build, drop_except, indexes_for, states
 from outbox_pipeline.strategies import strategy_class
 from outbox_pipeline.strategies.positions import PositionStrategy
-from resources.postgres import PostgresResource
 
 from .partitions import outbox_partitions, parse_partition_key
 from .settings import OrchestrationSettings

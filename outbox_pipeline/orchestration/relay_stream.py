@@ -16,11 +16,11 @@ from pydantic import Field
 
 from outbox_pipeline.observe.metrics import RelayMetrics
 from outbox_pipeline.relay.relay_settings import RelaySettings
+from outbox_pipeline.resources.kafka import KafkaResource
+from outbox_pipeline.resources.postgres import PostgresResource
 from outbox_pipeline.runs.stream_run import PartitionProgress, StreamReport, StreamRun
 from outbox_pipeline.settings import METRICS_PUSHGATEWAY
 from outbox_pipeline.strategies.base import StrategyConfig
-from resources.kafka import KafkaResource
-from resources.postgres import PostgresResource
 
 from .partitions import OUTBOX_PARTITIONS_NAME, is_valid_key, partition_key
 from .settings import OrchestrationSettings

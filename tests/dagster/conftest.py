@@ -17,9 +17,9 @@ from psycopg import sql
 from outbox_pipeline import Message, OutboxTable, enqueue_many
 from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources import AlertResource, KafkaResource, PostgresResource
 from outbox_pipeline.store import set_topic_partitions
 from outbox_pipeline.store.strategy_record import BY_INIT_DB, claim
-from resources import AlertResource, KafkaResource, PostgresResource
 from tests.kit.kafka import KafkaProbe
 
 # A frozen or unreachable broker fails a batch within 2 s.

@@ -11,7 +11,7 @@ import dagster as dg
 
 from outbox_pipeline.orchestration.relay_stream import relay_stream_job
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from resources import KafkaResource, PostgresResource
+from outbox_pipeline.resources import KafkaResource, PostgresResource
 
 
 def stream_job() -> dg.JobDefinition:

@@ -9,13 +9,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from assets.spark import bulk_drain, bulk_drain_job
 from outbox_pipeline import OutboxTable
+from outbox_pipeline.assets.spark import bulk_drain, bulk_drain_job
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.relay_stream import relay_stream_job
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources.spark import SparkResource
 from outbox_pipeline.strategies.positions import discover
-from resources.spark import SparkResource
 
 from .conftest import Written
 from .lag_ticks import live_worker, requested, skip_message, tick

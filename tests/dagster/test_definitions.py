@@ -10,12 +10,12 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from assets import outbox_backlog, outbox_lag_slo
 from outbox_pipeline import OutboxTable
+from outbox_pipeline.assets import outbox_backlog, outbox_lag_slo
 from outbox_pipeline.definitions import defs
 from outbox_pipeline.errors import ConfigurationError
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from resources import PostgresResource
+from outbox_pipeline.resources import PostgresResource
 
 from .conftest import Written
 

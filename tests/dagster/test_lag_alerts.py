@@ -14,8 +14,8 @@ import dagster as dg
 import psycopg
 import pytest
 
-from assets import outbox_backlog, outbox_lag_slo, relayed_outbox
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.assets import outbox_backlog, outbox_lag_slo, relayed_outbox
 from outbox_pipeline.localstack import free_port
 from outbox_pipeline.observe import LagThresholds
 from outbox_pipeline.operate import retry_dead_letters
@@ -27,7 +27,7 @@ from outbox_pipeline.orchestration.alert_sensors import (
 from outbox_pipeline.orchestration.jobs import build_relay_partition_job, relay_partition_job
 from outbox_pipeline.orchestration.partitions import OUTBOX_PARTITIONS_NAME
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from resources import Alert, AlertResource, KafkaResource
+from outbox_pipeline.resources import Alert, AlertResource, KafkaResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 

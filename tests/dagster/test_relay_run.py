@@ -9,8 +9,8 @@ import dagster as dg
 import psycopg
 import pytest
 
-from assets import relayed_outbox
 from outbox_pipeline import OutboxTable
+from outbox_pipeline.assets import relayed_outbox
 from outbox_pipeline.definitions import build_resources
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.orchestration.jobs import build_relay_partition_job

@@ -28,8 +28,8 @@ from outbox_pipeline.orchestration.relay_stream import (
     stream_worker_id,
 )
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources import KafkaResource
 from outbox_pipeline.store import set_topic_partitions
-from resources import KafkaResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids, order_by_key
 from tests.kit.writer import Writer

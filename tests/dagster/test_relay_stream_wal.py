@@ -12,8 +12,8 @@ from outbox_pipeline.orchestration.partitions import partition_key
 from outbox_pipeline.orchestration.relay_stream import RELAYED_OUTBOX, relay_stream_job
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
 from outbox_pipeline.partitioning import partition_for
+from outbox_pipeline.resources import AlertResource, KafkaResource, PostgresResource
 from outbox_pipeline.store import set_topic_partitions
-from resources import AlertResource, KafkaResource, PostgresResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import message_ids
 

@@ -16,8 +16,8 @@ from outbox_pipeline.orchestration.alert_sensors import build_lag_slo_sensor
 from outbox_pipeline.orchestration.lag_sensor import build_outbox_lag_sensor
 from outbox_pipeline.orchestration.relay_stream import relay_stream_job
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources import AlertResource, KafkaResource, PostgresResource
 from outbox_pipeline.store.wal.objects import names_of
-from resources import AlertResource, KafkaResource, PostgresResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import make_wal_relay
 

@@ -54,7 +54,8 @@ def mutants() -> list[Mutant]:
 
 
 def scratch_copy() -> Path:
-    """The working tree's files as they are (tracked and new, not ignored), copied under /tmp."""
+    """The working tree's files as they are (tracked and new, not ignored), copied under /tmp; its symbolic links
+    (outbox_pipeline/assets, outbox_pipeline/resources) stay links, into the copy."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -64,8 +65,10 @@ def scratch_copy() -> Path:
     target = Path(tempfile.mkdtemp(prefix="outbox-mutant-"))
     for name in filter(None, listed.split("\0")):
         source = ROOT / name
-        if source.is_file():
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            (target / name).symlink_to(source.readlink())
+        elif source.is_file():
             shutil.copy2(source, target / name)
     return target
 

@@ -11,11 +11,11 @@ import sys
 
 import dagster as dg
 
-from assets.spark import bulk_drain
+from outbox_pipeline.assets.spark import bulk_drain
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from resources.kafka import KafkaResource
-from resources.postgres import PostgresResource
-from resources.spark import SparkResource
+from outbox_pipeline.resources.kafka import KafkaResource
+from outbox_pipeline.resources.postgres import PostgresResource
+from outbox_pipeline.resources.spark import SparkResource
 
 
 def main(dsn: str, schema: str, bootstrap: str, master: str, app_name: str) -> int:

@@ -9,9 +9,9 @@ import pytest
 
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
-from resources.kafka import KafkaResource
-from resources.postgres import PostgresResource
-from resources.spark import SparkResource
+from outbox_pipeline.resources.kafka import KafkaResource
+from outbox_pipeline.resources.postgres import PostgresResource
+from outbox_pipeline.resources.spark import SparkResource
 from tests.kit.kafka import KafkaProbe
 
 LOCAL_SPARK = {

@@ -12,15 +12,15 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from assets.spark import bulk_drain
 from outbox_pipeline import Message, enqueue_many
+from outbox_pipeline.assets.spark import bulk_drain
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.drain import OWNER_PREFIX
 from outbox_pipeline.localstack import LocalBroker
 from outbox_pipeline.localstack.demo import load
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources.kafka import KafkaResource
 from outbox_pipeline.store import enqueue, set_topic_partitions
-from resources.kafka import KafkaResource
 from tests.kit.kafka import KafkaProbe, Record
 from tests.kit.probes import positions, row_positions, wait_until
 from tests.kit.relay import committed_message_ids, drain, make_relay, message_ids, order_by_key

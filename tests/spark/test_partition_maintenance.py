@@ -15,15 +15,15 @@ import pyarrow.parquet as pq
 import pytest
 from psycopg import sql
 
-from assets.spark import outbox_partition_maintenance, spark_assets, spark_jobs, spark_schedules
-from assets.spark.datasource import archive_uri
+from outbox_pipeline.assets.spark import outbox_partition_maintenance, spark_assets, spark_jobs, spark_schedules
+from outbox_pipeline.assets.spark.datasource import archive_uri
 from outbox_pipeline.config import OutboxTable
 from outbox_pipeline.operate import rewind_partition
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources.kafka import KafkaResource
+from outbox_pipeline.resources.postgres import PostgresResource
+from outbox_pipeline.resources.spark import SparkResource
 from outbox_pipeline.store import ensure_partitions, partition_name
-from resources.kafka import KafkaResource
-from resources.postgres import PostgresResource
-from resources.spark import SparkResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.relay import drain
 

@@ -1,4 +1,5 @@
-"""`python -m assets.spark.bench`: the Spark drain and the direct relay, interleaved, every message counted back."""
+"""`python -m outbox_pipeline.assets.spark.bench`: the Spark drain and the direct relay, interleaved, every message
+counted back."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_the_spark_bench_drains_the_same_backlog_both_ways_and_counts_every_mess
 ) -> None:
     env = {**os.environ, "OUTBOX_PG_DSN": dsn, "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers}
     run = subprocess.run(
-        [sys.executable, "-m", "assets.spark.bench", "--messages", "3000", "--runs", "1", "--verify"],
+        [sys.executable, "-m", "outbox_pipeline.assets.spark.bench", "--messages", "3000", "--runs", "1", "--verify"],
         env=env,
         cwd=ROOT,
         capture_output=True,

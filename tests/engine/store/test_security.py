@@ -13,13 +13,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from assets import outbox_backlog
 from outbox_pipeline import Message, OutboxTable, enqueue_many
+from outbox_pipeline.assets import outbox_backlog
 from outbox_pipeline.config import REDACTED, kafka_config_from_env, redact_dsn, redact_kafka_config
 from outbox_pipeline.localstack import LocalBroker, LocalPostgres, free_port
 from outbox_pipeline.orchestration.settings import OrchestrationSettings
+from outbox_pipeline.resources import PostgresResource
 from outbox_pipeline.store import init_db
-from resources import PostgresResource
 from tests.kit.kafka import KafkaProbe
 from tests.kit.net import LOOPBACK, listening_hosts
 from tests.kit.relay import drain, message_ids
