@@ -119,7 +119,7 @@ def bulk_drain(
     return dg.MaterializeResult(metadata=metadata)
 
 
-def _drained(strategy: str, outcome: DrainOutcome, elapsed: float) -> tuple[int, dict[str, dg.RawMetadataValue]]:
+def _drained(strategy: str, outcome: DrainOutcome, elapsed: float) -> "tuple[int, dict[str, dg.RawMetadataValue]]":
     """Rows committed, and the materialization's metadata: what was drained, how fast, and where each partition is."""
     rows = sum(d.rows for d in outcome.committed)
     return rows, {
@@ -135,7 +135,7 @@ def _drained(strategy: str, outcome: DrainOutcome, elapsed: float) -> tuple[int,
 
 
 def _stopped_short(
-    outcome: DrainOutcome, aborted: str | None, planned: int, rows: int, metadata: dict[str, dg.RawMetadataValue]
+    outcome: DrainOutcome, aborted: str | None, planned: int, rows: int, metadata: "dict[str, dg.RawMetadataValue]"
 ) -> dg.Failure:
     """The run fails, so the UI shows it; what was confirmed is committed already and the rest is the relay's."""
     stopped = dict(outcome.failed)

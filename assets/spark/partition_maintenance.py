@@ -132,7 +132,7 @@ class _Upkeep:
     dropped: list[DropResult] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
-    def metadata(self) -> dict[str, dg.RawMetadataValue]:
+    def metadata(self) -> "dict[str, dg.RawMetadataValue]":
         return {
             "partitions_archived": len(self.archived),
             "archived": dg.MetadataValue.json(self.archived),
