@@ -13,6 +13,7 @@ from outbox_pipeline.drain.values import (
     DEFAULT_FETCH_ROWS,
     DEFAULT_LEASE_S,
     OWNER_PREFIX,
+    DrainOutcome,
     drain_owner,
     no_drain,
 )
@@ -106,8 +107,17 @@ def bulk_drain(
             with postgres.connect() as conn:
                 release_drain(conn, table, owner)
     elapsed = time.monotonic() - started
+    rows, metadata = _drained(strategy, outcome, elapsed)
+    if outcome.failed or outcome.not_committed or aborted:
+        raise _stopped_short(outcome, aborted, len(plan.ranges), rows, metadata)
+    context.log.info("drained %d rows from %d partitions in %.1f s", rows, len(outcome.committed), elapsed)
+    return dg.MaterializeResult(metadata=metadata)
+
+
+def _drained(strategy: str, outcome: DrainOutcome, elapsed: float) -> "tuple[int, dict[str, dg.RawMetadataValue]]":
+    """Rows committed, and the materialization's metadata: what was drained, how fast, and where each partition is."""
     rows = sum(d.rows for d in outcome.committed)
-    metadata: dict[str, dg.RawMetadataValue] = {
+    return rows, {
         "strategy": strategy,
         "rows": rows,
         "bytes": sum(d.bytes for d in outcome.committed),
@@ -117,27 +127,29 @@ def bulk_drain(
         "per_partition": dg.MetadataValue.json({d.label: d.rows for d in outcome.committed}),
         "positions": dg.MetadataValue.json({d.label: f"xid={d.last_xid} id={d.last_id}" for d in outcome.committed}),
     }
-    if outcome.failed or outcome.not_committed or aborted:
-        # The run fails, so the UI shows it; what was confirmed is committed already and the rest is the relay's.
-        stopped = dict(outcome.failed)
-        first = next(iter(stopped.items()), None)
-        reason = aborted or (
-            f"{len(stopped)} of {len(plan.ranges)} partitions stopped short: {first[0]}: {first[1]}"
-            if first
-            else f"{len(outcome.not_committed)} partitions not committed"
-        )
-        raise dg.Failure(
-            description=f"{reason}. What Kafka confirmed before that is committed ({rows} rows); the relay publishes "
-            "the rest, with its attempts and dead letters for a message Kafka refuses. The lag sensor requests no "
-            "other bulk drain for the cooldown (OUTBOX_BULK_DRAIN_COOLDOWN_S).",
-            metadata={
-                **metadata,
-                "stopped": dg.MetadataValue.json(stopped),
-                "not_committed": dg.MetadataValue.json(dict(outcome.not_committed)),
-            },
-        )
-    context.log.info("drained %d rows from %d partitions in %.1f s", rows, len(outcome.committed), elapsed)
-    return dg.MaterializeResult(metadata=metadata)
+
+
+def _stopped_short(
+    outcome: DrainOutcome, aborted: str | None, planned: int, rows: int, metadata: "dict[str, dg.RawMetadataValue]"
+) -> dg.Failure:
+    """The run fails, so the UI shows it; what was confirmed is committed already and the rest is the relay's."""
+    stopped = dict(outcome.failed)
+    first = next(iter(stopped.items()), None)
+    reason = aborted or (
+        f"{len(stopped)} of {planned} partitions stopped short: {first[0]}: {first[1]}"
+        if first
+        else f"{len(outcome.not_committed)} partitions not committed"
+    )
+    return dg.Failure(
+        description=f"{reason}. What Kafka confirmed before that is committed ({rows} rows); the relay publishes "
+        "the rest, with its attempts and dead letters for a message Kafka refuses. The lag sensor requests no "
+        "other bulk drain for the cooldown (OUTBOX_BULK_DRAIN_COOLDOWN_S).",
+        metadata={
+            **metadata,
+            "stopped": dg.MetadataValue.json(stopped),
+            "not_committed": dg.MetadataValue.json(dict(outcome.not_committed)),
+        },
+    )
 
 
 def _nothing_free(

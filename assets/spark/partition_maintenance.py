@@ -2,9 +2,11 @@
 dropped. See docs/spark.md#outbox_partition_maintenance-job-outbox_partition_maintenance_job-daily-partitions."""
 
 import datetime as dt
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import dagster as dg
+import psycopg
 from pydantic import Field
 
 from outbox_pipeline.errors import OutboxError
@@ -73,9 +75,6 @@ def outbox_partition_maintenance(
     spark: SparkResource,
     orchestration: OrchestrationSettings,
 ) -> dg.MaterializeResult:
-    # pyspark only here, in a Spark run: loading the code location and every other run stay without it.
-    from .datasource import archive_partition, archive_uri
-
     table = postgres.table
     today = (
         dt.date.fromisoformat(context.partition_key) if context.has_partition_key else dt.datetime.now(dt.UTC).date()
@@ -88,54 +87,24 @@ def outbox_partition_maintenance(
     root = config.archive_uri or default_archive_root()
     # Unique per run, so an archive is never written where an earlier one is (see archive_uri).
     attempt = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{context.run.run_id[:8]}"
-    archived: dict[str, dict[str, object]] = {}
-    dropped: list[DropResult] = []
-    skipped: dict[str, str] = {}
+    upkeep = _Upkeep()
     with postgres.connect() as conn:
         # First: the days ahead must exist whatever happens after, or more rows spill into DEFAULT.
         created = create_ahead(conn, table, today=today, days_ahead=config.days_ahead, lock_timeout=config.lock_timeout)
         rescue = move_default_rows(conn, table, lock_timeout=config.lock_timeout)
         for day, reason in rescue.failed.items():
-            skipped[f"DEFAULT rows of {day.isoformat()}"] = f"not moved this run: {reason}"
+            upkeep.skipped[f"DEFAULT rows of {day.isoformat()}"] = f"not moved this run: {reason}"
         try:  # what "relayed" means is the outbox's strategy's: without it no day is archived or dropped
             strategy = orchestration.strategy_of(conn, table, config.strategy or None)
             candidates = expired(day_partitions(conn, table), today, config.retention_days)
         except OutboxError as exc:
             strategy, candidates = "-", []
-            skipped["expired days"] = f"not archived or dropped: {exc}"
+            upkeep.skipped["expired days"] = f"not archived or dropped: {exc}"
+        retirement = _Retirement(postgres, spark, config, strategy, root, attempt)
         for candidate in candidates:
-            check = check_relayed(conn, table, candidate.name, strategy)
-            if not check.relayed:
-                skipped[candidate.name] = "; ".join(check.reasons)
-                continue
-            slices = id_slices(conn, table, candidate.name, config.archive_slices)
-            written = Fingerprint(0, 0)
-            if slices:  # an empty day has nothing to archive
-                uri = archive_uri(root, table.schema, candidate.name, attempt)
-                written = archive_partition(
-                    spark.session,
-                    dsn=postgres.dsn,
-                    table=table,
-                    partition_name=candidate.name,
-                    slices=slices,
-                    uri=uri,
-                )
-                archived[candidate.name] = {"uri": uri, "rows": written.rows, "checksum": written.checksum}
-            result = drop_partition(
-                conn,
-                table,
-                candidate.name,
-                strategy=strategy,
-                archived=written,
-                lock_timeout=config.lock_timeout,
-            )
-            if result.dropped:
-                dropped.append(result)
-            else:
-                skipped[candidate.name] = result.reason or "not dropped"
-    for name, reason in skipped.items():
+            _retire(conn, retirement, candidate.name, upkeep)
+    for name, reason in upkeep.skipped.items():
         context.log.warning("kept %s: %s", name, reason)
-    bytes_freed = sum(r.bytes_freed for r in dropped)
     return dg.MaterializeResult(
         metadata={
             "day": today.isoformat(),
@@ -144,15 +113,79 @@ def outbox_partition_maintenance(
             "created": dg.MetadataValue.json(created),
             "default_rows_moved": sum(rescue.moved.values()),
             "default_rows_by_day": dg.MetadataValue.json({d.isoformat(): n for d, n in rescue.moved.items()}),
-            "partitions_archived": len(archived),
-            "archived": dg.MetadataValue.json(archived),
-            "partitions_dropped": len(dropped),
-            "dropped": dg.MetadataValue.json({r.name: r.rows for r in dropped}),
-            "partitions_skipped": len(skipped),
-            "skipped": dg.MetadataValue.json(skipped),
-            "bytes_freed": bytes_freed,
+            **upkeep.metadata(),
         }
     )
+
+
+@dataclass
+class _Upkeep:
+    """What one run did with the days it looked at: archived (where, rows, checksum), dropped, kept and why."""
+
+    archived: dict[str, dict[str, object]] = field(default_factory=dict)
+    dropped: list[DropResult] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def metadata(self) -> "dict[str, dg.RawMetadataValue]":
+        return {
+            "partitions_archived": len(self.archived),
+            "archived": dg.MetadataValue.json(self.archived),
+            "partitions_dropped": len(self.dropped),
+            "dropped": dg.MetadataValue.json({r.name: r.rows for r in self.dropped}),
+            "partitions_skipped": len(self.skipped),
+            "skipped": dg.MetadataValue.json(self.skipped),
+            "bytes_freed": sum(r.bytes_freed for r in self.dropped),
+        }
+
+
+@dataclass(frozen=True)
+class _Retirement:
+    """How this run retires an expired day: where PostgreSQL and Spark are, its settings, the strategy that says
+    what "relayed" means, and where (root, attempt) its archives go."""
+
+    postgres: PostgresResource
+    spark: SparkResource
+    config: MaintenanceConfig
+    strategy: str
+    root: str
+    attempt: str
+
+
+def _retire(conn: psycopg.Connection, retirement: _Retirement, name: str, upkeep: _Upkeep) -> None:
+    """One expired day: kept unless fully relayed; else archived (if it has rows), verified and dropped."""
+    # pyspark only here, in a Spark run: loading the code location and every other run stay without it.
+    from .datasource import archive_partition, archive_uri
+
+    table, config = retirement.postgres.table, retirement.config
+    check = check_relayed(conn, table, name, retirement.strategy)
+    if not check.relayed:
+        upkeep.skipped[name] = "; ".join(check.reasons)
+        return
+    slices = id_slices(conn, table, name, config.archive_slices)
+    written = Fingerprint(0, 0)
+    if slices:  # an empty day has nothing to archive
+        uri = archive_uri(retirement.root, table.schema, name, retirement.attempt)
+        written = archive_partition(
+            retirement.spark.session,
+            dsn=retirement.postgres.dsn,
+            table=table,
+            partition_name=name,
+            slices=slices,
+            uri=uri,
+        )
+        upkeep.archived[name] = {"uri": uri, "rows": written.rows, "checksum": written.checksum}
+    result = drop_partition(
+        conn,
+        table,
+        name,
+        strategy=retirement.strategy,
+        archived=written,
+        lock_timeout=config.lock_timeout,
+    )
+    if result.dropped:
+        upkeep.dropped.append(result)
+    else:
+        upkeep.skipped[name] = result.reason or "not dropped"
 
 
 outbox_partition_maintenance_job = dg.define_asset_job(

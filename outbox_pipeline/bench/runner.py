@@ -148,51 +148,56 @@ def _worker(
         go.wait()
         started_cpu[0] = own_cpu_s()
 
-    ended: float | None = None  # the naive, hand-written and produce-only lines end when they return
     try:
-        if spec.naive:
-            start_line()
-            published = run_naive(spec.strategy, dsn, table, bootstrap, f"naive-{index}").published
-        elif spec.kind == "hand-written":
-            start_line()
-            published = run_hand_written(spec.strategy, dsn, table, bootstrap, spec.batch_size)
-        elif spec.kind == "produce-only":
-            records = read_share(dsn, table, index, spec.workers)
-            publisher = KafkaPublisher({"bootstrap.servers": bootstrap})
-            publisher.warm_up()
-            start_line()
-            # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
-            published = produce_all(publisher, records, max(1, len(records)))
-        elif spec.strategy == WAL:
-            confirmed = _LastConfirmed()
-            read_only = spec.kind == "read-only"
-            published = drain_wal(dsn, table, bootstrap, f"bench-{index}", read_only, confirmed, start_line)
-            ended = confirmed.at
-        else:
-            if spec.trace_headers and spec.relay_spans and spec.kind == "ours":
-                _record_spans()
-            confirmed = _LastConfirmed()
-            relay = build_relay(
-                WorkerSpec(
-                    dsn,
-                    spec.strategy,
-                    {"bootstrap.servers": bootstrap},
-                    RelaySettings(batch_size=spec.batch_size, until_empty=True, listen=False),
-                    StrategyConfig(table=table, mode=spec.mode),  # type: ignore[arg-type]
-                    worker_id=f"bench-{index}",
-                ),
-                publisher=ConfirmingPublisher() if spec.kind == "read-only" else None,
-                observer=confirmed,
-            )
-            relay.prepare()  # connected and the producer started before the clock starts
-            start_line()
-            published = relay.run().published
-            ended = confirmed.at  # 0 when it confirmed nothing: it does not end the drain
+        published, ended = _drain_line(spec, dsn, table, bootstrap, index, start_line)
         cpu_s = own_cpu_s() - started_cpu[0]
         out.put(_WorkerReport(published, time.time() if ended is None else ended, cpu_s, own_peak_rss_mb()))
     except Exception as exc:  # reported, the run is marked failed
         ready.release()
         out.put(_WorkerReport(0, time.time(), 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
+
+
+def _drain_line(
+    spec: RunSpec, dsn: str, table: OutboxTable, bootstrap: str, index: int, start_line: Callable[[], None]
+) -> tuple[int, float | None]:
+    """The line under test, ``start_line`` called once it is set up: (published, when its last batch was confirmed;
+    None for the naive, hand-written and produce-only lines, which end when they return)."""
+    if spec.naive:
+        start_line()
+        return run_naive(spec.strategy, dsn, table, bootstrap, f"naive-{index}").published, None
+    if spec.kind == "hand-written":
+        start_line()
+        return run_hand_written(spec.strategy, dsn, table, bootstrap, spec.batch_size), None
+    if spec.kind == "produce-only":
+        records = read_share(dsn, table, index, spec.workers)
+        publisher = KafkaPublisher({"bootstrap.servers": bootstrap})
+        publisher.warm_up()
+        start_line()
+        # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
+        return produce_all(publisher, records, max(1, len(records))), None
+    confirmed = _LastConfirmed()
+    if spec.strategy == WAL:
+        read_only = spec.kind == "read-only"
+        published = drain_wal(dsn, table, bootstrap, f"bench-{index}", read_only, confirmed, start_line)
+        return published, confirmed.at
+    if spec.trace_headers and spec.relay_spans and spec.kind == "ours":
+        _record_spans()
+    relay = build_relay(
+        WorkerSpec(
+            dsn,
+            spec.strategy,
+            {"bootstrap.servers": bootstrap},
+            RelaySettings(batch_size=spec.batch_size, until_empty=True, listen=False),
+            StrategyConfig(table=table, mode=spec.mode),  # type: ignore[arg-type]
+            worker_id=f"bench-{index}",
+        ),
+        publisher=ConfirmingPublisher() if spec.kind == "read-only" else None,
+        observer=confirmed,
+    )
+    relay.prepare()  # connected and the producer started before the clock starts
+    start_line()
+    published = relay.run().published
+    return published, confirmed.at  # 0 when it confirmed nothing: it does not end the drain
 
 
 def _record_spans() -> None:
@@ -297,12 +302,44 @@ def run_once(servers: Servers, spec: RunSpec, progress: Callable[[str], None] = 
     return result
 
 
+@dataclass(frozen=True)
+class _Drained:
+    """The workers' reports, when they were told to go, and what PostgreSQL and the broker spent meanwhile."""
+
+    reports: list[_WorkerReport]
+    started: float
+    postgres_cpu_s: float | None
+    broker_cpu_s: float | None
+
+
 def _drain(
     servers: Servers, spec: RunSpec, prepared: tuple[OutboxTable, list[str], float], progress: Callable[[str], None]
 ) -> RunResult:
     table, topics, load_s = prepared
     # A wal outbox keeps no message_ids to write a ledger from: its messages are counted back from Kafka.
     ledger = _write_ledger(servers, table) if spec.verify and spec.kind == "ours" and spec.strategy != WAL else None
+    drained = _run_workers(servers, spec, table)
+    if spec.statements:
+        progress(top_statements(servers.dsn))
+    reports = drained.reports
+    errors = [r.error for r in reports if r.error]
+    published = sum(r.published for r in reports)
+    return RunResult(
+        spec=spec,
+        published=published,
+        drain_s=max(r.ended for r in reports) - drained.started,
+        load_s=load_s,
+        relay_cpu_s=sum(r.cpu_s for r in reports),
+        postgres_cpu_s=drained.postgres_cpu_s,
+        broker_cpu_s=drained.broker_cpu_s,
+        peak_rss_mb=max(r.max_rss_mb for r in reports),
+        verified=_verified(servers, spec, table, topics, ledger, published, progress),
+        note="; ".join(e for e in errors if e) or ("" if published >= spec.messages else "INCOMPLETE"),
+    )
+
+
+def _run_workers(servers: Servers, spec: RunSpec, table: OutboxTable) -> _Drained:
+    """``spec.workers`` processes, started together once all are set up; CPU read around the drain only."""
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Semaphore(0)
     go = ctx.Event()
@@ -332,33 +369,31 @@ def _drain(
     broker_cpu = (
         process_cpu_s(servers.broker_pid) - broker_before if servers.broker_pid and broker_before is not None else None
     )
-    if spec.statements:
-        progress(top_statements(servers.dsn))
-    errors = [r.error for r in reports if r.error]
-    published = sum(r.published for r in reports)
-    verified: bool | None = None
+    return _Drained(reports, started, pg_cpu, broker_cpu)
+
+
+def _verified(
+    servers: Servers,
+    spec: RunSpec,
+    table: OutboxTable,
+    topics: list[str],
+    ledger: Path | None,
+    published: int,
+    progress: Callable[[str], None],
+) -> bool | None:
+    """Whether every message arrived (None: not asked): by the ledger, by the count claimed, or counted back."""
     if ledger is not None:
         verified = _verify(servers, table, topics, ledger)
         ledger.unlink()
-    elif spec.verify and spec.kind == "read-only":
-        verified = published >= spec.messages  # nothing goes to Kafka: every row claimed and acked
-    elif spec.verify:
-        distinct, records = count_back(servers.bootstrap, topics, spec.messages)
-        verified = distinct == spec.messages
-        if not verified:
-            progress(f"  counted back {distinct:,} of {spec.messages:,} messages ({records:,} records)")
-    return RunResult(
-        spec=spec,
-        published=published,
-        drain_s=max(r.ended for r in reports) - started,
-        load_s=load_s,
-        relay_cpu_s=sum(r.cpu_s for r in reports),
-        postgres_cpu_s=pg_cpu,
-        broker_cpu_s=broker_cpu,
-        peak_rss_mb=max(r.max_rss_mb for r in reports),
-        verified=verified,
-        note="; ".join(e for e in errors if e) or ("" if published >= spec.messages else "INCOMPLETE"),
-    )
+        return verified
+    if spec.verify and spec.kind == "read-only":
+        return published >= spec.messages  # nothing goes to Kafka: every row claimed and acked
+    if not spec.verify:
+        return None
+    distinct, records = count_back(servers.bootstrap, topics, spec.messages)
+    if distinct != spec.messages:
+        progress(f"  counted back {distinct:,} of {spec.messages:,} messages ({records:,} records)")
+    return distinct == spec.messages
 
 
 def _verify(servers: Servers, table: OutboxTable, topics: list[str], ledger: Path) -> bool:

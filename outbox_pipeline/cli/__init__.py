@@ -28,10 +28,22 @@ __all__ = ["EXIT_NOT_EMPTY", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every command, in the order ``outbox --help`` lists them; each group of commands is built by a function."""
     parser = argparse.ArgumentParser(prog="outbox", description="Transactional outbox relay: PostgreSQL -> Kafka")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+    _schema_commands(sub)
+    _writer_commands(sub)
+    _relay_command(sub)
+    _inspect_commands(sub)
+    _repair_commands(sub)
+    _check_commands(sub)
+    _dev_command(sub)
+    return parser
 
+
+def _schema_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The outbox's schema: made or migrated, and its strategy indexes built."""
     p = sub.add_parser("init-db", help="create or migrate the outbox schema (idempotent)")
     add_db_args(p)
     p.add_argument("--days-ahead", type=int, default=DEFAULT_DAYS_AHEAD, help="daily partitions to create ahead")
@@ -63,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_indexes)
 
+
+def _writer_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Messages written by hand, in bulk, or as steady demo traffic."""
     p = sub.add_parser("enqueue", help="enqueue one message in its own transaction")
     add_db_args(p)
     p.add_argument("--topic", required=True)
@@ -98,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tx-every", type=float, default=30.0, help="seconds between long transactions (0: never)")
     p.set_defaults(func=cmd_demo_traffic)
 
+
+def _relay_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The relay: its workers, how they claim and wait, and what they do with a row they cannot publish."""
     p = sub.add_parser("relay", help="run relay workers (one process each) until stopped")
     add_db_args(p)
     p.add_argument(
@@ -145,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
     p.set_defaults(func=cmd_relay)
 
+
+def _inspect_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Read-only views: a partition's status, the settings in effect, the lag."""
     p = sub.add_parser(
         "status",
         help="why a partition is not moving: owner, position, pending, held, backoff, dead letters, blocker (a wal "
@@ -173,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_lag)
 
+
+def _repair_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """What an operator changes when something went wrong (docs/operations.md)."""
     p = sub.add_parser(
         "replay",
         help="publish again: sent rows (mark-sent mode) by filter, or rewind one partition's position",
@@ -227,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("partition", type=int)
     p.set_defaults(func=cmd_release_lease)
 
+
+def _check_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Kafka checked against the outbox, and the throughput bench."""
     p = sub.add_parser(
         "verify",
         help="check Kafka against the outbox ledger: lost, phantom, duplicates, order, latency",
@@ -262,11 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
 
+
+def _dev_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The servers, demo traffic and Dagster, all local: the way to try the project (README)."""
     p = sub.add_parser("dev", help="run PostgreSQL, the broker, demo traffic and dagster dev locally")
     p.add_argument("--no-dagster", action="store_true", help="start the servers and traffic only")
     p.add_argument("--rate", type=float, default=None, help="demo traffic, messages per second")
     p.set_defaults(func=cmd_dev)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -60,56 +60,10 @@ def plan_drain(
     work = sql.SQL(cls.work_condition)
     with conn.transaction():
         conn.execute("SET LOCAL enable_sort = off")  # index order, never a sort of the backlog
-        leased = conn.execute(
-            sql.SQL(
-                """
-                UPDATE {offsets} target
-                SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(owner)s,
-                    updated_at = now()
-                FROM (
-                    SELECT o.topic, o.partition FROM {offsets} o
-                    WHERE o.available_after <= now()
-                      AND (%(topics)s::text[] IS NULL OR o.topic = ANY(%(topics)s::text[]))
-                      AND EXISTS (SELECT 1 FROM {messages} m
-                                  WHERE m.topic = o.topic AND m.partition = o.partition AND {work})
-                      AND NOT EXISTS (SELECT 1 FROM {holds} h WHERE h.topic = o.topic AND h.partition = o.partition)
-                    ORDER BY o.topic, o.partition
-                    LIMIT %(max)s
-                    FOR UPDATE OF o SKIP LOCKED
-                ) free
-                WHERE target.topic = free.topic AND target.partition = free.partition
-                RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
-                          target.last_processed_id
-                """
-            ).format(offsets=table.offsets, messages=table.messages, work=work, holds=table.holds),
-            {"lease": lease_s, "owner": owner, "topics": list(topics) if topics else None, "max": max_partitions},
-        ).fetchall()
+        leased = _lease(conn, table, work, owner, lease_s, topics, max_partitions)
         if not leased:
             return DrainPlan(owner, strategy, table.schema, lease_s)
-        # Every partition's end in one statement, so one snapshot: the last row the relay could read now.
-        descending = ", ".join(f"{column.strip()} DESC" for column in cls.read_order.split(","))
-        ends = conn.execute(
-            sql.SQL(
-                """
-                SELECT o.topic, o.partition, e.xid, e.id
-                FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(xids)s::xid8[], %(ids)s::bigint[])
-                     AS o(topic, partition, last_processed_transaction_id, last_processed_id)
-                CROSS JOIN LATERAL (
-                    SELECT m.transaction_id::text AS xid, m.id FROM {messages} m
-                    WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
-                    ORDER BY {descending}
-                    LIMIT 1
-                ) e
-                """
-            ).format(messages=table.messages, work=work, descending=sql.SQL(descending)),
-            {
-                "topics": [r[0] for r in leased],
-                "partitions": [r[1] for r in leased],
-                "xids": [r[2] for r in leased],
-                "ids": [r[3] for r in leased],
-            },
-        ).fetchall()
-        end_of = {(topic, part): (xid, last_id) for topic, part, xid, last_id in ends}
+        end_of = _ends(conn, table, work, cls.read_order, leased)
         ranges = tuple(
             DrainRange(topic, part, xid, last_id, *end_of[(topic, part)])
             for topic, part, xid, last_id in sorted(leased)
@@ -119,6 +73,76 @@ def plan_drain(
         if idle:  # only if an operator moved the position between the two statements
             _release(conn, table, owner, idle)
     return DrainPlan(owner, strategy, table.schema, lease_s, ranges)
+
+
+# A leased partition: topic, partition, and its position (transaction id as text, id).
+_Leased = tuple[str, int, str, int]
+
+
+def _lease(
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    work: sql.Composable,
+    owner: str,
+    lease_s: float,
+    topics: Sequence[str] | None,
+    max_partitions: int | None,
+) -> list[_Leased]:
+    """Lease every free partition with work and no held key (skipping those locked now), with its position."""
+    return conn.execute(
+        sql.SQL(
+            """
+            UPDATE {offsets} target
+            SET available_after = now() + make_interval(secs => %(lease)s), locked_by = %(owner)s,
+                updated_at = now()
+            FROM (
+                SELECT o.topic, o.partition FROM {offsets} o
+                WHERE o.available_after <= now()
+                  AND (%(topics)s::text[] IS NULL OR o.topic = ANY(%(topics)s::text[]))
+                  AND EXISTS (SELECT 1 FROM {messages} m
+                              WHERE m.topic = o.topic AND m.partition = o.partition AND {work})
+                  AND NOT EXISTS (SELECT 1 FROM {holds} h WHERE h.topic = o.topic AND h.partition = o.partition)
+                ORDER BY o.topic, o.partition
+                LIMIT %(max)s
+                FOR UPDATE OF o SKIP LOCKED
+            ) free
+            WHERE target.topic = free.topic AND target.partition = free.partition
+            RETURNING target.topic, target.partition, target.last_processed_transaction_id::text,
+                      target.last_processed_id
+            """
+        ).format(offsets=table.offsets, messages=table.messages, work=work, holds=table.holds),
+        {"lease": lease_s, "owner": owner, "topics": list(topics) if topics else None, "max": max_partitions},
+    ).fetchall()
+
+
+def _ends(
+    conn: psycopg.Connection, table: OutboxTable, work: sql.Composable, read_order: str, leased: list[_Leased]
+) -> dict[tuple[str, int], tuple[str, int]]:
+    """Every leased partition's end, (xid, id) of the last row the relay could read now: one statement, so one
+    snapshot. A partition missing from it has no work left (an operator moved its position meanwhile)."""
+    descending = ", ".join(f"{column.strip()} DESC" for column in read_order.split(","))
+    ends = conn.execute(
+        sql.SQL(
+            """
+            SELECT o.topic, o.partition, e.xid, e.id
+            FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(xids)s::xid8[], %(ids)s::bigint[])
+                 AS o(topic, partition, last_processed_transaction_id, last_processed_id)
+            CROSS JOIN LATERAL (
+                SELECT m.transaction_id::text AS xid, m.id FROM {messages} m
+                WHERE m.topic = o.topic AND m.partition = o.partition AND {work}
+                ORDER BY {descending}
+                LIMIT 1
+            ) e
+            """
+        ).format(messages=table.messages, work=work, descending=sql.SQL(descending)),
+        {
+            "topics": [r[0] for r in leased],
+            "partitions": [r[1] for r in leased],
+            "xids": [r[2] for r in leased],
+            "ids": [r[3] for r in leased],
+        },
+    ).fetchall()
+    return {(topic, part): (xid, last_id) for topic, part, xid, last_id in ends}
 
 
 def drainable(lag: PartitionLag) -> bool:

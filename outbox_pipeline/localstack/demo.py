@@ -138,36 +138,72 @@ def load(
             for k in range(keys)
         ]
         # Precomputed line prefixes: the hot loop only formats the sequence number and padding.
-        prefixes = [f"{t}\t{k}\tdemo.loaded\t".encode() for t, k, _ in routes]
-        suffixes = [(b"\t{}\n" if route_in_db else f"\t{{}}\t{p}\n".encode()) for _, _, p in routes]
-        skeleton = len('{"seq":,"pad":""}')
+        lines = _Lines(
+            prefixes=[f"{t}\t{k}\tdemo.loaded\t".encode() for t, k, _ in routes],
+            suffixes=[(b"\t{}\n" if route_in_db else f"\t{{}}\t{p}\n".encode()) for _, _, p in routes],
+            topics=len(topics),
+            keys=keys,
+            payload_bytes=payload_bytes,
+            binary=binary,
+            trace_headers=trace_headers,
+        )
         payload_column = "payload_bytes" if binary else "payload"
         columns = sql.SQL(f"topic, key, type, {payload_column}, headers" + ("" if route_in_db else ", partition"))
         copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(table.messages, columns)
         for first in range(0, count, per_tx):
-            with conn.transaction(), conn.cursor() as cur, cur.copy(copy_sql) as copy:
-                buf = bytearray()
-                ids = os.urandom(24).hex().encode()
-                trace = b'{"traceparent": "00-%s-%s-01"}' % (ids[:32], ids[32:])
-                for i in range(first, min(first + per_tx, count)):
-                    route = (i % len(topics)) * keys + (i // len(topics)) % keys
-                    seq = str(i)
-                    pad = "x" * max(0, payload_bytes - skeleton - len(seq))
-                    buf += prefixes[route]
-                    payload = f'{{"seq":{seq},"pad":"{pad}"}}'.encode()
-                    buf += b"\\\\x" + payload.hex().encode() if binary else payload  # COPY text: bytea as \\x<hex>
-                    buf += suffixes[route].replace(b"{}", trace, 1) if trace_headers else suffixes[route]
-                    if (i + 1) % chunk == 0:
-                        copy.write(bytes(buf))
-                        buf.clear()
-                        if progress:
-                            progress(i + 1, time.monotonic() - started)
-                if buf:
-                    copy.write(bytes(buf))
+            _copy_transaction(conn, copy_sql, lines, range(first, min(first + per_tx, count)), chunk, progress, started)
     elapsed = time.monotonic() - started
     if progress:
         progress(count, elapsed)
     return elapsed
+
+
+@dataclass(frozen=True)
+class _Lines:
+    """How a loaded row's COPY line is made: per route (topic x key, topic first) its fixed prefix and suffix (the
+    suffix's ``{}`` is where the headers go), and the payload's size and kind."""
+
+    prefixes: list[bytes]
+    suffixes: list[bytes]
+    topics: int
+    keys: int
+    payload_bytes: int
+    binary: bool
+    trace_headers: bool
+
+
+def _copy_transaction(
+    conn: psycopg.Connection,
+    copy_sql: sql.Composed,
+    lines: _Lines,
+    rows: range,
+    chunk: int,
+    progress: Callable[[int, float], None] | None,
+    started: float,
+) -> None:
+    """One transaction's rows, written to COPY every ``chunk`` lines; its rows share one traceparent (if any)."""
+    prefixes, suffixes, topics, keys = lines.prefixes, lines.suffixes, lines.topics, lines.keys
+    payload_bytes, binary, trace_headers = lines.payload_bytes, lines.binary, lines.trace_headers
+    skeleton = len('{"seq":,"pad":""}')
+    with conn.transaction(), conn.cursor() as cur, cur.copy(copy_sql) as copy:
+        buf = bytearray()
+        ids = os.urandom(24).hex().encode()
+        trace = b'{"traceparent": "00-%s-%s-01"}' % (ids[:32], ids[32:])
+        for i in rows:
+            route = (i % topics) * keys + (i // topics) % keys
+            seq = str(i)
+            pad = "x" * max(0, payload_bytes - skeleton - len(seq))
+            buf += prefixes[route]
+            payload = f'{{"seq":{seq},"pad":"{pad}"}}'.encode()
+            buf += b"\\\\x" + payload.hex().encode() if binary else payload  # COPY text: bytea as \\x<hex>
+            buf += suffixes[route].replace(b"{}", trace, 1) if trace_headers else suffixes[route]
+            if (i + 1) % chunk == 0:
+                copy.write(bytes(buf))
+                buf.clear()
+                if progress:
+                    progress(i + 1, time.monotonic() - started)
+        if buf:
+            copy.write(bytes(buf))
 
 
 def _partition_counts(conn: psycopg.Connection, table: OutboxTable, topics: Sequence[str]) -> dict[str, int]:

@@ -21,7 +21,7 @@ import psycopg
 from .. import settings as catalogue
 from ..config import OutboxTable
 from ..store.schema import init_db, set_topic_partitions
-from .broker import BrokerSpec
+from .broker import Broker, BrokerSpec
 from .dagster_runs import cancel_runs
 from .demo import DEMO_TOPICS
 from .kafka_broker import local_broker
@@ -221,59 +221,10 @@ def run_dev(settings: DevSettings) -> int:
     broker = local_broker(settings.broker, spec, kafka_data, settings.home)
     children: list[_Child] = []
     try:
-        # The broker never outlives us, so its port must be free; PostgreSQL may still be running on our
-        # data directory after a killed run (then it is reused), so its port is checked by start().
-        ensure_port_free("127.0.0.1", settings.kafka_port, "the broker", hint=f"set {catalogue.DEV_KAFKA_PORT.name}")
-        if settings.with_dagster:
-            ensure_port_free(
-                "127.0.0.1", settings.dagster_port, "dagster dev", hint=f"set {catalogue.DEV_DAGSTER_PORT.name}"
-            )
-        pg.start()
-        broker.start()
-        if broker.pid is not None:
-            _write_pid(settings.run_dir / "broker.pid", broker.pid)
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            # The strategy the Dagster runs relay with, recorded in the outbox, and only its indexes (each costs every
-            # write).
-            init_db(conn, settings.table, strategies=[catalogue.RELAY_STRATEGY.read() or DEV_STRATEGY])
-            for topic in DEMO_TOPICS:
-                set_topic_partitions(conn, settings.table, topic, DEMO_PARTITIONS)
-        broker.create_topics(DEMO_TOPICS, partitions=DEMO_PARTITIONS)
-
-        env = dict(os.environ)
-        env.update(
-            OUTBOX_PG_DSN=pg.dsn,
-            KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap_servers,
-            OUTBOX_SCHEMA=settings.table.schema,
-            DAGSTER_HOME=str(settings.dagster_home),
-        )
-        outbox_cli = [sys.executable, "-m", "outbox_pipeline.cli"]
-        children.append(
-            _spawn("demo-traffic", [*outbox_cli, "demo-traffic", "--rate", str(settings.traffic_rate)], env, settings)
-        )
-        if settings.with_dagster:
-            _install_dagster_home(settings)
-            dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
-            argv = [dagster, "dev", "-h", "127.0.0.1", "-p", str(settings.dagster_port), "-w", "workspace.yaml"]
-            children.append(_spawn("dagster", argv, env, settings, stop_signal=signal.SIGINT))
-
-        print(
-            "\noutbox dev is up:\n"
-            f"  PostgreSQL  {pg.dsn}\n"
-            f"  Kafka       {broker.bootstrap_servers} ({_broker_banner(broker.name)})\n"
-            + (f"  Dagster UI  http://127.0.0.1:{settings.dagster_port}\n" if settings.with_dagster else "")
-            + f"  demo traffic {settings.traffic_rate:g} msg/s to {', '.join(DEMO_TOPICS)}\n"
-            f"  logs        {settings.home / 'logs'}\n"
-            "Press Ctrl-C to stop everything.\n",
-            flush=True,
-        )
-        while not stop.wait(1.0):
-            for child in children:
-                if child.process.poll() is not None:
-                    raise LocalStackError(
-                        f"{child.name} exited with code {child.process.returncode}; "
-                        f"see {settings.home / 'logs' / (child.name + '.log')}"
-                    )
+        _start_servers(settings, pg, broker)
+        _start_children(settings, pg, broker, children)
+        _print_banner(settings, pg, broker)
+        _watch(settings, children, stop)
         return 0
     except PortInUseError as exc:
         hint = "" if "OUTBOX_DEV_" in str(exc) else f" (set {catalogue.DEV_PG_PORT.name} to use another port)"
@@ -283,12 +234,85 @@ def run_dev(settings: DevSettings) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if settings.with_dagster and any(c.name == "dagster" and c.process.poll() is None for c in children):
-            cancel_runs(settings.dagster_port, timeout_s=30.0)  # an operator's stop, not a crash (dagster_runs.py)
-        for child in reversed(children):
-            child.stop()
-        broker.stop()
-        (settings.run_dir / "broker.pid").unlink(missing_ok=True)
-        # The data directory is ours: stop the server even if an earlier, killed run started it.
-        pg.stop("fast", force=True)
-        print("outbox dev stopped.", flush=True)
+        _stop_all(settings, pg, broker, children)
+
+
+def _start_servers(settings: DevSettings, pg: LocalPostgres, broker: Broker) -> None:
+    """PostgreSQL and the broker started, the outbox made for the dev strategy and the demo topics created."""
+    # The broker never outlives us, so its port must be free; PostgreSQL may still be running on our
+    # data directory after a killed run (then it is reused), so its port is checked by start().
+    ensure_port_free("127.0.0.1", settings.kafka_port, "the broker", hint=f"set {catalogue.DEV_KAFKA_PORT.name}")
+    if settings.with_dagster:
+        ensure_port_free(
+            "127.0.0.1", settings.dagster_port, "dagster dev", hint=f"set {catalogue.DEV_DAGSTER_PORT.name}"
+        )
+    pg.start()
+    broker.start()
+    if broker.pid is not None:
+        _write_pid(settings.run_dir / "broker.pid", broker.pid)
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        # The strategy the Dagster runs relay with, recorded in the outbox, and only its indexes (each costs every
+        # write).
+        init_db(conn, settings.table, strategies=[catalogue.RELAY_STRATEGY.read() or DEV_STRATEGY])
+        for topic in DEMO_TOPICS:
+            set_topic_partitions(conn, settings.table, topic, DEMO_PARTITIONS)
+    broker.create_topics(DEMO_TOPICS, partitions=DEMO_PARTITIONS)
+
+
+def _start_children(settings: DevSettings, pg: LocalPostgres, broker: Broker, children: list[_Child]) -> None:
+    """Demo traffic and (with Dagster) ``dagster dev``, each appended to ``children`` as soon as it runs, so that
+    whatever started is stopped even if a later one fails to."""
+    env = dict(os.environ)
+    env.update(
+        OUTBOX_PG_DSN=pg.dsn,
+        KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap_servers,
+        OUTBOX_SCHEMA=settings.table.schema,
+        DAGSTER_HOME=str(settings.dagster_home),
+    )
+    outbox_cli = [sys.executable, "-m", "outbox_pipeline.cli"]
+    children.append(
+        _spawn("demo-traffic", [*outbox_cli, "demo-traffic", "--rate", str(settings.traffic_rate)], env, settings)
+    )
+    if settings.with_dagster:
+        _install_dagster_home(settings)
+        dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
+        argv = [dagster, "dev", "-h", "127.0.0.1", "-p", str(settings.dagster_port), "-w", "workspace.yaml"]
+        children.append(_spawn("dagster", argv, env, settings, stop_signal=signal.SIGINT))
+
+
+def _print_banner(settings: DevSettings, pg: LocalPostgres, broker: Broker) -> None:
+    """Where everything runs, once it all started: what a developer connects to."""
+    print(
+        "\noutbox dev is up:\n"
+        f"  PostgreSQL  {pg.dsn}\n"
+        f"  Kafka       {broker.bootstrap_servers} ({_broker_banner(broker.name)})\n"
+        + (f"  Dagster UI  http://127.0.0.1:{settings.dagster_port}\n" if settings.with_dagster else "")
+        + f"  demo traffic {settings.traffic_rate:g} msg/s to {', '.join(DEMO_TOPICS)}\n"
+        f"  logs        {settings.home / 'logs'}\n"
+        "Press Ctrl-C to stop everything.\n",
+        flush=True,
+    )
+
+
+def _watch(settings: DevSettings, children: list[_Child], stop: threading.Event) -> None:
+    """Until ``stop`` is set (a signal), checking every second that no child exited: one that did ends the stack."""
+    while not stop.wait(1.0):
+        for child in children:
+            if child.process.poll() is not None:
+                raise LocalStackError(
+                    f"{child.name} exited with code {child.process.returncode}; "
+                    f"see {settings.home / 'logs' / (child.name + '.log')}"
+                )
+
+
+def _stop_all(settings: DevSettings, pg: LocalPostgres, broker: Broker, children: list[_Child]) -> None:
+    """Dagster's runs cancelled (an operator's stop), then the children, the broker and PostgreSQL stopped."""
+    if settings.with_dagster and any(c.name == "dagster" and c.process.poll() is None for c in children):
+        cancel_runs(settings.dagster_port, timeout_s=30.0)  # an operator's stop, not a crash (dagster_runs.py)
+    for child in reversed(children):
+        child.stop()
+    broker.stop()
+    (settings.run_dir / "broker.pid").unlink(missing_ok=True)
+    # The data directory is ours: stop the server even if an earlier, killed run started it.
+    pg.stop("fast", force=True)
+    print("outbox dev stopped.", flush=True)

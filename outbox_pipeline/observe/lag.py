@@ -202,49 +202,69 @@ def partition_lag(
     if strategy == WAL:
         raise OutboxError("a wal outbox keeps no rows per partition: its lag is its slot's (observe/wal_lag.py)")
     cls = strategy_class(strategy)
-    pairs = partition_pairs(table)
     params: dict[str, object] = {"cap": cap}
-
-    def only_for(alias: str) -> sql.Composable:
-        # Evaluated on the pair before the lateral count, so the other partitions cost an index probe.
-        if only is None:
-            return sql.SQL("")
+    if only is not None:
         params.update(only_topic=only[0], only_partition=only[1])
-        a = sql.Identifier(alias)
-        return sql.SQL("AND {a}.topic = %(only_topic)s AND {a}.partition = %(only_partition)s").format(a=a)
+    if issubclass(cls, PositionStrategy):
+        lags = _position_lag(conn, table, cls, only, params)
+    else:
+        lags = _row_lag(conn, table, only, params)
+    return _with_held(lags, held_keys(conn, table) if _has_holds(conn, table) else [], only)
 
-    if not issubclass(cls, PositionStrategy):
-        query = sql.SQL(_ROW_LAG).format(
-            pairs=pairs, messages=table.messages, leases=table.leases, only_p=only_for("p")
+
+def _only(alias: str, only: tuple[str, int] | None) -> sql.Composable:
+    """The condition to one partition (none: every one), on the pair before the lateral count, so the other
+    partitions cost an index probe."""
+    if only is None:
+        return sql.SQL("")
+    a = sql.Identifier(alias)
+    return sql.SQL("AND {a}.topic = %(only_topic)s AND {a}.partition = %(only_partition)s").format(a=a)
+
+
+def _row_lag(
+    conn: psycopg.Connection, table: OutboxTable, only: tuple[str, int] | None, params: dict[str, object]
+) -> list[PartitionLag]:
+    """A row strategy's lag: its partitions with unsent rows (no position: it keeps none)."""
+    query = sql.SQL(_ROW_LAG).format(
+        pairs=partition_pairs(table), messages=table.messages, leases=table.leases, only_p=_only("p", only)
+    )
+    rows = conn.execute(query, params).fetchall()
+    return [
+        PartitionLag(
+            topic,
+            part,
+            int(n),
+            _age(age),
+            None,
+            leased,
+            int(attempts),
+            error,
+            bool(backoff),
+            until,
+            relayable_age_s=_age(age),
         )
-        rows = conn.execute(query, params).fetchall()
-        lags = [
-            PartitionLag(
-                topic,
-                part,
-                int(n),
-                _age(age),
-                None,
-                leased,
-                int(attempts),
-                error,
-                bool(backoff),
-                until,
-                relayable_age_s=_age(age),
-            )
-            for topic, part, n, age, _, leased, attempts, error, backoff, until in rows
-        ]
-        return _with_held(lags, held_keys(conn, table) if _has_holds(conn, table) else [], only)
+        for topic, part, n, age, _, leased, attempts, error, backoff, until in rows
+    ]
+
+
+def _position_lag(
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    cls: type[PositionStrategy],
+    only: tuple[str, int] | None,
+    params: dict[str, object],
+) -> list[PartitionLag]:
+    """A position strategy's lag: every partition, pending or not, with its position as the strategy reads it."""
     with_xid = "last_processed_transaction_id" in cls.work_condition
     query = sql.SQL(_POSITION_LAG).format(
-        pairs=pairs,
+        pairs=partition_pairs(table),
         offsets=table.offsets,
         messages=table.messages,
         work=sql.SQL(cls.work_condition),
-        only_o=only_for("o"),
+        only_o=_only("o", only),
     )
     rows = conn.execute(query, params).fetchall()
-    lags = [
+    return [
         PartitionLag(
             topic,
             part,
@@ -260,7 +280,6 @@ def partition_lag(
         )
         for topic, part, n, age, xid, last_id, leased, attempts, error, backoff, until in rows
     ]
-    return _with_held(lags, held_keys(conn, table) if _has_holds(conn, table) else [], only)
 
 
 def _has_holds(conn: psycopg.Connection, table: OutboxTable) -> bool:

@@ -4,13 +4,14 @@ reads as `outbox lag`. See docs/operations.md#why-is-orders3-not-moving-outbox-s
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from .horizon import Horizon, find_horizon
+from .horizon import HeldBack, Horizon, find_horizon
 from .lag import PartitionLag, describe_holders, held_keys, holders, partition_lag
 from .liveness import holders_alive
 
@@ -53,33 +54,19 @@ def partition_status(
     if horizon is None:
         horizon = find_horizon(conn, table, show_query=show_query) if strategy == "partitioned" else Horizon((), ())
     held_back = {(h.topic, h.partition): h for h in horizon.held_back}
-    poison: dict[tuple[str, int], list[str]] = defaultdict(list)
-    for key in held_keys(conn, table):
-        if not key.released:
-            poison[(key.topic, key.partition)].append(
-                f"poison: key {key.key!r} held behind dead letter {key.dead_letter_id} ({key.rows} rows)"
-            )
+    poison = _poison_by_partition(conn, table)
     dead = _dead_letters_by_partition(conn, table)
     seen = {(lag.topic, lag.partition) for lag in lags}
     statuses: list[PartitionStatus] = []
     for lag in lags:
         where = (lag.topic, lag.partition)
         owner = describe_holders(lag.leased_by, alive) if lag.leased_by else None
-        blocked: list[str] = []
-        if where in held_back:
-            first = horizon.holders[0].describe() if horizon.holders else "a transaction that has just ended"
-            blocked.append(f"horizon: {held_back[where].rows} committed rows wait for {first}")
-        if lag.leased_by and any(alive.get(h) is False for h in lag.leased_by.split(",")):
-            blocked.append(f"lease of a dead worker: {owner} until {lag.until} UTC (freed within a second)")
-        if lag.in_backoff:
-            error = (lag.last_error or "-").splitlines()[0][:160]
-            blocked.append(f"backoff until {lag.until} UTC after {lag.attempts} attempt(s): {error}")
-        blocked += poison.get(where, [])
+        back = held_back.get(where)
+        blocked = _blockers(lag, owner, alive, horizon, back) + poison.get(where, [])
         if lag.pending and not blocked and not lag.leased_by:
             blocked.append("no worker has taken it yet (is a relay running?)")
         if not (lag.pending or lag.held or owner or dead.get(where) or blocked):
             continue
-        back = held_back.get(where)
         ages = [a for a in (lag.oldest_pending_age_s, back.oldest_age_s if back else None) if a is not None]
         statuses.append(
             PartitionStatus(
@@ -101,6 +88,33 @@ def partition_status(
         if where not in seen:
             statuses.append(PartitionStatus(*where, None, None, 0, 0, None, None, 0, None, count, ()))
     return sorted(statuses, key=lambda s: (s.topic, s.partition))
+
+
+def _blockers(
+    lag: PartitionLag, owner: str | None, alive: Mapping[str, bool | None], horizon: Horizon, back: HeldBack | None
+) -> list[str]:
+    """What keeps a partition from moving, as an operator reads it: the horizon, a dead worker's lease, a backoff."""
+    blocked: list[str] = []
+    if back is not None:
+        first = horizon.holders[0].describe() if horizon.holders else "a transaction that has just ended"
+        blocked.append(f"horizon: {back.rows} committed rows wait for {first}")
+    if lag.leased_by and any(alive.get(h) is False for h in lag.leased_by.split(",")):
+        blocked.append(f"lease of a dead worker: {owner} until {lag.until} UTC (freed within a second)")
+    if lag.in_backoff:
+        error = (lag.last_error or "-").splitlines()[0][:160]
+        blocked.append(f"backoff until {lag.until} UTC after {lag.attempts} attempt(s): {error}")
+    return blocked
+
+
+def _poison_by_partition(conn: psycopg.Connection, table: OutboxTable) -> dict[tuple[str, int], list[str]]:
+    """Per partition, a line for each key held behind a dead letter (keys released but not yet cleared left out)."""
+    poison: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for key in held_keys(conn, table):
+        if not key.released:
+            poison[(key.topic, key.partition)].append(
+                f"poison: key {key.key!r} held behind dead letter {key.dead_letter_id} ({key.rows} rows)"
+            )
+    return poison
 
 
 def _dead_letters_by_partition(conn: psycopg.Connection, table: OutboxTable) -> dict[tuple[str, int], int]:

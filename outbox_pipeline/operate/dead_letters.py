@@ -82,8 +82,7 @@ def retry_dead_letters(
     """Put dead letters (not retried yet) back into the outbox, in one statement; returns how many. Without ``ids``
     or ``topic`` every pending dead letter is retried. Each goes back under a new id past every position, or to the
     head of the rows its key holds (docs/operations.md#replays-rewinds-and-retried-dead-letters)."""
-    seq = table.ident("outbox_messages_id_seq")
-    filters = {
+    filters: dict[str, object] = {
         "ids": list(ids) if ids is not None else None,
         "topic": topic,
         "by": by,
@@ -91,57 +90,67 @@ def retry_dead_letters(
     }
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (SERIALIZED_LOCK_CLASS, table.schema))
-        released = conn.execute(
-            sql.SQL(
-                """
-                WITH picked AS (
-                    UPDATE {dead_letters} d SET retried_at = now()
-                    FROM {holds} h
-                    WHERE h.topic = d.topic AND h.key = d.key AND h.dead_letter_id = d.id AND h.released_at IS NULL
-                      AND d.retried_at IS NULL AND d.discarded_at IS NULL
-                      AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
-                      AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
-                      AND d.topic <> ALL(%(malformed)s::text[])
-                    RETURNING d.*
-                ), released AS (
-                    UPDATE {holds} h SET released_at = now(), release = 'retry', released_by = %(by)s,
-                                         available_after = now()
-                    FROM picked p WHERE h.topic = p.topic AND h.key = p.key
-                )
-                INSERT INTO {held} (id, message_id, topic, key, type, payload, payload_bytes, headers, partition,
-                                    priority, transaction_id, created_at)
-                SELECT id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
-                       transaction_id, created_at
-                FROM picked
-                ON CONFLICT (id) DO NOTHING
-                """
-            ).format(dead_letters=table.dead_letters, holds=table.holds, held=table.held),
-            filters,
-        ).rowcount
-        cur = conn.execute(
-            sql.SQL(
-                """
-                WITH picked AS (
-                    UPDATE {dead_letters} d SET retried_at = now()
-                    WHERE d.retried_at IS NULL AND d.discarded_at IS NULL
-                      AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
-                      AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
-                      AND d.topic <> ALL(%(malformed)s::text[])
-                    RETURNING d.id, d.message_id, d.topic, d.key, d.type, d.payload, d.payload_bytes, d.headers,
-                              d.partition, d.priority
-                )
-                INSERT INTO {messages} (
-                    id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority)
-                SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.payload_bytes,
-                       p.headers,
-                       CASE WHEN p.key IS NULL THEN p.partition END, p.priority
-                FROM picked p
-                ORDER BY p.id
-                """
-            ).format(dead_letters=table.dead_letters, messages=table.messages, seq=sql.Literal(seq.as_string(conn))),
-            filters,
-        )
-        return released + cur.rowcount
+        return _retry_held(conn, table, filters) + _retry_into_outbox(conn, table, filters)
+
+
+def _retry_held(conn: psycopg.Connection, table: OutboxTable, filters: dict[str, object]) -> int:
+    """The dead letters a key is held behind: each to the head of its held rows, and its hold released."""
+    return conn.execute(
+        sql.SQL(
+            """
+            WITH picked AS (
+                UPDATE {dead_letters} d SET retried_at = now()
+                FROM {holds} h
+                WHERE h.topic = d.topic AND h.key = d.key AND h.dead_letter_id = d.id AND h.released_at IS NULL
+                  AND d.retried_at IS NULL AND d.discarded_at IS NULL
+                  AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+                  AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+                  AND d.topic <> ALL(%(malformed)s::text[])
+                RETURNING d.*
+            ), released AS (
+                UPDATE {holds} h SET released_at = now(), release = 'retry', released_by = %(by)s,
+                                     available_after = now()
+                FROM picked p WHERE h.topic = p.topic AND h.key = p.key
+            )
+            INSERT INTO {held} (id, message_id, topic, key, type, payload, payload_bytes, headers, partition,
+                                priority, transaction_id, created_at)
+            SELECT id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority,
+                   transaction_id, created_at
+            FROM picked
+            ON CONFLICT (id) DO NOTHING
+            """
+        ).format(dead_letters=table.dead_letters, holds=table.holds, held=table.held),
+        filters,
+    ).rowcount
+
+
+def _retry_into_outbox(conn: psycopg.Connection, table: OutboxTable, filters: dict[str, object]) -> int:
+    """The other dead letters (the held ones are retried by now): each inserted again with a new id, a keyed one
+    routed again by the insert trigger."""
+    seq = table.ident("outbox_messages_id_seq")
+    return conn.execute(
+        sql.SQL(
+            """
+            WITH picked AS (
+                UPDATE {dead_letters} d SET retried_at = now()
+                WHERE d.retried_at IS NULL AND d.discarded_at IS NULL
+                  AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+                  AND (%(topic)s::text IS NULL OR d.topic = %(topic)s)
+                  AND d.topic <> ALL(%(malformed)s::text[])
+                RETURNING d.id, d.message_id, d.topic, d.key, d.type, d.payload, d.payload_bytes, d.headers,
+                          d.partition, d.priority
+            )
+            INSERT INTO {messages} (
+                id, message_id, topic, key, type, payload, payload_bytes, headers, partition, priority)
+            SELECT nextval({seq}::regclass), p.message_id, p.topic, p.key, p.type, p.payload, p.payload_bytes,
+                   p.headers,
+                   CASE WHEN p.key IS NULL THEN p.partition END, p.priority
+            FROM picked p
+            ORDER BY p.id
+            """
+        ).format(dead_letters=table.dead_letters, messages=table.messages, seq=sql.Literal(seq.as_string(conn))),
+        filters,
+    ).rowcount
 
 
 def malformed_among(

@@ -106,22 +106,7 @@ def rewind_partition(
     if to_xid is not None and not (to_xid.isascii() and to_xid.isdigit() and int(to_xid) < 2**64):
         raise OutboxError(f"to_xid {to_xid!r} is not a transaction id (an unsigned 64-bit xid8)")
     with conn.transaction():
-        current = conn.execute(
-            sql.SQL(
-                """
-                SELECT last_processed_transaction_id::text, last_processed_id, locked_by,
-                       locked_by IS NOT NULL AND available_after > now()
-                FROM {offsets} WHERE topic = %(topic)s AND partition = %(partition)s
-                FOR UPDATE
-                """
-            ).format(offsets=table.offsets),
-            {"topic": topic, "partition": partition},
-        ).fetchone()
-        if current is None:
-            raise OutboxError(f"{topic}/{partition} has no stored position: nothing was relayed there yet")
-        from_xid, from_id, owner, leased = current
-        if leased and not force:
-            raise OutboxError(f"{topic}/{partition} is leased by live worker {owner!r}: stop it first, or force")
+        from_xid, from_id = _locked_position(conn, table, topic, partition, force=force)
         new_xid, new_id = _target(conn, table, topic, partition, to_id=to_id, to_xid=to_xid, since=since)
         row = conn.execute(
             "SELECT %(new_id)s::bigint <= %(from_id)s::bigint AND "
@@ -133,20 +118,51 @@ def rewind_partition(
                 f"refusing to move {topic}/{partition} forward from xid={from_xid} id={from_id} "
                 f"to xid={new_xid} id={new_id}: that would skip rows"
             )
-        conn.execute(
-            sql.SQL(
-                """
-                UPDATE {offsets}
-                SET last_processed_transaction_id = %(xid)s::xid8, last_processed_id = %(id)s,
-                    attempts = 0, last_error = NULL, updated_at = now(),
-                    locked_by = CASE WHEN %(force)s THEN NULL ELSE locked_by END,
-                    available_after = CASE WHEN %(force)s THEN now() ELSE available_after END
-                WHERE topic = %(topic)s AND partition = %(partition)s
-                """
-            ).format(offsets=table.offsets),
-            {"xid": new_xid, "id": new_id, "force": force, "topic": topic, "partition": partition},
-        )
+        _set_position(conn, table, topic, partition, new_xid, new_id, force=force)
     return Rewound(topic, partition, from_xid, from_id, new_xid, new_id)
+
+
+def _locked_position(
+    conn: psycopg.Connection, table: OutboxTable, topic: str, partition: int, *, force: bool
+) -> tuple[str, int]:
+    """The partition's position (xid as text, id), its offsets row locked till the transaction ends; refused while a
+    live worker leases it, unless ``force``."""
+    current = conn.execute(
+        sql.SQL(
+            """
+            SELECT last_processed_transaction_id::text, last_processed_id, locked_by,
+                   locked_by IS NOT NULL AND available_after > now()
+            FROM {offsets} WHERE topic = %(topic)s AND partition = %(partition)s
+            FOR UPDATE
+            """
+        ).format(offsets=table.offsets),
+        {"topic": topic, "partition": partition},
+    ).fetchone()
+    if current is None:
+        raise OutboxError(f"{topic}/{partition} has no stored position: nothing was relayed there yet")
+    from_xid, from_id, owner, leased = current
+    if leased and not force:
+        raise OutboxError(f"{topic}/{partition} is leased by live worker {owner!r}: stop it first, or force")
+    return from_xid, from_id
+
+
+def _set_position(
+    conn: psycopg.Connection, table: OutboxTable, topic: str, partition: int, xid: str, id_: int, *, force: bool
+) -> None:
+    """The new position, its failures forgotten; with ``force`` the lease freed too."""
+    conn.execute(
+        sql.SQL(
+            """
+            UPDATE {offsets}
+            SET last_processed_transaction_id = %(xid)s::xid8, last_processed_id = %(id)s,
+                attempts = 0, last_error = NULL, updated_at = now(),
+                locked_by = CASE WHEN %(force)s THEN NULL ELSE locked_by END,
+                available_after = CASE WHEN %(force)s THEN now() ELSE available_after END
+            WHERE topic = %(topic)s AND partition = %(partition)s
+            """
+        ).format(offsets=table.offsets),
+        {"xid": xid, "id": id_, "force": force, "topic": topic, "partition": partition},
+    )
 
 
 def _target(

@@ -103,6 +103,25 @@ def switch_strategy(
     if workers := live_workers(conn, table, lease_s=60.0):
         alive = ", ".join(w.worker_id for w in workers[:5])
         raise OutboxError(f"stop the relays before switching strategy: live relay workers: {alive}")
+    _refuse_held(conn, table)
+    behind = sql.SQL(BEHIND_POSITION)
+    names = {"messages": table.messages, "offsets": table.offsets, "behind": behind}
+    try:
+        with conn.transaction():
+            strategy_record.record_switch(conn, table, strategy)
+            if not keeps_positions(strategy):
+                cur = conn.execute(sql.SQL(_MARK_RELAYED[mode]).format(**names))
+                return Switched(strategy, 0, cur.rowcount)
+            return _positions(conn, table, strategy, names, lock_timeout)
+    except psycopg.errors.LockNotAvailable:
+        raise OutboxError(
+            f"writer transactions on the outbox did not end within {lock_timeout} (one left open?): the switch "
+            "waits for them so that it sees every committed row; try again"
+        ) from None
+
+
+def _refuse_held(conn: psycopg.Connection, table: OutboxTable) -> None:
+    """Refused while keys are held or held rows wait: only the strategy that held them reads them back."""
     row = conn.execute(
         sql.SQL(
             "SELECT (SELECT count(*) FROM {holds} WHERE released_at IS NULL), (SELECT count(*) FROM {held})"
@@ -121,28 +140,22 @@ def switch_strategy(
             f"{held_rows} rows held behind retried or discarded dead letters are not relayed yet: run the current "
             "strategy's relay until `outbox lag` shows no held rows, then switch"
         )
-    behind = sql.SQL(BEHIND_POSITION)
-    names = {"messages": table.messages, "offsets": table.offsets, "behind": behind}
-    try:
-        with conn.transaction():
-            strategy_record.record_switch(conn, table, strategy)
-            if not keeps_positions(strategy):
-                cur = conn.execute(sql.SQL(_MARK_RELAYED[mode]).format(**names))
-                return Switched(strategy, 0, cur.rowcount)
-            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
-            conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(table.messages))
-            order, order_desc = _ORDERS[strategy]
-            cur = conn.execute(
-                sql.SQL(_POSITIONS).format(
-                    pairs=partition_pairs(table), order=sql.SQL(order), order_desc=sql.SQL(order_desc), **names
-                ),
-                {"strategy": strategy},
-            )
-            set_ = cur.rowcount
-            conn.execute(sql.SQL("UPDATE {} SET read_by = %s").format(table.offsets), (strategy,))
-            return Switched(strategy, set_, 0)
-    except psycopg.errors.LockNotAvailable:
-        raise OutboxError(
-            f"writer transactions on the outbox did not end within {lock_timeout} (one left open?): the switch "
-            "waits for them so that it sees every committed row; try again"
-        ) from None
+
+
+def _positions(
+    conn: psycopg.Connection, table: OutboxTable, strategy: str, names: dict[str, sql.Composable], lock_timeout: str
+) -> Switched:
+    """Every partition's position for ``strategy``, from what was relayed, with writers locked out so that every
+    committed row is seen (position strategies)."""
+    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(lock_timeout)))
+    conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(table.messages))
+    order, order_desc = _ORDERS[strategy]
+    cur = conn.execute(
+        sql.SQL(_POSITIONS).format(
+            pairs=partition_pairs(table), order=sql.SQL(order), order_desc=sql.SQL(order_desc), **names
+        ),
+        {"strategy": strategy},
+    )
+    set_ = cur.rowcount
+    conn.execute(sql.SQL("UPDATE {} SET read_by = %s").format(table.offsets), (strategy,))
+    return Switched(strategy, set_, 0)

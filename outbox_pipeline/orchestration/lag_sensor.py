@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import dagster as dg
+import psycopg
 
 from outbox_pipeline.drain.values import OWNER_PREFIX
 from outbox_pipeline.errors import OutboxError
@@ -98,6 +99,15 @@ def _retried(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     return bool(instance.get_runs(dg.RunsFilter(tags={"dagster/parent_run_id": run.run_id}), limit=1))
 
 
+@dataclass(frozen=True)
+class _LagSensor:
+    """What each tick of one lag sensor works with: the relay job, the bulk drain job (if wired in), the settings."""
+
+    relay_job: Job
+    bulk_drain_job: "Job | None"
+    cfg: OrchestrationSettings
+
+
 def build_outbox_lag_sensor(
     relay_job: Job,
     *,
@@ -109,6 +119,7 @@ def build_outbox_lag_sensor(
     """The lag sensor for ``relay_job`` (a `relay_stream` job); ``bulk_drain_job`` is optional."""
     cfg = settings or OrchestrationSettings.from_env()
     jobs: list[Job] = [relay_job] if bulk_drain_job is None else [relay_job, bulk_drain_job]
+    sensor = _LagSensor(relay_job, bulk_drain_job, cfg)
 
     @dg.sensor(
         name=name,
@@ -124,98 +135,133 @@ def build_outbox_lag_sensor(
     def outbox_lag_sensor(
         context: dg.SensorEvaluationContext, postgres: PostgresResource
     ) -> dg.SensorResult | dg.SkipReason:
-        with postgres.connect() as conn:
-            try:
-                # What a run would refuse at once (missing indexes, another strategy's positions): a run per tick
-                # otherwise, each failing after seconds of CPU.
-                strategy = require_relayable(conn, postgres.table, cfg.strategy or None)
-            except OutboxError as exc:
-                context.log.warning("no relay run: %s", exc)
-                return dg.SkipReason(f"no relay run: {exc}")
-            if strategy == WAL:
-                slot = wal_lag(conn, postgres.table, measure_age=False)  # ticks every few seconds: nothing decoded
-                if slot.problem is not None:
-                    context.log.warning("%s", slot.describe())
-                    return dg.SkipReason(f"{slot.describe()}; no relay run")
-                why = wal_run_needed(context.instance, relay_job.name, cfg, time.time(), streamed=slot.streamed_by)
-                if why is None:
-                    return dg.SkipReason(slot.describe())
-                previous = context.instance.get_runs(dg.RunsFilter(job_name=relay_job.name), limit=1)
-                context.log.info("relay run (%s) for the wal outbox: %s", why, slot.describe())
-                return dg.SensorResult(
-                    run_requests=[
-                        dg.RunRequest(
-                            job_name=relay_job.name,
-                            run_key=f"relay-stream/{why}/after:{previous[0].run_id if previous else 'none'}",
-                            run_config=dg.RunConfig(
-                                ops={
-                                    "relay_outbox_stream": RelayStreamConfig(strategy=WAL, window_s=cfg.relay_window_s)
-                                }
-                            ),
-                            tags={WINDOW_TAG: f"{cfg.relay_window_s:g}", "outbox/reason": why},
-                        )
-                    ]
-                )
-            lags = partition_lag(conn, postgres.table, strategy, cap=cfg.lag_cap)
-            owners = [w for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND]
-        by_key: dict[str, PartitionLag] = {}
-        for lag in lags:
-            key = partition_key(lag.topic, lag.partition)
-            if is_valid_key(key):
-                by_key[key] = lag
-            else:
-                context.log.warning("topic %r cannot be a Dagster partition key; relay it with the CLI", lag.topic)
-        known = set(context.instance.get_dynamic_partitions(OUTBOX_PARTITIONS_NAME))
-        new_keys = sorted(set(by_key) - known)
-        adds = [outbox_partitions.build_add_request(new_keys)] if new_keys else []
-        total = sum(lag.pending for lag in lags)
-
-        drain, drain_note = (
-            bulk_drain_request(context.instance, bulk_drain_job, cfg, strategy, lags, time.time())
-            if bulk_drain_job is not None
-            else (None, "")
-        )
-        cover = coverage(context.instance, relay_job.name, owners, cfg, time.time())
-        lagging = sorted(key for key, lag in by_key.items() if _more_runs_help(lag, cfg))
-        if not cover.covered:
-            why = "successor" if cover.ending else "uncovered"
-        elif lagging and not cover.starting and not cover.warming and cover.runs < cfg.relay_runs_max:
-            why = "lagging"
-        else:
-            state = f"{len(cover.owners)} live relay worker(s), {len(cover.starting)} run(s) starting"
-            if cover.warming:
-                state += f", {len(cover.warming)} came up < {cfg.trigger_age_s:g} s ago"
-            note = f"; lagging: {', '.join(lagging[:5])}{' ...' if len(lagging) > 5 else ''}" if lagging else ""
-            reason = f"{total} pending rows in {len(by_key)} partitions; {state}{note}{drain_note}"
-            if drain is not None:
-                context.log.info("%s", reason)
-                return dg.SensorResult(run_requests=[drain], dynamic_partitions_requests=adds)
-            return _skip(reason, adds)
-        previous = context.instance.get_runs(dg.RunsFilter(job_name=relay_job.name), limit=1)
-        request = dg.RunRequest(
-            job_name=relay_job.name,
-            run_key=f"relay-stream/{why}/after:{previous[0].run_id if previous else 'none'}",
-            run_config=dg.RunConfig(
-                ops={"relay_outbox_stream": RelayStreamConfig(strategy=strategy, window_s=cfg.relay_window_s)}
-            ),
-            tags={
-                WINDOW_TAG: f"{cfg.relay_window_s:g}",
-                "outbox/reason": why,
-                "outbox/pending": str(total),
-                "outbox/lagging_partitions": str(len(lagging)),
-            },
-        )
-        context.log.info(
-            "relay run (%s): %d live relay worker(s), %d lagging partition(s)%s",
-            why,
-            len(cover.owners),
-            len(lagging),
-            drain_note,
-        )
-        requests = [request] if drain is None else [drain, request]
-        return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=adds)
+        return _tick(sensor, context, postgres)
 
     return outbox_lag_sensor
+
+
+def _tick(
+    sensor: _LagSensor, context: dg.SensorEvaluationContext, postgres: PostgresResource
+) -> dg.SensorResult | dg.SkipReason:
+    """One tick: nothing for an outbox a run would refuse, the wal outbox's one run, or the table outbox's runs."""
+    cfg = sensor.cfg
+    with postgres.connect() as conn:
+        try:
+            # What a run would refuse at once (missing indexes, another strategy's positions): a run per tick
+            # otherwise, each failing after seconds of CPU.
+            strategy = require_relayable(conn, postgres.table, cfg.strategy or None)
+        except OutboxError as exc:
+            context.log.warning("no relay run: %s", exc)
+            return dg.SkipReason(f"no relay run: {exc}")
+        if strategy == WAL:
+            return _wal_tick(sensor, context, conn, postgres)
+        lags = partition_lag(conn, postgres.table, strategy, cap=cfg.lag_cap)
+        owners = [w for w in live_workers(conn, postgres.table, EXPIRY_LIVENESS_S) if w.kind == UNSCOPED_KIND]
+    return _table_tick(sensor, context, strategy, lags, owners)
+
+
+def _wal_tick(
+    sensor: _LagSensor, context: dg.SensorEvaluationContext, conn: psycopg.Connection, postgres: PostgresResource
+) -> dg.SensorResult | dg.SkipReason:
+    """A wal outbox: its slot reported, and one run kept on it (wal_run_needed)."""
+    slot = wal_lag(conn, postgres.table, measure_age=False)  # ticks every few seconds: nothing decoded
+    if slot.problem is not None:
+        context.log.warning("%s", slot.describe())
+        return dg.SkipReason(f"{slot.describe()}; no relay run")
+    why = wal_run_needed(context.instance, sensor.relay_job.name, sensor.cfg, time.time(), streamed=slot.streamed_by)
+    if why is None:
+        return dg.SkipReason(slot.describe())
+    request = _relay_request(sensor, context, why, WAL, {})
+    context.log.info("relay run (%s) for the wal outbox: %s", why, slot.describe())
+    return dg.SensorResult(run_requests=[request])
+
+
+def _table_tick(
+    sensor: _LagSensor,
+    context: dg.SensorEvaluationContext,
+    strategy: str,
+    lags: list[PartitionLag],
+    owners: list[LiveWorker],
+) -> dg.SensorResult | dg.SkipReason:
+    """A table outbox: new partitions registered, a bulk drain if one is due, and a relay run if one is needed."""
+    cfg, bulk_drain_job = sensor.cfg, sensor.bulk_drain_job
+    by_key = _by_partition_key(context, lags)
+    known = set(context.instance.get_dynamic_partitions(OUTBOX_PARTITIONS_NAME))
+    new_keys = sorted(set(by_key) - known)
+    adds = [outbox_partitions.build_add_request(new_keys)] if new_keys else []
+    total = sum(lag.pending for lag in lags)
+
+    drain, drain_note = (
+        bulk_drain_request(context.instance, bulk_drain_job, cfg, strategy, lags, time.time())
+        if bulk_drain_job is not None
+        else (None, "")
+    )
+    cover = coverage(context.instance, sensor.relay_job.name, owners, cfg, time.time())
+    lagging = sorted(key for key, lag in by_key.items() if _more_runs_help(lag, cfg))
+    why = _why_a_run(cover, lagging, cfg)
+    if why is None:
+        reason = f"{total} pending rows in {len(by_key)} partitions; {_no_run_state(cover, lagging, cfg)}{drain_note}"
+        if drain is not None:
+            context.log.info("%s", reason)
+            return dg.SensorResult(run_requests=[drain], dynamic_partitions_requests=adds)
+        return _skip(reason, adds)
+    lagging_tags = {"outbox/pending": str(total), "outbox/lagging_partitions": str(len(lagging))}
+    request = _relay_request(sensor, context, why, strategy, lagging_tags)
+    context.log.info(
+        "relay run (%s): %d live relay worker(s), %d lagging partition(s)%s",
+        why,
+        len(cover.owners),
+        len(lagging),
+        drain_note,
+    )
+    requests = [request] if drain is None else [drain, request]
+    return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=adds)
+
+
+def _by_partition_key(context: dg.SensorEvaluationContext, lags: list[PartitionLag]) -> dict[str, PartitionLag]:
+    """Each partition's lag by its Dagster partition key; a topic no key can name is left to the CLI (a warning)."""
+    by_key: dict[str, PartitionLag] = {}
+    for lag in lags:
+        key = partition_key(lag.topic, lag.partition)
+        if is_valid_key(key):
+            by_key[key] = lag
+        else:
+            context.log.warning("topic %r cannot be a Dagster partition key; relay it with the CLI", lag.topic)
+    return by_key
+
+
+def _why_a_run(cover: Coverage, lagging: list[str], cfg: OrchestrationSettings) -> str | None:
+    """Why one more relay run ("successor", "uncovered", "lagging"), or None: the runs there are cover the outbox."""
+    if not cover.covered:
+        return "successor" if cover.ending else "uncovered"
+    if lagging and not cover.starting and not cover.warming and cover.runs < cfg.relay_runs_max:
+        return "lagging"
+    return None
+
+
+def _no_run_state(cover: Coverage, lagging: list[str], cfg: OrchestrationSettings) -> str:
+    """Who covers the outbox, and which partitions lag, for a tick that requests no relay run."""
+    state = f"{len(cover.owners)} live relay worker(s), {len(cover.starting)} run(s) starting"
+    if cover.warming:
+        state += f", {len(cover.warming)} came up < {cfg.trigger_age_s:g} s ago"
+    note = f"; lagging: {', '.join(lagging[:5])}{' ...' if len(lagging) > 5 else ''}" if lagging else ""
+    return state + note
+
+
+def _relay_request(
+    sensor: _LagSensor, context: dg.SensorEvaluationContext, why: str, strategy: str, tags: dict[str, str]
+) -> dg.RunRequest:
+    """A relay_stream run for ``why``. Its run key names the latest run it follows, so no tick requests it twice."""
+    cfg, job_name = sensor.cfg, sensor.relay_job.name
+    previous = context.instance.get_runs(dg.RunsFilter(job_name=job_name), limit=1)
+    return dg.RunRequest(
+        job_name=job_name,
+        run_key=f"relay-stream/{why}/after:{previous[0].run_id if previous else 'none'}",
+        run_config=dg.RunConfig(
+            ops={"relay_outbox_stream": RelayStreamConfig(strategy=strategy, window_s=cfg.relay_window_s)}
+        ),
+        tags={WINDOW_TAG: f"{cfg.relay_window_s:g}", "outbox/reason": why, **tags},
+    )
 
 
 def _more_runs_help(lag: PartitionLag, cfg: OrchestrationSettings) -> bool:

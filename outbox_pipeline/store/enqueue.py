@@ -121,53 +121,78 @@ def enqueue_many(
             r.topic,
         )
     else:
-        query = _insert_sql(table)
-        # A column with nothing to say goes as NULL, not as an array of defaults: unnest pads it with NULLs, and
-        # dumping an array costs the client per element (most calls give no type, bytes, headers, priority or
-        # partition). The columns every call fills go as arrays built from their bytes (wire_arrays.py).
-        payloads = _unless_all([r.payload for r in rows], None)
-        text_columns: tuple[object, object, object]
-        if conn.info.encoding in _UTF8_AS_IS:
-            topic_utf8 = {topic: topic.encode() for topic in topics}
-            text_columns = (
-                wire_arrays.text_array([topic_utf8[r.topic] for r in rows]),
-                wire_arrays.text_array([r.key_utf8 for r in rows]),
-                None
-                if payloads is None
-                else wire_arrays.text_array([None if p is None else p.encode() for p in payloads]),
-            )
-        else:
-            # A client encoding other than UTF-8 (a LATIN1 database's default): text goes in that encoding, as
-            # psycopg encodes it, and the server reads it so; UTF-8 bytes would be stored as other characters
-            # ("café" as "cafÃ©": another Kafka key). A character the encoding lacks fails here, before anything
-            # is sent.
-            encoding = conn.info.encoding
-            try:
-                text_columns = (
-                    _encoded([r.topic for r in rows], encoding),
-                    _encoded([r.key for r in rows], encoding),
-                    _encoded(payloads, encoding),
-                )
-            except UnicodeEncodeError as exc:
-                raise InvalidMessageError(_UNENCODABLE.format(exc.object[exc.start : exc.end], encoding)) from None
-        topic_column, key_column, payload_column = text_columns
-        params = (
-            wire_arrays.uuid_array(raw_ids),
-            topic_column,
-            key_column,
-            _unless_all([r.type for r in rows], None),
-            payload_column,
-            _unless_all([r.payload_bytes for r in rows], None),
-            _unless_all([r.headers for r in rows], NO_HEADERS),
-            _unless_all([r.priority for r in rows], 0),
-            _unless_all([r.partition for r in rows], None),
-            wire_arrays.int8_array([r.hash for r in rows]),
+        query, params = _insert_sql(table), _rows_params(conn, rows, topics, raw_ids)
+    ids = _insert(conn, table, query, params, many=len(rows) > 1, notify=notify, serialized=serialized)
+    if not ids and _emitted_by_trigger(conn, table):
+        return [Enqueued(0, mid) for mid in message_ids]
+    # The rows are inserted in the call's order (ORDER BY u.ord), each taking the next id as it goes, and RETURNING
+    # gives them as inserted: ascending ids say that this order is the call's. Matching by message_id instead meant
+    # a uuid parsed per row.
+    if len(ids) != len(rows) or any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
+        raise RuntimeError(f"outbox insert returned ids {ids[:5]}... for {len(rows)} messages, not in their order")
+    return [Enqueued(oid, mid) for oid, mid in zip(ids, message_ids, strict=True)]
+
+
+def _rows_params(conn: psycopg.Connection, rows: list[Row], topics: set[str], raw_ids: bytes) -> tuple[object, ...]:
+    """A column with nothing to say goes as NULL, not as an array of defaults: unnest pads it with NULLs, and dumping
+    an array costs the client per element (most calls give no type, bytes, headers, priority or partition). The
+    columns every call fills go as arrays built from their bytes (wire_arrays.py)."""
+    payloads = _unless_all([r.payload for r in rows], None)
+    if conn.info.encoding in _UTF8_AS_IS:
+        topic_utf8 = {topic: topic.encode() for topic in topics}
+        topic_column: object = wire_arrays.text_array([topic_utf8[r.topic] for r in rows])
+        key_column: object = wire_arrays.text_array([r.key_utf8 for r in rows])
+        payload_column: object = (
+            None if payloads is None else wire_arrays.text_array([None if p is None else p.encode() for p in payloads])
         )
-    # The service's connection, not its defaults: a cursor that binds on the server whatever its cursor_factory (a
-    # ClientCursor quoted the binary arrays as bytea literals) and returns tuples whatever its row_factory (dict_row
-    # rows were unpacked as their keys). Both tested in tests/engine/store/test_enqueue.py.
+    else:
+        topic_column, key_column, payload_column = _text_columns_encoded(rows, payloads, conn.info.encoding)
+    return (
+        wire_arrays.uuid_array(raw_ids),
+        topic_column,
+        key_column,
+        _unless_all([r.type for r in rows], None),
+        payload_column,
+        _unless_all([r.payload_bytes for r in rows], None),
+        _unless_all([r.headers for r in rows], NO_HEADERS),
+        _unless_all([r.priority for r in rows], 0),
+        _unless_all([r.partition for r in rows], None),
+        wire_arrays.int8_array([r.hash for r in rows]),
+    )
+
+
+def _text_columns_encoded(rows: list[Row], payloads: list[Any] | None, encoding: str) -> tuple[object, object, object]:
+    """Topic, key and payload in a client encoding other than UTF-8 (a LATIN1 database's default): text goes in that
+    encoding, as psycopg encodes it, and the server reads it so; UTF-8 bytes would be stored as other characters
+    ("café" as "cafÃ©": another Kafka key). A character the encoding lacks fails here, before anything is sent."""
+    try:
+        return (
+            _encoded([r.topic for r in rows], encoding),
+            _encoded([r.key for r in rows], encoding),
+            _encoded(payloads, encoding),
+        )
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(_UNENCODABLE.format(exc.object[exc.start : exc.end], encoding)) from None
+
+
+def _insert(
+    conn: psycopg.Connection,
+    table: OutboxTable,
+    query: bytes,
+    params: tuple[object, ...],
+    *,
+    many: bool,
+    notify: bool,
+    serialized: bool,
+) -> list[int]:
+    """The INSERT, after the NOTIFY switch and the serialized writers' lock if asked; the ids it returned.
+
+    The service's connection, not its defaults: a cursor that binds on the server whatever its cursor_factory (a
+    ClientCursor quoted the binary arrays as bytea literals) and returns tuples whatever its row_factory (dict_row
+    rows were unpacked as their keys). Both tested in tests/engine/store/test_enqueue.py.
+    """
     with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
-        if len(rows) > 1:
+        if many:
             wire_arrays.register(cur.adapters)
         if not notify:
             # Transaction-local, like SET LOCAL: the caller's later inserts skip the NOTIFY as well.
@@ -181,15 +206,7 @@ def enqueue_many(
                 cur.execute(query, params)
         else:
             cur.execute(query, params)
-        ids = [oid for (oid,) in cur.fetchall()]
-    if not ids and _emitted_by_trigger(conn, table):
-        return [Enqueued(0, mid) for mid in message_ids]
-    # The rows are inserted in the call's order (ORDER BY u.ord), each taking the next id as it goes, and RETURNING
-    # gives them as inserted: ascending ids say that this order is the call's. Matching by message_id instead meant
-    # a uuid parsed per row.
-    if len(ids) != len(rows) or any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
-        raise RuntimeError(f"outbox insert returned ids {ids[:5]}... for {len(rows)} messages, not in their order")
-    return [Enqueued(oid, mid) for oid, mid in zip(ids, message_ids, strict=True)]
+        return [oid for (oid,) in cur.fetchall()]
 
 
 def _emit(

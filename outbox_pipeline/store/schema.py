@@ -69,7 +69,23 @@ def _init_db(
         strategy_record.refuse_claim(conn, table, WAL)  # a table outbox: refused before the slot is made
         wal_objects.slot_here(conn, table)  # refuses before anything is made: a refusal leaves nothing behind
         wal_grants.require_emit_right(conn)
-    applied: list[Migration] = []
+    _create_migrations_table(conn, table)
+    applied = [migration for migration in MIGRATIONS if _apply(conn, table, migration)]
+    if strategies is not None and list(strategies) == [WAL]:
+        _make_wal_outbox(conn, table)
+    elif strategies is not None and len(strategies) == 1:
+        strategy_record.claim(conn, table, strategies[0], by=strategy_record.BY_INIT_DB)
+    ensure_partitions(conn, table, days_ahead=days_ahead, today=today)
+    if strategies is not None and new:
+        drop_except(conn, table, strategies)
+    elif strategies is not None:
+        for index in indexes_for(strategies):
+            build(conn, table, index)
+    return applied
+
+
+def _create_migrations_table(conn: psycopg.Connection, table: OutboxTable) -> None:
+    """The schema and its record of applied migrations, made under the migrations lock."""
     with conn.transaction():
         _lock_migrations(conn, table)
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(table.schema_ident))
@@ -84,44 +100,42 @@ def _init_db(
                 """
             ).format(migrations=table.migrations)
         )
-    for migration in MIGRATIONS:
-        with conn.transaction():
-            _lock_migrations(conn, table)
-            if migration.version <= current_version(conn, table):
-                continue
-            # DDL on a live table queues every writer behind it while it waits for its lock: it waits a bounded time.
-            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(MIGRATION_LOCK_TIMEOUT)))
-            try:
-                migration.apply(conn, table)
-            except psycopg.errors.LockNotAvailable:
-                raise SchemaError(
-                    f"migration {migration.version} ({migration.name}) did not get its lock on the outbox within "
-                    f"{MIGRATION_LOCK_TIMEOUT}: a long transaction holds it (outbox status names it); nothing of "
-                    "it was applied, run `outbox init-db` again"
-                ) from None
-            conn.execute(
-                sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(table.migrations),
-                (migration.version, migration.name),
-            )
-            applied.append(migration)
-    if strategies is not None and list(strategies) == [WAL]:
-        with conn.transaction():  # an outbox of another strategy is refused before its table would refuse rows
-            strategy_record.claim(conn, table, WAL, by=strategy_record.BY_INIT_DB)
-            wal_refusals.refuse_rows(conn, table)  # from here on a row is refused, not stored where nobody reads it
-        # The slot first: a message emitted before it exists would be decoded by nobody.
-        wal_objects.ensure_slot(conn, table)
-        with conn.transaction():
-            wal_objects.install_functions(conn, table)
-            strategy_record.claim(conn, table, WAL, by=strategy_record.BY_INIT_DB)
-    elif strategies is not None and len(strategies) == 1:
-        strategy_record.claim(conn, table, strategies[0], by=strategy_record.BY_INIT_DB)
-    ensure_partitions(conn, table, days_ahead=days_ahead, today=today)
-    if strategies is not None and new:
-        drop_except(conn, table, strategies)
-    elif strategies is not None:
-        for index in indexes_for(strategies):
-            build(conn, table, index)
-    return applied
+
+
+def _apply(conn: psycopg.Connection, table: OutboxTable, migration: Migration) -> bool:
+    """``migration`` in a transaction of its own, recorded with it, unless it was applied already; whether it was
+    applied now."""
+    with conn.transaction():
+        _lock_migrations(conn, table)
+        if migration.version <= current_version(conn, table):
+            return False
+        # DDL on a live table queues every writer behind it while it waits for its lock: it waits a bounded time.
+        conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(MIGRATION_LOCK_TIMEOUT)))
+        try:
+            migration.apply(conn, table)
+        except psycopg.errors.LockNotAvailable:
+            raise SchemaError(
+                f"migration {migration.version} ({migration.name}) did not get its lock on the outbox within "
+                f"{MIGRATION_LOCK_TIMEOUT}: a long transaction holds it (outbox status names it); nothing of "
+                "it was applied, run `outbox init-db` again"
+            ) from None
+        conn.execute(
+            sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(table.migrations),
+            (migration.version, migration.name),
+        )
+        return True
+
+
+def _make_wal_outbox(conn: psycopg.Connection, table: OutboxTable) -> None:
+    """The outbox recorded as wal and its table refusing rows, then its slot, then the functions that emit to it."""
+    with conn.transaction():  # an outbox of another strategy is refused before its table would refuse rows
+        strategy_record.claim(conn, table, WAL, by=strategy_record.BY_INIT_DB)
+        wal_refusals.refuse_rows(conn, table)  # from here on a row is refused, not stored where nobody reads it
+    # The slot first: a message emitted before it exists would be decoded by nobody.
+    wal_objects.ensure_slot(conn, table)
+    with conn.transaction():
+        wal_objects.install_functions(conn, table)
+        strategy_record.claim(conn, table, WAL, by=strategy_record.BY_INIT_DB)
 
 
 #: How long a migration waits for a lock on the live table before it gives up (writers queue behind it meanwhile).

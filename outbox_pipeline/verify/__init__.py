@@ -64,26 +64,13 @@ def verify(
     ``max_s`` bounds the consumption (for topics that never go idle); the report then says so.
     """
     names = tuple(dict.fromkeys(topics))
-    if not names:
-        raise OutboxError("give at least one topic to verify")
-    if ordered is not None and ordered not in ORDERED_STRATEGIES:
-        raise OutboxError(f"--ordered takes one of {', '.join(ORDERED_STRATEGIES)}, not {ordered!r}")
-    if ledger_file is not None and (since is not None or id_from is not None):
-        raise OutboxError("--since and --id-from narrow the table ledger; a --ledger-file is the whole ledger")
-    if idle_s <= 0 or (max_s is not None and max_s <= 0):
-        raise OutboxError("--idle-s and --max-seconds must be > 0")
+    _check_arguments(
+        names, ordered, ledger_file, narrowed=since is not None or id_from is not None, idle_s=idle_s, max_s=max_s
+    )
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=dt.UTC)
-    recorded = strategy_record.recorded(conn, table)
-    if ledger_file is None and recorded is not None and recorded.strategy == WAL:
-        raise OutboxError(
-            f"the outbox {table.schema!r} is a wal outbox: it keeps no rows to take the ledger from; give the message "
-            "ids your writers committed as --ledger-file (one per line, as for the delete mode)"
-        )
-    starts = dict(start_offsets or {})
-    for topic, _partition in starts:
-        if topic not in names:
-            raise OutboxError(f"--from names topic {topic!r}, which is not one of the topics to verify")
+    _refuse_table_ledger_of_wal(conn, table, ledger_file)
+    starts = _start_offsets(names, start_offsets)
 
     started = time.monotonic()
     work = Workspace(conn, table)
@@ -91,10 +78,11 @@ def verify(
         work.create()
         # The ledger is taken before consuming: rows committed while verify runs are not expected, and
         # when they arrive anyway they are still found in the outbox table (not phantom).
-        if ledger_file is not None:
-            dead_letters, held = work.load_ledger_file(Path(ledger_file))
-        else:
-            dead_letters, held = work.load_ledger_table(names, since, id_from)
+        dead_letters, held = (
+            work.load_ledger_file(Path(ledger_file))
+            if ledger_file is not None
+            else work.load_ledger_table(names, since, id_from)
+        )
         log.debug("verify: ledger loaded in %.1f s", time.monotonic() - started)
         consumed = consume_topics(make_consumer(bootstrap_config), names, starts, idle_s, max_s, work)
         return work.report(
@@ -111,6 +99,47 @@ def verify(
         )
     finally:
         work.drop()
+
+
+def _check_arguments(
+    names: tuple[str, ...],
+    ordered: OrderedStrategy | None,
+    ledger_file: str | Path | None,
+    *,
+    narrowed: bool,
+    idle_s: float,
+    max_s: float | None,
+) -> None:
+    """Refuse what no verification can mean, before anything is read (one line each, as the CLI prints it)."""
+    if not names:
+        raise OutboxError("give at least one topic to verify")
+    if ordered is not None and ordered not in ORDERED_STRATEGIES:
+        raise OutboxError(f"--ordered takes one of {', '.join(ORDERED_STRATEGIES)}, not {ordered!r}")
+    if ledger_file is not None and narrowed:
+        raise OutboxError("--since and --id-from narrow the table ledger; a --ledger-file is the whole ledger")
+    if idle_s <= 0 or (max_s is not None and max_s <= 0):
+        raise OutboxError("--idle-s and --max-seconds must be > 0")
+
+
+def _refuse_table_ledger_of_wal(conn: psycopg.Connection, table: OutboxTable, ledger_file: str | Path | None) -> None:
+    """A wal outbox keeps no rows: its table is no ledger, its writers' message ids are."""
+    recorded = strategy_record.recorded(conn, table)
+    if ledger_file is None and recorded is not None and recorded.strategy == WAL:
+        raise OutboxError(
+            f"the outbox {table.schema!r} is a wal outbox: it keeps no rows to take the ledger from; give the message "
+            "ids your writers committed as --ledger-file (one per line, as for the delete mode)"
+        )
+
+
+def _start_offsets(
+    names: tuple[str, ...], start_offsets: Mapping[tuple[str, int], int] | None
+) -> dict[tuple[str, int], int]:
+    """Where to start the partitions given one (every other starts at the beginning), each of a topic verified."""
+    starts = dict(start_offsets or {})
+    for topic, _partition in starts:
+        if topic not in names:
+            raise OutboxError(f"--from names topic {topic!r}, which is not one of the topics to verify")
+    return starts
 
 
 __all__ = [

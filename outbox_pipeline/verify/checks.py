@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Literal
 
 from psycopg import sql
@@ -51,94 +52,13 @@ class Workspace(Ledger):
 
         ledger_messages = self._scalar("SELECT count(*) FROM {ledger}", params)
         ignored = self._scalar("SELECT count(*) FROM {consumed} c WHERE NOT ({in_range})", params, in_range=in_range)
-
-        lost = self._scalar(
-            "SELECT count(*) FROM {ledger} l WHERE NOT EXISTS (SELECT 1 FROM {consumed} c "
-            "WHERE c.message_id = l.message_id)",
-            params,
-        )
-        lost_examples = tuple(
-            MessageRef(message_id=str(r[0]), outbox_id=r[1], topic=r[2], key=r[3])
-            for r in (
-                self._rows(
-                    """
-                    SELECT l.message_id, l.outbox_id, l.topic, l.key FROM {ledger} l
-                    WHERE NOT EXISTS (SELECT 1 FROM {consumed} c WHERE c.message_id = l.message_id)
-                    ORDER BY l.outbox_id NULLS LAST, l.message_id LIMIT %(examples)s
-                    """,
-                    params,
-                )
-                if lost
-                else []
-            )
-        )
-
+        lost, lost_examples = self._lost(params)
         phantom, phantom_examples = self._phantoms(in_range, params)
-
-        dup = self._rows(
-            """
-            WITH copies AS (
-                SELECT c.message_id, min(c.key) AS key, count(*) - 1 AS extra
-                FROM {consumed} c WHERE c.message_id IS NOT NULL AND ({in_range})
-                GROUP BY c.message_id HAVING count(*) > 1
-            ), per_key AS (
-                SELECT key, sum(extra) AS extra FROM copies GROUP BY key ORDER BY sum(extra) DESC, key LIMIT 1
-            )
-            SELECT (SELECT coalesce(sum(extra), 0) FROM copies), (SELECT count(*) FROM copies),
-                   (SELECT key FROM per_key), (SELECT coalesce(sum(extra), 0) FROM per_key)
-            """,
-            params,
-            in_range=in_range,
-        )[0]
-
+        dup = self._duplicates(in_range, params)
         order_checked, order_violations, order_example = 0, 0, None
         if ordered is not None:
             order_checked, order_violations, order_example = self._order(ordered, in_range, params)
-
-        lat = self._rows(
-            """
-            SELECT count(*), percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY ms), max(ms)
-            FROM (
-                SELECT min(c.broker_ms) - extract(epoch FROM min(c.created_at))::float8 * 1000 AS ms
-                FROM {consumed} c
-                WHERE c.message_id IS NOT NULL AND c.broker_ms IS NOT NULL AND c.created_at IS NOT NULL
-                  AND ({in_range})
-                GROUP BY c.message_id
-            ) x
-            """,
-            params,
-            in_range=in_range,
-        )[0]
-        latency = (
-            Latency(int(lat[0]), round(lat[1][0], 3), round(lat[1][1], 3), round(lat[1][2], 3), round(lat[2], 3))
-            if lat[0]
-            else None
-        )
-
-        notes: list[str] = []
-        if not consumed.complete:
-            notes.append(
-                "stopped at --max-seconds before every partition was idle: messages still arriving may show as lost"
-            )
-        if since is not None or id_from is not None:
-            notes.append(
-                f"ledger restricted to {range_text(since, id_from)}: records outside it "
-                f"(by their created_at / outbox_id headers) are ignored, not phantom"
-            )
-        if from_offsets:
-            notes.append("consumed from given offsets: ledger messages published before them count as lost")
-        if ledger == "table" and ledger_messages == 0 and phantom:
-            notes.append(
-                "the outbox table holds no rows for these topics: in delete mode relayed rows are gone, "
-                "give the ledger with --ledger-file"
-            )
-        if ordered is not None:
-            notes.append(
-                "order: each message's first copy per key and Kafka partition, against "
-                + ("(transaction_id, id)" if ordered == "partitioned" else "outbox id")
-                + "; keyless and dead-lettered messages are not checked"
-            )
-        return VerifyReport(
+        report = VerifyReport(
             topics=topics,
             ledger=ledger,
             ledger_messages=ledger_messages,
@@ -159,11 +79,68 @@ class Workspace(Ledger):
             order_checked=order_checked,
             order_violations=order_violations,
             order_example=order_example,
-            latency=latency,
+            latency=self._latency(in_range, params),
             lost_examples=lost_examples,
             phantom_examples=phantom_examples,
-            notes=tuple(notes),
         )
+        return replace(report, notes=_notes(report, since, id_from, from_offsets))
+
+    def _lost(self, params: Mapping[str, Any]) -> tuple[int, tuple[MessageRef, ...]]:
+        """Ledger messages no record carries, and the first few of them (by outbox id)."""
+        lost = self._scalar(
+            "SELECT count(*) FROM {ledger} l WHERE NOT EXISTS (SELECT 1 FROM {consumed} c "
+            "WHERE c.message_id = l.message_id)",
+            params,
+        )
+        if not lost:
+            return lost, ()
+        rows = self._rows(
+            """
+            SELECT l.message_id, l.outbox_id, l.topic, l.key FROM {ledger} l
+            WHERE NOT EXISTS (SELECT 1 FROM {consumed} c WHERE c.message_id = l.message_id)
+            ORDER BY l.outbox_id NULLS LAST, l.message_id LIMIT %(examples)s
+            """,
+            params,
+        )
+        return lost, tuple(MessageRef(message_id=str(r[0]), outbox_id=r[1], topic=r[2], key=r[3]) for r in rows)
+
+    def _duplicates(self, in_range: sql.Composable, params: Mapping[str, Any]) -> tuple[Any, ...]:
+        """(extra copies, messages with copies, the key with most copies, its copies) among the records in range."""
+        return self._rows(
+            """
+            WITH copies AS (
+                SELECT c.message_id, min(c.key) AS key, count(*) - 1 AS extra
+                FROM {consumed} c WHERE c.message_id IS NOT NULL AND ({in_range})
+                GROUP BY c.message_id HAVING count(*) > 1
+            ), per_key AS (
+                SELECT key, sum(extra) AS extra FROM copies GROUP BY key ORDER BY sum(extra) DESC, key LIMIT 1
+            )
+            SELECT (SELECT coalesce(sum(extra), 0) FROM copies), (SELECT count(*) FROM copies),
+                   (SELECT key FROM per_key), (SELECT coalesce(sum(extra), 0) FROM per_key)
+            """,
+            params,
+            in_range=in_range,
+        )[0]
+
+    def _latency(self, in_range: sql.Composable, params: Mapping[str, Any]) -> Latency | None:
+        """Commit -> broker latency of each message's first copy (its created_at header to its broker timestamp)."""
+        lat = self._rows(
+            """
+            SELECT count(*), percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY ms), max(ms)
+            FROM (
+                SELECT min(c.broker_ms) - extract(epoch FROM min(c.created_at))::float8 * 1000 AS ms
+                FROM {consumed} c
+                WHERE c.message_id IS NOT NULL AND c.broker_ms IS NOT NULL AND c.created_at IS NOT NULL
+                  AND ({in_range})
+                GROUP BY c.message_id
+            ) x
+            """,
+            params,
+            in_range=in_range,
+        )[0]
+        if not lat[0]:
+            return None
+        return Latency(int(lat[0]), round(lat[1][0], 3), round(lat[1][1], 3), round(lat[1][2], 3), round(lat[2], 3))
 
     def _phantoms(self, in_range: sql.Composable, params: Mapping[str, Any]) -> tuple[int, tuple[MessageRef, ...]]:
         """Records committed nowhere in PostgreSQL: not in the ledger, nor in the outbox table as it is now
@@ -268,3 +245,31 @@ class Workspace(Ledger):
         checked, violations, topic, partition, key, prev_offset, prev_id, offset, oid, bad = rows[0]
         example = OrderViolation(topic, partition, key, prev_offset, prev_id, offset, oid) if bad else None
         return int(checked), int(violations), example
+
+
+def _notes(report: VerifyReport, since: dt.datetime | None, id_from: int | None, from_offsets: bool) -> tuple[str, ...]:
+    """What a reader needs to read the figures right: what was left out of them, and what may show as lost."""
+    notes: list[str] = []
+    if not report.complete:
+        notes.append(
+            "stopped at --max-seconds before every partition was idle: messages still arriving may show as lost"
+        )
+    if since is not None or id_from is not None:
+        notes.append(
+            f"ledger restricted to {range_text(since, id_from)}: records outside it "
+            f"(by their created_at / outbox_id headers) are ignored, not phantom"
+        )
+    if from_offsets:
+        notes.append("consumed from given offsets: ledger messages published before them count as lost")
+    if report.ledger == "table" and report.ledger_messages == 0 and report.phantom:
+        notes.append(
+            "the outbox table holds no rows for these topics: in delete mode relayed rows are gone, "
+            "give the ledger with --ledger-file"
+        )
+    if report.ordered is not None:
+        notes.append(
+            "order: each message's first copy per key and Kafka partition, against "
+            + ("(transaction_id, id)" if report.ordered == "partitioned" else "outbox id")
+            + "; keyless and dead-lettered messages are not checked"
+        )
+    return tuple(notes)

@@ -88,80 +88,114 @@ def consume_topics(
 ) -> Consumed:
     """Read every partition of ``topics`` into the workspace until each is idle past its start watermark."""
     try:
-        try:
-            metadata = consumer.list_topics(timeout=15)
-        except KafkaException as exc:
-            raise OutboxError(f"cannot read Kafka metadata: {redact_kafka_error(exc, {})}") from None
-        assignment: list[TopicPartition] = []
-        for topic in topics:
-            info = metadata.topics.get(topic)
-            if info is None or info.error is not None or not info.partitions:
-                reason = info.error.str() if info is not None and info.error is not None else "no such topic"
-                raise OutboxError(f"topic {topic!r} cannot be read: {reason}")
-            assignment += [TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(info.partitions)]
-        known = {(tp.topic, tp.partition) for tp in assignment}
-        for topic, partition in starts:
-            if (topic, partition) not in known:
-                raise OutboxError(f"--from {topic}:{partition}: the topic has no partition {partition}")
-        # What "caught up" means at the start; records keep arriving after it until the topics are idle.
-        remaining: dict[tuple[str, int], int] = {}
-        for tp in assignment:
-            try:
-                low, high = consumer.get_watermark_offsets(tp, timeout=15, cached=False)
-            except KafkaException as exc:
-                raise OutboxError(f"cannot read {tp.topic}/{tp.partition}: {redact_kafka_error(exc, {})}") from None
-            start = starts.get((tp.topic, tp.partition))
-            if start is not None:
-                tp.offset = start
-            if high > max(low, start or 0):
-                remaining[(tp.topic, tp.partition)] = high
+        assignment = _assignment(consumer, topics, starts)
+        remaining = _start_watermarks(consumer, assignment, starts)
         consumer.assign(assignment)
         log.info("verify: consuming %d partitions of %s", len(assignment), ", ".join(topics))
-
-        result = Consumed(partitions=len(assignment))
-        chunk: list[tuple[object, ...]] = []
-        began = last_record = time.monotonic()
-        while True:
-            messages = consumer.consume(num_messages=CHUNK_ROWS, timeout=0.5)
-            now = time.monotonic()
-            for msg in messages:
-                error = msg.error()
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        continue
-                    if error.fatal() or error.code() in (
-                        KafkaError.UNKNOWN_TOPIC_OR_PART,
-                        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-                    ):
-                        raise OutboxError(f"consuming {msg.topic()}/{msg.partition()} failed: {error.str()}")
-                    log.warning("verify: consumer error (retrying): %s", error.str())
-                    continue
-                row = _row(msg)
-                chunk.append(row)
-                topic_partition = cast("tuple[str, int]", row[1:3])
-                target = remaining.get(topic_partition)
-                if target is not None and cast(int, row[3]) + 1 >= target:
-                    del remaining[topic_partition]
-            if messages:
-                last_record = now
-            if len(chunk) >= CHUNK_ROWS:
-                work.write_consumed(chunk)
-                result.records += len(chunk)
-                chunk.clear()
-            if remaining and not messages:
-                _drop_reached(consumer, remaining)
-            if not remaining and now - last_record >= idle_s:
-                break
-            if max_s is not None and now - began >= max_s:
-                result.complete = False
-                log.warning("verify: stopped after %.0f s before every partition was idle", max_s)
-                break
-        work.write_consumed(chunk)
-        result.records += len(chunk)
-        log.debug("verify: consumed %d records in %.1f s", result.records, time.monotonic() - began)
-        return result
+        return _consume(consumer, work, remaining, idle_s, max_s, Consumed(partitions=len(assignment)))
     finally:
         consumer.close()
+
+
+def _assignment(
+    consumer: Consumer, topics: Sequence[str], starts: Mapping[tuple[str, int], int]
+) -> list[TopicPartition]:
+    """Every partition of ``topics``, from the beginning; a topic that cannot be read, or a start offset for a
+    partition it lacks, is refused."""
+    try:
+        metadata = consumer.list_topics(timeout=15)
+    except KafkaException as exc:
+        raise OutboxError(f"cannot read Kafka metadata: {redact_kafka_error(exc, {})}") from None
+    assignment: list[TopicPartition] = []
+    for topic in topics:
+        info = metadata.topics.get(topic)
+        if info is None or info.error is not None or not info.partitions:
+            reason = info.error.str() if info is not None and info.error is not None else "no such topic"
+            raise OutboxError(f"topic {topic!r} cannot be read: {reason}")
+        assignment += [TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(info.partitions)]
+    known = {(tp.topic, tp.partition) for tp in assignment}
+    for topic, partition in starts:
+        if (topic, partition) not in known:
+            raise OutboxError(f"--from {topic}:{partition}: the topic has no partition {partition}")
+    return assignment
+
+
+def _start_watermarks(
+    consumer: Consumer, assignment: list[TopicPartition], starts: Mapping[tuple[str, int], int]
+) -> dict[tuple[str, int], int]:
+    """What "caught up" means at the start: each partition with records past its start, and its high watermark
+    then (records keep arriving after it until the topics are idle). A given start offset is set on ``assignment``."""
+    remaining: dict[tuple[str, int], int] = {}
+    for tp in assignment:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=15, cached=False)
+        except KafkaException as exc:
+            raise OutboxError(f"cannot read {tp.topic}/{tp.partition}: {redact_kafka_error(exc, {})}") from None
+        start = starts.get((tp.topic, tp.partition))
+        if start is not None:
+            tp.offset = start
+        if high > max(low, start or 0):
+            remaining[(tp.topic, tp.partition)] = high
+    return remaining
+
+
+def _consume(
+    consumer: Consumer,
+    work: Ledger,
+    remaining: dict[tuple[str, int], int],
+    idle_s: float,
+    max_s: float | None,
+    result: Consumed,
+) -> Consumed:
+    """Records into the workspace a chunk at a time, until every partition passed its start watermark and none had
+    a record for ``idle_s`` (or ``max_s`` passed: then the result is not complete)."""
+    chunk: list[tuple[object, ...]] = []
+    began = last_record = time.monotonic()
+    while True:
+        messages = consumer.consume(num_messages=CHUNK_ROWS, timeout=0.5)
+        now = time.monotonic()
+        _take(messages, chunk, remaining)
+        if messages:
+            last_record = now
+        if len(chunk) >= CHUNK_ROWS:
+            work.write_consumed(chunk)
+            result.records += len(chunk)
+            chunk.clear()
+        if remaining and not messages:
+            _drop_reached(consumer, remaining)
+        if not remaining and now - last_record >= idle_s:
+            break
+        if max_s is not None and now - began >= max_s:
+            result.complete = False
+            log.warning("verify: stopped after %.0f s before every partition was idle", max_s)
+            break
+    work.write_consumed(chunk)
+    result.records += len(chunk)
+    log.debug("verify: consumed %d records in %.1f s", result.records, time.monotonic() - began)
+    return result
+
+
+def _take(messages: list[Message], chunk: list[tuple[object, ...]], remaining: dict[tuple[str, int], int]) -> None:
+    """One batch's records onto ``chunk``, each partition dropped from ``remaining`` once its start watermark is
+    reached; an error that no retry cures (fatal, a topic gone or forbidden) ends the verification."""
+    for msg in messages:
+        error = msg.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                continue
+            if error.fatal() or error.code() in (
+                KafkaError.UNKNOWN_TOPIC_OR_PART,
+                KafkaError.TOPIC_AUTHORIZATION_FAILED,
+            ):
+                raise OutboxError(f"consuming {msg.topic()}/{msg.partition()} failed: {error.str()}")
+            log.warning("verify: consumer error (retrying): %s", error.str())
+            continue
+        row = _row(msg)
+        chunk.append(row)
+        topic_partition = cast("tuple[str, int]", row[1:3])
+        target = remaining.get(topic_partition)
+        if target is not None and cast(int, row[3]) + 1 >= target:
+            del remaining[topic_partition]
 
 
 def _drop_reached(consumer: Consumer, remaining: dict[tuple[str, int], int]) -> None:

@@ -11,13 +11,14 @@ import platform
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
 
 from ... import settings
+from ...config import OutboxTable
 from ...model import WAL
 from ...store.schema import init_db
 from ..runner import Servers
@@ -129,43 +130,70 @@ def run(
     bench = LatencyBench(options, command, time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine(), why)
     m = bench.machine
     progress(f"$ {command}\n{bench.started}; {m['machine']}, {m['cores']} cores, {m['memory_gib']} GiB")
-    scenarios = options.scenarios()
-    budget_s = 2 * options.idle_seconds + len(scenarios) * (options.seconds + 60) + 300
+    budget_s = 2 * options.idle_seconds + len(options.scenarios()) * (options.seconds + 60) + 300
     with tempfile.TemporaryDirectory(prefix="bench-latency-") as scratch:
-        for n in range(options.runs):
-            for strategy in options.strategies:
-                for relay, jit in itertools.product(
-                    _relays(options, strategy, budget_s, Path(scratch)), options.server_jit or (None,)
-                ):
-                    label = f"{JIT_SUFFIX}{jit}" if jit is not None else ""
-                    if jit is not None:
-                        set_server_jit(servers.dsn, jit)
-                    progress(f"\n== round {n + 1}/{options.runs}: {strategy}, {relay.name}{label} relay")
-                    table = table_for(f"bench_latency_{uuid.uuid4().hex[:8]}", strategy)
-                    try:
-                        with psycopg.connect(servers.dsn, autocommit=True) as conn:
-                            init_db(conn, table, strategies=[strategy])  # as `init-db --strategy` makes it
-                    except BaseException:
-                        drop_outbox(servers.dsn, table)  # a wal outbox's slot too
-                        raise
-                    session = Session(
-                        servers, relay, table, strategy, n + 1, Path(scratch), options.seconds, options.observe,
-                        options.fetch_wait_ms, why, options.traced, label,
-                    )  # fmt: skip
-                    try:
-                        relay.start(dataclasses.replace(servers, dsn=dsn), table)
-                        if options.idle_seconds > 0:
-                            bench.idle.append(run_idle(session, options.idle_seconds))
-                            progress(_idle_line(bench.idle[-1]))
-                        for scenario in scenarios:
-                            bench.scenarios.append(run_scenario(session, scenario))
-                            progress(run_lines(bench.scenarios[-1]))
-                    finally:
-                        relay.stop()
-                        drop_outbox(servers.dsn, table)  # a wal outbox's slot too
+        for round_, jit in _rounds(options, budget_s, Path(scratch)):
+            if jit is not None:
+                set_server_jit(servers.dsn, jit)
+            _run_round(bench, servers, dsn, round_, Path(scratch), progress)
     if options.server_jit:
         set_server_jit(servers.dsn, None)  # back to the server's own configuration
     return bench
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One relay's turn in one round: which round, which strategy, which relay, and its label (the server's jit)."""
+
+    number: int
+    strategy: str
+    relay: RelayUnderTest
+    label: str
+
+
+def _rounds(options: LatencyOptions, budget_s: float, scratch: Path) -> Iterator[tuple[_Round, str | None]]:
+    """Every relay's turn, interleaved: rounds x strategies x relays x the server's jit values (None: left as is)."""
+    for n in range(options.runs):
+        for strategy in options.strategies:
+            relays = _relays(options, strategy, budget_s, scratch)
+            for relay, jit in itertools.product(relays, options.server_jit or (None,)):
+                yield _Round(n + 1, strategy, relay, f"{JIT_SUFFIX}{jit}" if jit is not None else ""), jit
+
+
+def _run_round(
+    bench: LatencyBench, servers: Servers, dsn: str, round_: _Round, scratch: Path, progress: Callable[[str], None]
+) -> None:
+    """A fresh outbox and relay for this turn, its idle windows and then every scenario; the outbox dropped after."""
+    options, relay = bench.options, round_.relay
+    progress(f"\n== round {round_.number}/{options.runs}: {round_.strategy}, {relay.name}{round_.label} relay")
+    table = _fresh_outbox(servers.dsn, round_.strategy)
+    session = Session(
+        servers, relay, table, round_.strategy, round_.number, scratch, options.seconds, options.observe,
+        options.fetch_wait_ms, bench.statements_note, options.traced, round_.label,
+    )  # fmt: skip
+    try:
+        relay.start(dataclasses.replace(servers, dsn=dsn), table)
+        if options.idle_seconds > 0:
+            bench.idle.append(run_idle(session, options.idle_seconds))
+            progress(_idle_line(bench.idle[-1]))
+        for scenario in options.scenarios():
+            bench.scenarios.append(run_scenario(session, scenario))
+            progress(run_lines(bench.scenarios[-1]))
+    finally:
+        relay.stop()
+        drop_outbox(servers.dsn, table)  # a wal outbox's slot too
+
+
+def _fresh_outbox(dsn: str, strategy: str) -> OutboxTable:
+    """A new outbox for one turn, as `init-db --strategy` makes it (dropped again, slot and all, if that fails)."""
+    table = table_for(f"bench_latency_{uuid.uuid4().hex[:8]}", strategy)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            init_db(conn, table, strategies=[strategy])
+    except BaseException:
+        drop_outbox(dsn, table)  # a wal outbox's slot too
+        raise
+    return table
 
 
 def _ms(value: float | None) -> str:

@@ -23,7 +23,7 @@ from ..runner import Servers
 from ..wal_outbox import wait_confirmed
 from . import observer as observing
 from . import traffic
-from .gauges import CpuReading, read_cpu, relay_sessions, relay_statements, reset_statements
+from .gauges import CpuReading, Statements, read_cpu, relay_sessions, relay_statements, reset_statements
 from .open_transaction import transaction_held_open
 from .relays import RelayCounters, RelayUnderTest
 from .scenarios import WARMUP_S, IdleResult, Scenario, ScenarioResult, class_latency, percentile, writer_plans
@@ -107,14 +107,38 @@ def _wait_published(session: Session, topic: str, before: RelayCounters | None, 
         time.sleep(0.2)
 
 
+@dataclass(frozen=True)
+class _Window:
+    """The measured window's two ends: CPU and the relay's counters at each, and what the relay ran in between."""
+
+    cpu_from: CpuReading
+    cpu_to: CpuReading
+    counted_from: RelayCounters | None
+    counted_to: RelayCounters | None
+    statements: Statements
+    runs: tuple[int, int] | None  # (launched, queued) for an orchestrated relay
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What one run measured: its window, what the writers committed, and what arrived (None: no observer)."""
+
+    t0: float
+    window: _Window
+    headers: list[traffic.WriterHeader]
+    committed: list[tuple[str, float, str]]
+    missing: int
+    arrivals: dict[str, float] | None
+    observed: observing.ObserverHeader | None
+
+
 def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
-    servers, relay, seconds = session.servers, session.relay, session.seconds
     topic = _topic(session, scenario.partitions, scenario.kind)
     streams = scenario.streams(topic)
     plans = writer_plans(
         streams,
         session.table.schema,
-        seconds,
+        session.seconds,
         session.scratch,
         serialized=session.strategy == "serialized",
         traced=session.traced,
@@ -123,17 +147,56 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
     observer = _observer(session, topic, scenario.partitions, probe=True) if session.observe else None
     watcher = observer[0] if observer else None
     writers: list[Child] = []
-    held = ExitStack()
     try:
-        env = {settings.PG_DSN.name: servers.dsn}
+        env = {settings.PG_DSN.name: session.servers.dsn}
         writers = [Child("outbox_pipeline.bench.latency.traffic", plan.to_json(), env) for plan in plans]
-        for writer in writers:
-            if writer.wait_line("ready", READY_TIMEOUT_S) is None:
-                raise RuntimeError("a bench writer did not get ready")
-        before = relay.counters()
-        t0 = time.time() + START_S
-        for writer in writers:
-            writer.say(f"go {t0!r}")
+        outcome = _drive(session, scenario, topic, writers, plans, observer)
+    finally:
+        for child in writers + ([watcher] if watcher else []):
+            child.kill()
+    return _result(session, scenario, streams, len(writers), outcome)
+
+
+def _drive(
+    session: Session,
+    scenario: Scenario,
+    topic: str,
+    writers: list[Child],
+    plans: list[traffic.WriterPlan],
+    observer: tuple[Child, observing.ObserverPlan] | None,
+) -> _Outcome:
+    """The writers started together at ``t0``, the window measured, then everything committed waited for."""
+    for writer in writers:
+        if writer.wait_line("ready", READY_TIMEOUT_S) is None:
+            raise RuntimeError("a bench writer did not get ready")
+    before = session.relay.counters()
+    t0 = time.time() + START_S
+    for writer in writers:
+        writer.say(f"go {t0!r}")
+    window = _measure(session, scenario, t0, observer[0] if observer else None)
+    for writer in writers:
+        if writer.wait_line("done", 60.0) is None:
+            raise RuntimeError("a bench writer did not finish its schedule")
+    outputs = [traffic.read_output(plan.out) for plan in plans]
+    for writer in writers:
+        writer.say("exit")
+        writer.finish(30.0)
+    committed = [row for _, rows in outputs for row in rows]
+    drain_s = max(60.0, 2 * session.seconds)
+    if observer is None:
+        missing = _wait_published(session, topic, before, len(committed), drain_s)
+        return _Outcome(t0, window, [h for h, _ in outputs], committed, missing, None, None)
+    observer[0].say(f"expect {len(committed)}")
+    observer[0].wait_line("arrived", drain_s)
+    header, arrivals = _stop_observer(*observer)
+    missing = sum(1 for mid, _, _ in committed if mid not in arrivals)
+    return _Outcome(t0, window, [h for h, _ in outputs], committed, missing, arrivals, header)
+
+
+def _measure(session: Session, scenario: Scenario, t0: float, watcher: Child | None) -> _Window:
+    """Both ends of ``[t0 + warm-up, t0 + seconds]``, with a transaction held open at its start if the scenario asks."""
+    servers, relay = session.servers, session.relay
+    with ExitStack() as held:
         sleep_until(t0 + WARMUP_S)
         if scenario.hold_open_s:
             held.enter_context(transaction_held_open(servers.dsn, session.table))
@@ -143,49 +206,32 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
         if scenario.hold_open_s:
             sleep_until(t0 + WARMUP_S + scenario.hold_open_s)
             held.close()  # the transaction ends (rolled back)
-        sleep_until(t0 + seconds)
+        sleep_until(t0 + session.seconds)
         cpu_to, counted_to = _reading(session, sessions, watcher), relay.counters()
-        statements = relay_statements(servers.dsn, why)
-        runs = relay.runs()
-        for writer in writers:
-            if writer.wait_line("done", 60.0) is None:
-                raise RuntimeError("a bench writer did not finish its schedule")
-        outputs = [traffic.read_output(plan.out) for plan in plans]
-        for writer in writers:
-            writer.say("exit")
-            writer.finish(30.0)
-        committed = [row for _, rows in outputs for row in rows]
-        drain_s = max(60.0, 2 * seconds)
-        arrivals: dict[str, float] | None = None
-        header: observing.ObserverHeader | None = None
-        missing = 0
-        if observer is not None:
-            observer[0].say(f"expect {len(committed)}")
-            observer[0].wait_line("arrived", drain_s)
-            header, arrivals = _stop_observer(*observer)
-            missing = sum(1 for mid, _, _ in committed if mid not in arrivals)
-        else:
-            missing = _wait_published(session, topic, before, len(committed), drain_s)
-    finally:
-        held.close()
-        for child in writers + ([watcher] if watcher else []):
-            child.kill()
-    cores, machine = cpu_from.cores(cpu_to)
-    window = cpu_to.at - cpu_from.at
-    headers = [h for h, _ in outputs]
+    return _Window(cpu_from, cpu_to, counted_from, counted_to, relay_statements(servers.dsn, why), relay.runs())
+
+
+def _result(
+    session: Session, scenario: Scenario, streams: list[traffic.Stream], writers: int, outcome: _Outcome
+) -> ScenarioResult:
+    """The run's figures: latency per key class, CPU per group, and the relay's work per message in the window."""
+    relay, seconds, w, headers = session.relay, session.seconds, outcome.window, outcome.headers
+    cores, machine = w.cpu_from.cores(w.cpu_to)
+    window = w.cpu_to.at - w.cpu_from.at
     cores["writers"] = sum(h.cpu_s / h.cpu_window_s for h in headers if h.cpu_window_s > 0)
     relay_cores = sum(cores[name] for name in relay.cpu_s())
-    if counted_from is not None and counted_to is not None:
-        in_window = round(counted_to.published - counted_from.published)
-        batches_per_s: float | None = (counted_to.batches - counted_from.batches) / window
+    if w.counted_from is not None and w.counted_to is not None:
+        in_window = round(w.counted_to.published - w.counted_from.published)
+        batches_per_s: float | None = (w.counted_to.batches - w.counted_from.batches) / window
     else:
-        in_window = sum(1 for _, at, _ in committed if cpu_from.at <= at < cpu_to.at)
+        in_window = sum(1 for _, at, _ in outcome.committed if w.cpu_from.at <= at < w.cpu_to.at)
         batches_per_s = None
     key_classes = {s.key_class: 0.0 for s in streams}
     for s in streams:
         key_classes[s.key_class] += s.rate
+    header, statements, runs = outcome.observed, w.statements, w.runs
     # The probes sent in the window (the observer's first fetches of a new topic are not its steady delay).
-    probes = sorted(ms for at, ms in (header.probes if header else []) if cpu_from.at <= at < cpu_to.at)
+    probes = sorted(ms for at, ms in (header.probes if header else []) if w.cpu_from.at <= at < w.cpu_to.at)
     return ScenarioResult(
         round=session.round,
         strategy=session.strategy,
@@ -196,9 +242,10 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
         rows=scenario.rows,
         seconds=seconds,
         classes=[
-            class_latency(name, rate, seconds, t0 + WARMUP_S, committed, arrivals) for name, rate in key_classes.items()
+            class_latency(name, rate, seconds, outcome.t0 + WARMUP_S, outcome.committed, outcome.arrivals)
+            for name, rate in key_classes.items()
         ],
-        missing=missing,
+        missing=outcome.missing,
         cores=cores,
         machine_cores=machine,
         relay_cores=relay_cores,
@@ -209,7 +256,7 @@ def run_scenario(session: Session, scenario: Scenario) -> ScenarioResult:
         statements_per_1000=1000 * statements.calls / in_window if statements.calls is not None and in_window else None,
         writers_late_p99_ms=max(h.late_p99_ms for h in headers),
         writers_late_max_ms=max(h.late_max_ms for h in headers),
-        writers=len(writers),
+        writers=writers,
         writers_transactions=sum(h.transactions for h in headers),
         writers_scheduled=sum(h.scheduled for h in headers),
         observer_fetches_per_s=header.fetch_requests / header.lifetime_s if header else None,
