@@ -33,7 +33,7 @@ from .baselines.naive import NAIVE_BATCH, prepare_naive_schema, run_naive
 from .baselines.talk_table import add_talk_offsets, create_talk_table, index_talk_table
 from .procstat import own_cpu_s, own_peak_rss_mb, process_cpu_s, tree_cpu_s, wait_for_client_backends_to_end
 from .statements import reset_statements, top_statements
-from .wal_outbox import WAL_BATCH, drain_wal, drop_outbox, table_for
+from .wal_outbox import WAL_BATCH, drop_outbox, table_for
 
 
 @dataclass(frozen=True)
@@ -176,10 +176,6 @@ def _drain_line(
         # All of the share at once: the broker's and librdkafka's limit, not one batch in flight.
         return produce_all(publisher, records, max(1, len(records))), None
     confirmed = _LastConfirmed()
-    if spec.strategy == WAL:
-        read_only = spec.kind == "read-only"
-        published = drain_wal(dsn, table, bootstrap, f"bench-{index}", read_only, confirmed, start_line)
-        return published, confirmed.at
     if spec.trace_headers and spec.relay_spans and spec.kind == "ours":
         _record_spans()
     relay = build_relay(

@@ -10,13 +10,9 @@ import psycopg
 from psycopg import sql
 
 from ..config import OutboxTable
-from ..model import WAL, PublishOutcome
-from ..relay.publisher import KafkaPublisher, PendingBatch
+from ..model import WAL
 from ..relay.relay_settings import RelaySettings
-from ..relay.workers import WorkerSpec, build_relay
 from ..store.wal.objects import WAL_SINCE_SERVER_VERSION, drop_slot, names_of, slot_holder
-from ..strategies.base import StrategyConfig
-from .baselines.ceilings import ConfirmingPublisher
 
 # One relay streams a slot; a second one waits for it (relay/wal/leader.py): a drain has one worker.
 WAL_WORKERS = 1
@@ -117,62 +113,3 @@ def wait_streaming(dsn: str, table: OutboxTable, timeout_s: float, alive: Callab
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no relay streamed the slot within {timeout_s:.0f} s")
             time.sleep(0.2)
-
-
-class _ObservedKafka(KafkaPublisher):
-    """Kafka's every outcome shown to ``observer`` as it comes back: the wal relay takes a publisher, not an observer,
-    and a drain ends at its last confirmation (the relay returns a moment later, once it has seen the slot's end)."""
-
-    def __init__(self, config: dict[str, object], observer: Callable[[PublishOutcome], None]) -> None:
-        super().__init__(config)
-        self._observer = observer
-
-    def finish(self, pending: PendingBatch) -> PublishOutcome:
-        outcome = super().finish(pending)
-        self._observer(outcome)
-        return outcome
-
-
-class _ObservedConfirming(ConfirmingPublisher):
-    """The read-only ceiling's instant confirmations, shown to ``observer``."""
-
-    def __init__(self, observer: Callable[[PublishOutcome], None]) -> None:
-        super().__init__()
-        self._observer = observer
-
-    def finish(self, pending: PendingBatch) -> PublishOutcome:
-        outcome = super().finish(pending)
-        self._observer(outcome)
-        return outcome
-
-
-def drain_wal(
-    dsn: str,
-    table: OutboxTable,
-    bootstrap: str,
-    worker_id: str,
-    read_only: bool,
-    observer: Callable[[PublishOutcome], None],
-    ready: Callable[[], None],
-) -> int:
-    """A bulk bench's wal worker: the relay `outbox relay --strategy wal --until-empty` runs (Kafka replaced by an
-    instant confirmation for the read-only ceiling), its producer started before ``ready`` returns (the start
-    signal); it streams until the slot is caught up with the WAL written before it started. Messages published."""
-    kafka: KafkaPublisher = (
-        _ObservedConfirming(observer) if read_only else _ObservedKafka({"bootstrap.servers": bootstrap}, observer)
-    )
-    kafka.warm_up()
-    spec = WorkerSpec(
-        dsn,
-        WAL,
-        {"bootstrap.servers": bootstrap},
-        RelaySettings(until_empty=True),
-        StrategyConfig(table=table),
-        worker_id=worker_id,
-    )
-    relay = build_relay(spec, publisher=kafka)
-    ready()
-    try:
-        return relay.run().published
-    finally:
-        kafka.close()

@@ -123,6 +123,7 @@ class WalRelay:
                     self._database_down(exc, leader)
         finally:
             leader.release()
+            self.publisher.close()  # as the table relay does: the run owns its publisher to the end
         return self.stats
 
     def _running(self, deadline: float | None) -> bool:
