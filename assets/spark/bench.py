@@ -1,5 +1,6 @@
 """The Spark bulk drain against the direct relay, interleaved in one invocation
-(`python -m outbox_pipeline.assets.spark.bench`); the engine's bench cannot import Spark. See docs/performance.md#the-spark-bulk-drain-against-the-direct-relay."""
+(`python -m outbox_pipeline.assets.spark.bench`); the engine's bench cannot import Spark.
+See docs/performance.md#the-spark-bulk-drain-against-the-direct-relay."""
 
 from __future__ import annotations
 
