@@ -2,11 +2,10 @@
 spark/. Names resolve on first use (PEP 562): a Spark executor importing ``outbox_pipeline.assets.spark.datasource``
 does not import Dagster. Each module: docs/architecture.md#assets-and-resources."""
 
-import importlib
 from typing import Any
 
-# Names resolve on first use (PEP 562): Spark executors import ``assets.spark.datasource`` and must not pay for
-# importing Dagster and every asset with it.
+from outbox_pipeline.lazy_exports import lazy_exports
+
 _EXPORTS = {
     "outbox_backlog": ".backlog",
     "outbox_lag_slo": ".backlog",
@@ -17,7 +16,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+_resolve = lazy_exports(__name__, _EXPORTS)
+
+
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    return _resolve(name)

@@ -1,8 +1,9 @@
 """`outbox bench`: what the relay, the writers and the bulk drain cost, measured against baselines in the same
 invocation (docs/performance.md). Each module: docs/architecture.md#commands."""
 
-import importlib
 from typing import Any
+
+from ..lazy_exports import lazy_exports
 
 # Names resolve on first use (PEP 562): the latency bench's writers and observer are modules of this package run with
 # `python -m` in processes of their own, which must not import the rest of the bench (nor their own module twice).
@@ -21,7 +22,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+_resolve = lazy_exports(__name__, _EXPORTS)
+
+
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    return _resolve(name)

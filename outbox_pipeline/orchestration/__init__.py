@@ -1,8 +1,9 @@
 """Dagster's sensors, jobs and schedules that operate the engine; no SQL or Kafka logic lives here. Each module:
 docs/architecture.md#dagster."""
 
-import importlib
 from typing import Any
+
+from ..lazy_exports import lazy_exports
 
 # Names resolve on first use (PEP 562): assets/ imports partitions.py, and jobs.py imports assets/, so importing every
 # module here would be an import cycle.
@@ -27,7 +28,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+_resolve = lazy_exports(__name__, _EXPORTS)
+
+
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    return _resolve(name)
