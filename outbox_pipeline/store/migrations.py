@@ -90,9 +90,16 @@ def _create_quarantine_tables(conn: psycopg.Connection, t: OutboxTable) -> None:
 
 
 def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
+    """Migration 1: the message table and its partitions' default, the offsets, the dead letters and the topics."""
+    for statement in [*_messages_table(conn, t), *_offsets_table(t), *_dead_letters_table(t), *_topics_table(t)]:
+        conn.execute(statement)
+
+
+def _messages_table(conn: psycopg.Connection, t: OutboxTable) -> list[sql.Composed]:
+    """The partitioned message table, its id sequence, its default partition and the strategies' indexes."""
     seq = t.ident("outbox_messages_id_seq")
     seq_regclass = sql.Literal(seq.as_string(conn))
-    statements: list[sql.Composed] = [
+    return [
         # A plain sequence instead of an identity column: identity columns on partitioned tables need
         # PostgreSQL 17, and production may run anything from 13 on.
         sql.SQL("CREATE SEQUENCE {seq} AS bigint").format(seq=seq),
@@ -138,6 +145,12 @@ def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
         ),
         # Serialized writers (seed variant 4): read past an id position.
         sql.SQL("CREATE INDEX outbox_messages_serial ON {messages} (topic, partition, id)").format(messages=t.messages),
+    ]
+
+
+def _offsets_table(t: OutboxTable) -> list[sql.Composed]:
+    """The position strategies' offsets: one row per (topic, virtual partition)."""
+    return [
         sql.SQL(
             """
             CREATE TABLE {offsets} (
@@ -155,6 +168,12 @@ def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
             """
         ).format(offsets=t.offsets),
         sql.SQL("CREATE INDEX outbox_offsets_available ON {offsets} (available_after)").format(offsets=t.offsets),
+    ]
+
+
+def _dead_letters_table(t: OutboxTable) -> list[sql.Composed]:
+    """The dead letters: a copy of each message the relay gave up on, with why."""
+    return [
         sql.SQL(
             """
             CREATE TABLE {dead_letters} (
@@ -171,6 +190,12 @@ def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
             )
             """
         ).format(dead_letters=t.dead_letters, body=sql.SQL(MESSAGE_BODY_COLUMNS.strip())),
+    ]
+
+
+def _topics_table(t: OutboxTable) -> list[sql.Composed]:
+    """Each topic's count of virtual partitions, and the default row for topics not listed."""
+    return [
         sql.SQL(
             """
             CREATE TABLE {topics} (
@@ -189,8 +214,6 @@ def _m001_base(conn: psycopg.Connection, t: OutboxTable) -> None:
             topics=t.topics, row=sql.Literal(DEFAULT_TOPIC_ROW), n=sql.Literal(DEFAULT_VIRTUAL_PARTITIONS)
         ),
     ]
-    for statement in statements:
-        conn.execute(statement)
 
 
 def notify_channel(table: OutboxTable) -> str:
